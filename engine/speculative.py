@@ -1,0 +1,258 @@
+"""The decoding loop: draft a token tree level by level, verify it in one target forward, commit.
+
+The engine knows nothing of text: it takes and returns token ids. ``tree=None`` (or a root-only
+tree) is plain autoregressive decoding of the target through the same code path.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from .errors import ContextOverflowError, InvalidParameterError, VocabularyMismatchError
+from .kv_cache import cache_length, compact
+from .records import GenerationResult, StepRecord, StepTimings
+from .sampling import logits_to_probs
+from .tree import Tree
+from .verify import verify_greedy
+
+ROOT_ONLY = Tree.chain(0)
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    """Validated generation parameters."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    tree: Tree
+    seed: int
+    stop_token_ids: frozenset[int]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SpeculativeEngine:
+    """Tree speculative decoding for a target/draft pair of HF causal LMs sharing a vocabulary."""
+
+    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None = None,
+                 stop_token_ids: list[int] | None = None) -> None:
+        self.target = target.eval()
+        self.draft = draft.eval() if draft is not None else None
+        self.vocab_size = _output_vocab(target)
+        if draft is not None and _output_vocab(draft) != self.vocab_size:
+            raise VocabularyMismatchError(
+                f"the draft predicts {_output_vocab(draft)} tokens but the target {self.vocab_size}: "
+                f"choose a draft from the same model family as the target")
+        self.stop_token_ids = frozenset(stop_token_ids if stop_token_ids is not None else _default_stop_ids(target))
+        self.max_context = int(getattr(target.config, "max_position_embeddings", 0) or 0)
+        self.device = next(target.parameters()).device
+
+    # ----- public API ---------------------------------------------------------------------
+    def generate(self, input_ids: list[int], **kwargs) -> GenerationResult:
+        """Decode up to ``max_new_tokens`` tokens; see :meth:`stream` for the arguments."""
+        steps, tokens, prefill_s = [], [], 0.0
+        stream = self.stream(input_ids, **kwargs)
+        for step in stream:
+            steps.append(step)
+            tokens.extend(step.committed)
+            prefill_s = self.last_prefill_s
+        return GenerationResult(tokens=tokens, steps=steps, prompt_tokens=len(input_ids),
+                                prefill_s=prefill_s, finish_reason=steps[-1].finish_reason or "length")
+
+    def stream(self, input_ids: list[int], max_new_tokens: int = 64, temperature: float = 0.0,
+               top_p: float = 1.0, tree: Tree | None = None, seed: int = 0,
+               stop_token_ids: list[int] | None = None) -> Iterator[StepRecord]:
+        """Yield one :class:`StepRecord` per draft/verify step until a stop token or the budget.
+
+        ``input_ids``: the prompt (non-empty list of token ids). ``tree=None`` decodes with the
+        target alone. ``temperature == 0`` is greedy and token-identical to the target's own
+        greedy decoding.
+        """
+        params = self._validate(input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids)
+        if params.tree.depth > 0 and self.draft is None:
+            raise InvalidParameterError("a tree with draft tokens needs a draft model: pass draft= or use tree=None")
+        state = _DecodeState(self, list(input_ids), params)
+        self.last_prefill_s = state.prefill()
+        while not state.finished:
+            yield state.step()
+
+    # ----- validation -----------------------------------------------------------------------
+    def _validate(self, input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids) -> DecodeParams:
+        if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
+            raise InvalidParameterError("input_ids must be a non-empty list of token ids (the prompt is empty)")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in input_ids):
+            raise InvalidParameterError(f"input_ids must be integers in [0, {self.vocab_size})")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InvalidParameterError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+            raise InvalidParameterError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise InvalidParameterError(f"top_p must be in (0, 1], got {top_p!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise InvalidParameterError(f"seed must be an integer, got {seed!r}")
+        if temperature > 0:
+            raise InvalidParameterError("sampling (temperature > 0) is not available yet: use temperature=0")
+        tree = tree if tree is not None else ROOT_ONLY
+        if not isinstance(tree, Tree):
+            raise InvalidParameterError(f"tree must be an engine.Tree or None, got {type(tree).__name__}")
+        needed = len(input_ids) + max_new_tokens + tree.size
+        if self.max_context and needed > self.max_context:
+            raise ContextOverflowError(
+                f"prompt ({len(input_ids)} tokens) + max_new_tokens ({max_new_tokens}) + tree ({tree.size}) "
+                f"exceeds the target's context of {self.max_context} tokens: shorten the prompt or lower max_new_tokens")
+        stops = frozenset(stop_token_ids) if stop_token_ids is not None else self.stop_token_ids
+        return DecodeParams(max_new_tokens, float(temperature), float(top_p), tree, seed, stops)
+
+
+class _DecodeState:
+    """Caches and committed tokens of one generation.
+
+    Invariants between steps: the target cache holds ``seq[:-1]`` (the root ``seq[-1]`` is fed
+    in the next verification); the draft cache holds ``seq[:draft_len]`` and catches up on the
+    rest in the next step's first draft forward.
+    """
+
+    def __init__(self, engine: SpeculativeEngine, prompt: list[int], params: DecodeParams) -> None:
+        self.engine, self.params = engine, params
+        self.seq = prompt
+        self.prompt_len = len(prompt)
+        self.target_cache = DynamicCache(config=engine.target.config)
+        self.draft_cache = DynamicCache(config=engine.draft.config) if engine.draft is not None else None
+        self.draft_len = 0
+        self.steps = 0
+        self.finished = False
+
+    @property
+    def generated(self) -> int:
+        return len(self.seq) - self.prompt_len
+
+    def prefill(self) -> float:
+        """Run the prompt minus its last token through the target; returns seconds."""
+        start = time.perf_counter()
+        if len(self.seq) > 1:
+            with torch.inference_mode():
+                _forward(self.engine.target, self.target_cache, self.seq[:-1], start=0, logits_to_keep=1)
+        return time.perf_counter() - start
+
+    def step(self) -> StepRecord:
+        timings = StepTimings()
+        tree = self.params.tree
+        prefix = len(self.seq) - 1  # position of the root
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            tokens, draft_probs = self._draft_tree(tree)
+            t1 = time.perf_counter()
+            target_logits = _forward(self.engine.target, self.target_cache, tokens, start=prefix,
+                                     mask=tree.attention_mask(prefix), positions=tree.position_ids(prefix))
+            t2 = time.perf_counter()
+            accepted, bonus = verify_greedy(tree, tokens, target_logits.argmax(dim=-1))
+            target_probs = _child_probs(tree, tokens, logits_to_probs(target_logits))
+            self._compact(tree, prefix, accepted)
+            committed = self._commit([tokens[a] for a in accepted[1:]] + [bonus])
+            t3 = time.perf_counter()
+        timings.draft_s, timings.verify_s, timings.bookkeeping_s = t1 - t0, t2 - t1, t3 - t2
+        record = StepRecord(index=self.steps, tokens=tokens, parents=list(tree.parents), ranks=list(tree.ranks),
+                            draft_probs=draft_probs, target_probs=target_probs, accepted=accepted,
+                            committed=committed, timings=timings, finish_reason=self.finish_reason)
+        self.steps += 1
+        return record
+
+    # ----- drafting -----------------------------------------------------------------------
+    def _draft_tree(self, tree: Tree) -> tuple[list[int], list[float]]:
+        """Expand the tree level by level with the draft; returns node tokens and q(token | parent)."""
+        tokens, probs = [self.seq[-1]], [1.0]
+        if tree.depth == 0:
+            return tokens, probs
+        draft, cache = self.engine.draft, self.draft_cache
+        # Catch-up: committed tokens the draft has not seen yet, the root last.
+        level_logits = _forward(draft, cache, self.seq[self.draft_len:], start=self.draft_len, logits_to_keep=1)
+        self.draft_len = len(self.seq)
+        for level in range(1, tree.depth + 1):
+            parents = tree.level_slices[level - 1]
+            level_probs = logits_to_probs(level_logits)
+            widest = max(len(tree.children[p]) for p in range(parents.start, parents.stop))
+            choices = torch.topk(level_logits, max(widest, 1), dim=-1).indices.tolist()
+            for node in range(tree.level_slices[level].start, tree.level_slices[level].stop):
+                row = tree.parents[node] - parents.start
+                token = choices[row][tree.ranks[node] - 1]
+                tokens.append(token)
+                probs.append(float(level_probs[row, token]))
+            if level < tree.depth:
+                nodes = tree.level_slices[level]
+                level_logits = _forward(draft, cache, tokens[nodes], start=len(self.seq),
+                                        mask=tree.attention_mask(len(self.seq), nodes=nodes,
+                                                                 columns=slice(1, nodes.stop)),
+                                        positions=tree.position_ids(len(self.seq) - 1, nodes=nodes))
+        return tokens, probs
+
+    # ----- bookkeeping --------------------------------------------------------------------
+    def _compact(self, tree: Tree, prefix: int, accepted: list[int]) -> None:
+        """Keep prefix + accepted path in the target cache, and the accepted nodes the draft saw."""
+        compact(self.target_cache, prefix, accepted)
+        if tree.depth > 0:
+            seen_by_draft = [a - 1 for a in accepted[1:] if tree.depths[a] < tree.depth]
+            compact(self.draft_cache, prefix + 1, seen_by_draft)
+            self.draft_len = prefix + 1 + len(seen_by_draft)
+
+    def _commit(self, candidates: list[int]) -> list[int]:
+        """Append tokens up to the first stop token or the budget; sets ``finish_reason``."""
+        committed = []
+        self.finish_reason = None
+        for token in candidates:
+            committed.append(token)
+            if token in self.params.stop_token_ids:
+                self.finish_reason = "stop"
+                break
+            if self.generated + len(committed) >= self.params.max_new_tokens:
+                self.finish_reason = "length"
+                break
+        self.seq = self.seq + committed
+        self.finished = self.finish_reason is not None
+        return committed
+
+
+def _forward(model, cache, token_ids: list[int], start: int, mask: torch.Tensor | None = None,
+             positions: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+    """One forward of ``token_ids`` after ``start`` cached positions; float32 logits ``[q, V]``.
+
+    Without ``mask`` the tokens are a causal chunk at positions ``start..start+q-1``; with it,
+    ``mask [1, 1, q, cache_len + q]`` and ``positions [1, q]`` describe tree attention.
+    """
+    device = next(model.parameters()).device
+    ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+    if positions is None:
+        positions = torch.arange(start, start + len(token_ids))[None]
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, position_ids=positions.to(device),
+                attention_mask=None if mask is None else mask.to(device=device, dtype=model.dtype),
+                logits_to_keep=logits_to_keep)
+    return out.logits[0].float()
+
+
+def _child_probs(tree: Tree, tokens: list[int], parent_probs: torch.Tensor) -> list[float]:
+    """``parent_probs[parent(i), tokens[i]]`` for every node; 1.0 for the root."""
+    if tree.size == 1:
+        return [1.0]
+    parents = torch.tensor(tree.parents[1:])
+    children = torch.tensor(tokens[1:])
+    return [1.0] + parent_probs[parents, children].tolist()
+
+
+def _output_vocab(model: torch.nn.Module) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def _default_stop_ids(model: torch.nn.Module) -> list[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
