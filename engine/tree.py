@@ -11,6 +11,8 @@ from functools import cached_property
 
 import torch
 
+from . import dp
+from .dp import expected_tokens_table  # noqa: F401  (public: engine.tree.expected_tokens_table)
 from .errors import InvalidTreeError
 
 
@@ -86,6 +88,22 @@ class Tree:
         order = sorted(range(len(parents)), key=lambda i: depth[i])
         new_index = {old: new for new, old in enumerate(order)}
         return cls(tuple(-1 if old == 0 else new_index[parents[old]] for old in order))
+
+    @classmethod
+    def optimal(cls, acceptance, size: int, depth: int) -> "Tree":
+        """Sequoia's tree: exactly ``size`` nodes, depth <= ``depth``, maximising expected tokens/step
+        under the positional acceptance vector ``[p_1, ..., p_K]`` (no node gets more than K children)."""
+        _check_count("size", size, minimum=1)
+        _check_count("depth", depth, minimum=0)
+        try:
+            table = dp.solve(acceptance, size, depth)
+            return cls.from_parents(dp.optimal_parents(table, size, depth))
+        except ValueError as exc:
+            raise InvalidTreeError(str(exc)) from None
+
+    def expected_tokens(self, acceptance) -> float:
+        """F(tree): expected tokens per step (bonus included) under positional acceptance."""
+        return dp.expected_tokens(self.parents, self.ranks, acceptance)
 
     # ----- topology -----------------------------------------------------------------------
     @property
