@@ -41,3 +41,18 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
 def top_children(logits: torch.Tensor, count: int) -> torch.Tensor:
     """The ``count`` most likely tokens of ``logits [V]``, best first (greedy drafting)."""
     return torch.topk(logits, count, dim=-1).indices
+
+
+def sample_children(q: torch.Tensor, count: int, without_replacement: bool,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    """``count`` tokens drawn from ``q [V]``: distinct (Sequoia) or i.i.d. (SpecInfer).
+
+    Without replacement uses the exponential race: the top-``count`` of ``q / E`` with E ~ Exp(1)
+    is an ordered sample without replacement (the first is a plain sample from q, the second a
+    sample from q with the first removed, ...). Never more children than q has support.
+    """
+    if without_replacement:
+        count = min(count, int((q > 0).sum()))
+        noise = torch.empty_like(q).exponential_(1, generator=generator)
+        return torch.topk(q / noise, count).indices
+    return torch.multinomial(q, count, replacement=True, generator=generator)

@@ -16,11 +16,12 @@ from transformers import DynamicCache
 from .errors import ContextOverflowError, InvalidParameterError, VocabularyMismatchError
 from .kv_cache import cache_length, compact
 from .records import GenerationResult, StepRecord, StepTimings
-from .sampling import logits_to_probs
+from .sampling import logits_to_probs, sample_children
 from .tree import Tree
-from .verify import verify_greedy
+from .verify import verify_greedy, verify_stochastic, verify_topk
 
 ROOT_ONLY = Tree.chain(0)
+METHODS = ("sequoia", "specinfer", "chain", "topk", "autoregressive")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class DecodeParams:
     tree: Tree
     seed: int
     stop_token_ids: frozenset[int]
+    method: str = "sequoia"
 
     @property
     def greedy(self) -> bool:
@@ -69,14 +71,21 @@ class SpeculativeEngine:
 
     def stream(self, input_ids: list[int], max_new_tokens: int = 64, temperature: float = 0.0,
                top_p: float = 1.0, tree: Tree | None = None, seed: int = 0,
-               stop_token_ids: list[int] | None = None) -> Iterator[StepRecord]:
+               stop_token_ids: list[int] | None = None, method: str = "sequoia") -> Iterator[StepRecord]:
         """Yield one :class:`StepRecord` per draft/verify step until a stop token or the budget.
 
         ``input_ids``: the prompt (non-empty list of token ids). ``tree=None`` decodes with the
         target alone. ``temperature == 0`` is greedy and token-identical to the target's own
-        greedy decoding.
+        greedy decoding; ``temperature > 0`` samples exactly from the target's distribution
+        (after temperature and top-p) with the verifier of ``method``:
+
+        - ``sequoia``: children drawn without replacement, residual verification with q renormalised;
+        - ``specinfer``: children drawn i.i.d. (with replacement), q never renormalised;
+        - ``chain``: classic speculative sampling (the tree must be a chain);
+        - ``topk``: children are the draft's top-k, the target samples and matches;
+        - ``autoregressive``: the target alone (the tree is ignored).
         """
-        params = self._validate(input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids)
+        params = self._validate(input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids, method)
         if params.tree.depth > 0 and self.draft is None:
             raise InvalidParameterError("a tree with draft tokens needs a draft model: pass draft= or use tree=None")
         state = _DecodeState(self, list(input_ids), params)
@@ -85,7 +94,8 @@ class SpeculativeEngine:
             yield state.step()
 
     # ----- validation -----------------------------------------------------------------------
-    def _validate(self, input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids) -> DecodeParams:
+    def _validate(self, input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids,
+                  method: str = "sequoia") -> DecodeParams:
         if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
             raise InvalidParameterError("input_ids must be a non-empty list of token ids (the prompt is empty)")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in input_ids):
@@ -98,18 +108,20 @@ class SpeculativeEngine:
             raise InvalidParameterError(f"top_p must be in (0, 1], got {top_p!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise InvalidParameterError(f"seed must be an integer, got {seed!r}")
-        if temperature > 0:
-            raise InvalidParameterError("sampling (temperature > 0) is not available yet: use temperature=0")
-        tree = tree if tree is not None else ROOT_ONLY
+        if method not in METHODS:
+            raise InvalidParameterError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        tree = tree if tree is not None and method != "autoregressive" else ROOT_ONLY
         if not isinstance(tree, Tree):
             raise InvalidParameterError(f"tree must be an engine.Tree or None, got {type(tree).__name__}")
+        if method == "chain" and tree.size != tree.depth + 1:
+            raise InvalidParameterError("method 'chain' needs a chain tree: use Tree.chain(depth)")
         needed = len(input_ids) + max_new_tokens + tree.size
         if self.max_context and needed > self.max_context:
             raise ContextOverflowError(
                 f"prompt ({len(input_ids)} tokens) + max_new_tokens ({max_new_tokens}) + tree ({tree.size}) "
                 f"exceeds the target's context of {self.max_context} tokens: shorten the prompt or lower max_new_tokens")
         stops = frozenset(stop_token_ids) if stop_token_ids is not None else self.stop_token_ids
-        return DecodeParams(max_new_tokens, float(temperature), float(top_p), tree, seed, stops)
+        return DecodeParams(max_new_tokens, float(temperature), float(top_p), tree, seed, stops, method)
 
 
 class _DecodeState:
@@ -128,6 +140,7 @@ class _DecodeState:
         self.draft_cache = DynamicCache(config=engine.draft.config) if engine.draft is not None else None
         self.draft_len = 0
         self.steps = 0
+        self.generator = torch.Generator().manual_seed(params.seed)
         self.finished = False
 
     @property
@@ -148,13 +161,14 @@ class _DecodeState:
         prefix = len(self.seq) - 1  # position of the root
         with torch.inference_mode():
             t0 = time.perf_counter()
-            tokens, draft_probs = self._draft_tree(tree)
+            tokens, draft_probs, draft_dists = self._draft_tree(tree)
             t1 = time.perf_counter()
             target_logits = _forward(self.engine.target, self.target_cache, tokens, start=prefix,
                                      mask=tree.attention_mask(prefix), positions=tree.position_ids(prefix))
             t2 = time.perf_counter()
-            accepted, bonus = verify_greedy(tree, tokens, target_logits.argmax(dim=-1))
-            target_probs = _child_probs(tree, tokens, logits_to_probs(target_logits))
+            target_dists = logits_to_probs(target_logits, self.params.temperature, self.params.top_p)
+            accepted, bonus = self._verify(tree, tokens, target_logits, target_dists, draft_dists)
+            target_probs = _child_probs(tree, tokens, target_dists)
             self._compact(tree, prefix, accepted)
             committed = self._commit([tokens[a] for a in accepted[1:]] + [bonus])
             t3 = time.perf_counter()
@@ -166,32 +180,59 @@ class _DecodeState:
         return record
 
     # ----- drafting -----------------------------------------------------------------------
-    def _draft_tree(self, tree: Tree) -> tuple[list[int], list[float]]:
-        """Expand the tree level by level with the draft; returns node tokens and q(token | parent)."""
-        tokens, probs = [self.seq[-1]], [1.0]
+    def _draft_tree(self, tree: Tree) -> tuple[list[int], list[float], dict[int, torch.Tensor]]:
+        """Expand the tree level by level with the draft.
+
+        Returns node tokens, q(token | parent) per node, and the draft distribution ``[V]`` each
+        node's children were drawn from (nodes with children only).
+        """
+        tokens, probs, dists = [self.seq[-1]], [1.0], {}
         if tree.depth == 0:
-            return tokens, probs
+            return tokens, probs, dists
         draft, cache = self.engine.draft, self.draft_cache
         # Catch-up: committed tokens the draft has not seen yet, the root last.
         level_logits = _forward(draft, cache, self.seq[self.draft_len:], start=self.draft_len, logits_to_keep=1)
         self.draft_len = len(self.seq)
         for level in range(1, tree.depth + 1):
             parents = tree.level_slices[level - 1]
-            level_probs = logits_to_probs(level_logits)
-            widest = max(len(tree.children[p]) for p in range(parents.start, parents.stop))
-            choices = torch.topk(level_logits, max(widest, 1), dim=-1).indices.tolist()
+            level_probs = logits_to_probs(level_logits, self.params.temperature, self.params.top_p)
+            choices = {}
+            for row, parent in enumerate(range(parents.start, parents.stop)):
+                if tree.children[parent]:
+                    dists[parent] = level_probs[row]
+                    choices[parent] = self._choose_children(level_probs[row], len(tree.children[parent]))
             for node in range(tree.level_slices[level].start, tree.level_slices[level].stop):
-                row = tree.parents[node] - parents.start
-                token = choices[row][tree.ranks[node] - 1]
+                parent_choices = choices[tree.parents[node]]
+                rank = tree.ranks[node]
+                # Sampling without replacement can run out of support: surplus nodes repeat the
+                # last token and are never accepted (q of a drawn token is then 0 after removal).
+                token = parent_choices[min(rank, len(parent_choices)) - 1]
                 tokens.append(token)
-                probs.append(float(level_probs[row, token]))
+                probs.append(float(dists[tree.parents[node]][token]))
             if level < tree.depth:
                 nodes = tree.level_slices[level]
                 level_logits = _forward(draft, cache, tokens[nodes], start=len(self.seq),
                                         mask=tree.attention_mask(len(self.seq), nodes=nodes,
                                                                  columns=slice(1, nodes.stop)),
                                         positions=tree.position_ids(len(self.seq) - 1, nodes=nodes))
-        return tokens, probs
+        return tokens, probs, dists
+
+    def _choose_children(self, q: torch.Tensor, count: int) -> list[int]:
+        """Tokens for ``count`` children drawn from the draft distribution ``q [V]``, in rank order."""
+        method = self.params.method
+        if self.params.greedy or method == "topk":
+            return torch.topk(q, count).indices.tolist()
+        return sample_children(q, count, without_replacement=method != "specinfer",
+                               generator=self.generator).tolist()
+
+    def _verify(self, tree: Tree, tokens: list[int], target_logits: torch.Tensor, target_dists: torch.Tensor,
+                draft_dists: dict[int, torch.Tensor]) -> tuple[list[int], int]:
+        if self.params.greedy:
+            return verify_greedy(tree, tokens, target_logits.argmax(dim=-1))
+        if self.params.method == "topk":
+            return verify_topk(tree, tokens, target_dists, self.generator)
+        return verify_stochastic(tree, tokens, target_dists, draft_dists,
+                                 without_replacement=self.params.method != "specinfer", generator=self.generator)
 
     # ----- bookkeeping --------------------------------------------------------------------
     def _compact(self, tree: Tree, prefix: int, accepted: list[int]) -> None:

@@ -28,3 +28,64 @@ def verify_greedy(tree: Tree, tokens: list[int], target_argmax: torch.Tensor) ->
             return path, wanted
         node = match
         path.append(node)
+
+
+def verify_stochastic(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
+                      draft_probs: dict[int, torch.Tensor], without_replacement: bool,
+                      generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """Multi-draft speculative sampling over a tree; the committed tokens follow the target exactly.
+
+    ``target_probs [size, V]``: the target's distribution after each node (temperature/top-p
+    applied). ``draft_probs[node] [V]``: the draft distribution the children of ``node`` were
+    drawn from. At each node the children are tried in rank order: child x is accepted with
+    probability ``min(1, p[x] / q[x])``; on rejection ``p <- normalize(relu(p - q))`` and, when the
+    children were drawn without replacement (Sequoia), ``q[x] <- 0`` renormalised. If no child is
+    accepted (or the node is a leaf) the bonus token is sampled from the residual ``p``.
+    """
+    node, path = 0, [0]
+    while True:
+        p = target_probs[node]
+        kids = tree.children[node]
+        accepted = None
+        if kids:
+            q = draft_probs[node].clone()
+            for child in kids:
+                x = tokens[child]
+                if q[x] <= 0:  # support of q exhausted: the remaining children carry no mass
+                    break
+                u = torch.rand((), generator=generator, dtype=torch.float64).item()
+                if u * q[x].item() < p[x].item():  # u < p/q without dividing
+                    accepted = child
+                    break
+                p = _residual(p, q)
+                if without_replacement:
+                    q[x] = 0.0
+                    total = q.sum()
+                    if total <= 0:
+                        break
+                    q = q / total
+        if accepted is None:
+            bonus = int(torch.multinomial(p, 1, generator=generator).item())
+            return path, bonus
+        node = accepted
+        path.append(node)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``normalize(relu(p - q))``; if rounding leaves no mass, ``p`` itself (impossible exactly)."""
+    residual = torch.clamp(p - q, min=0.0)
+    total = residual.sum()
+    return residual / total if total > 0 else p
+
+
+def verify_topk(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
+                generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """Top-k drafting baseline: the target samples its token; accept the child that matches it."""
+    node, path = 0, [0]
+    while True:
+        x = int(torch.multinomial(target_probs[node], 1, generator=generator).item())
+        match = next((c for c in tree.children[node] if tokens[c] == x), None)
+        if match is None:
+            return path, x
+        node = match
+        path.append(node)

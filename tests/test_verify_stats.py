@@ -1,0 +1,165 @@
+"""Statistical exactness of the stochastic verifiers, driven by lookup-table "models".
+
+The target and the draft are deterministic functions from a token context to a distribution
+over a 6-token vocabulary. A small driver runs the real drafting (``sample_children``) and
+verification functions step by step until two tokens are committed; the empirical joint law of
+those two tokens is compared with the target's exact law ``p(x1) * p(x2 | x1)``.
+
+Thresholds: chi-square p-value > 1e-3 and total variation < 0.02, with 20,000 samples; cells
+with expected count < 5 are pooled for the chi-square. A wrong verifier must fail them.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from engine.sampling import logits_to_probs, sample_children
+from engine.tree import Tree
+from engine.verify import verify_stochastic, verify_topk
+
+VOCAB = 6
+SAMPLES = 20_000
+P_MIN, TV_MAX = 1e-3, 0.02
+ACCEPTANCE = [0.6, 0.2, 0.1]
+
+
+def _logits(context: tuple[int, ...], role: str, sharpness: float) -> torch.Tensor:
+    seed = int.from_bytes(hashlib.sha256(f"{role}:{context}".encode()).digest()[:4], "little")
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * sharpness
+
+
+class LookupPair:
+    """Target and draft distributions as functions of the context (the draft is a noisy target)."""
+
+    def __init__(self, temperature: float, top_p: float) -> None:
+        self.temperature, self.top_p = temperature, top_p
+        self._memo: dict[tuple, torch.Tensor] = {}
+
+    def target(self, context: tuple[int, ...]) -> torch.Tensor:
+        return self._distribution("target", context)
+
+    def draft(self, context: tuple[int, ...]) -> torch.Tensor:
+        return self._distribution("draft", context)
+
+    def _distribution(self, role: str, context: tuple[int, ...]) -> torch.Tensor:
+        key = (role, context)
+        if key not in self._memo:
+            logits = _logits(context, "target", 2.0)
+            if role == "draft":
+                logits = logits + _logits(context, "draft", 1.0)
+            self._memo[key] = logits_to_probs(logits, self.temperature, self.top_p).double()
+        return self._memo[key]
+
+    def exact_joint(self) -> np.ndarray:
+        p1 = self.target(())
+        return np.array([[p1[a] * self.target((a,))[b] for b in range(VOCAB)] for a in range(VOCAB)])
+
+
+def run_step(pair: LookupPair, tree: Tree, context: tuple[int, ...], method: str, generator, verifier=None):
+    """One draft/verify step at ``context``: returns the committed tokens."""
+    tokens = [-1]
+    paths: list[tuple[int, ...]] = [()]
+    dists = {}
+    for node in range(1, tree.size):
+        parent = tree.parents[node]
+        if parent not in dists:
+            q = pair.draft(context + paths[parent])
+            count = len(tree.children[parent])
+            if method == "topk":
+                picks = torch.topk(q, min(count, VOCAB)).indices.tolist()
+            else:
+                picks = sample_children(q, count, method != "specinfer", generator).tolist()
+            dists[parent] = (q, picks)
+        q, picks = dists[parent]
+        token = picks[min(tree.ranks[node], len(picks)) - 1]
+        tokens.append(token)
+        paths.append(paths[parent] + (token,))
+    target_probs = torch.stack([pair.target(context + path) for path in paths])
+    if verifier is not None:
+        accepted, bonus = verifier(tree, tokens, target_probs, {k: v[0] for k, v in dists.items()}, generator)
+    elif method == "topk":
+        accepted, bonus = verify_topk(tree, tokens, target_probs, generator)
+    else:
+        accepted, bonus = verify_stochastic(tree, tokens, target_probs, {k: v[0] for k, v in dists.items()},
+                                            method != "specinfer", generator)
+    return [tokens[a] for a in accepted[1:]] + [bonus]
+
+
+def empirical_joint(pair: LookupPair, tree: Tree, method: str, seed: int, verifier=None) -> np.ndarray:
+    generator = torch.Generator().manual_seed(seed)
+    counts = np.zeros((VOCAB, VOCAB))
+    for _ in range(SAMPLES):
+        out: list[int] = []
+        while len(out) < 2:
+            out += run_step(pair, tree, tuple(out), method, generator, verifier)
+        counts[out[0], out[1]] += 1
+    return counts
+
+
+def exactness_stats(counts: np.ndarray, exact: np.ndarray) -> tuple[float, float]:
+    """(chi-square p-value with cells of expected count < 5 pooled, total variation)."""
+    observed, expected = counts.ravel(), exact.ravel() * counts.sum()
+    small = expected < 5
+    if small.any():
+        observed = np.append(observed[~small], observed[small].sum())
+        expected = np.append(expected[~small], expected[small].sum())
+    keep = expected > 0
+    assert observed[~keep].sum() == 0, "tokens outside the target's support were produced"
+    p_value = chisquare(observed[keep], expected[keep] * observed.sum() / expected[keep].sum()).pvalue
+    tv = 0.5 * np.abs(counts / counts.sum() - exact).sum()
+    return float(p_value), float(tv)
+
+
+TREES = {"chain3": Tree.chain(3), "binary2": Tree.k_ary(2, 2), "dp8": Tree.optimal(ACCEPTANCE, 8, 3)}
+GRID = [(method, temperature, top_p, tree_name)
+        for i, (method, temperature, top_p) in enumerate(
+            (m, t, p) for m in ("sequoia", "specinfer", "chain", "topk") for t in (0.3, 0.7, 1.0) for p in (1.0, 0.8))
+        for tree_name in [("chain3" if method == "chain" else list(TREES)[i % 3])]]
+
+
+@pytest.mark.parametrize("method,temperature,top_p,tree_name", GRID)
+def test_output_follows_the_target_distribution(method, temperature, top_p, tree_name):
+    pair = LookupPair(temperature, top_p)
+    counts = empirical_joint(pair, TREES[tree_name], method, seed=hash((method, temperature, top_p)) % 2**31)
+    p_value, tv = exactness_stats(counts, pair.exact_joint())
+    assert p_value > P_MIN and tv < TV_MAX, f"p-value {p_value:.2e}, TV {tv:.4f}"
+
+
+def _accept_when_p_ge_q(tree, tokens, target_probs, draft_probs, generator):
+    """A plausible-looking but wrong verifier: accept a child whenever p(x) >= q(x)."""
+    node, path = 0, [0]
+    while True:
+        p = target_probs[node]
+        nxt = next((c for c in tree.children[node] if p[tokens[c]] >= draft_probs[node][tokens[c]]), None)
+        if nxt is None:
+            return path, int(torch.multinomial(p, 1, generator=generator).item())
+        node = nxt
+        path.append(node)
+
+
+def _no_residual(tree, tokens, target_probs, draft_probs, generator):
+    """Wrong: rejection sampling without the residual correction (bonus drawn from p itself)."""
+    node, path = 0, [0]
+    while True:
+        p, q = target_probs[node], draft_probs.get(node)
+        nxt = None
+        for c in tree.children[node]:
+            if torch.rand((), generator=generator).item() < min(1.0, (p[tokens[c]] / q[tokens[c]]).item()):
+                nxt = c
+                break
+        if nxt is None:
+            return path, int(torch.multinomial(p, 1, generator=generator).item())
+        node = nxt
+        path.append(node)
+
+
+@pytest.mark.parametrize("wrong", [_accept_when_p_ge_q, _no_residual])
+def test_a_wrong_verifier_fails_the_same_test(wrong):
+    pair = LookupPair(0.7, 1.0)
+    counts = empirical_joint(pair, TREES["binary2"], "sequoia", seed=1, verifier=wrong)
+    p_value, tv = exactness_stats(counts, pair.exact_joint())
+    assert p_value < P_MIN or tv > TV_MAX, f"wrong verifier passed: p-value {p_value:.2e}, TV {tv:.4f}"
