@@ -190,14 +190,20 @@ def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = 
     return model.to(device).eval(), tokenizer
 
 
+def hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` read at call time (huggingface_hub reads it once, at import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def _load_hub_model(model_id: str, dtype: torch.dtype, trust_remote_code: bool):
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+    offline = hub_offline()
+    options = {"trust_remote_code": trust_remote_code, "local_files_only": offline}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(model_id, **options)
+        model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, **options)
     except (RepositoryNotFoundError, HFValidationError) as exc:
         raise ModelLoadError(f"model '{model_id}' not found: give a Hugging Face model id "
                              f"(e.g. Qwen/Qwen2.5-0.5B-Instruct) or a local model directory") from exc

@@ -1,0 +1,102 @@
+"""Model loading: part reassembly and its failures, hub ids offline, local directories, vocabularies."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from engine.errors import ModelLoadError, VocabularyMismatchError
+from engine.models import GGUFSource, assemble_gguf, check_same_vocabulary, find_parts, load_model
+
+
+def make_parts(root: Path, prefix: str, chunks: list[bytes]) -> None:
+    """Installable-looking packages ``{prefix}{i}/data/partNN.bin`` on a path entry."""
+    for i, chunk in enumerate(chunks, start=1):
+        package = root / f"{prefix}{i}".replace("-", "_")
+        (package / "data").mkdir(parents=True)
+        (package / "__init__.py").write_text("raise RuntimeError('model part packages must never be imported')\n")
+        (package / "data" / f"part{i:02d}.bin").write_bytes(chunk)
+
+
+@pytest.fixture
+def fake_source(tmp_path, monkeypatch):
+    chunks = [b"GGUF" + bytes(range(200)), bytes(range(100, 250)) * 3, b"tail"]
+    site = tmp_path / "site"
+    make_parts(site, "fake-model-part", chunks)
+    monkeypatch.syspath_prepend(str(site))
+    digest = hashlib.sha256(b"".join(chunks)).hexdigest()
+    return GGUFSource(name="fake", filename="fake.gguf", pypi_prefix="fake-model-part", version="1.0",
+                      parts=3, sha256=digest), b"".join(chunks)
+
+
+def test_parts_are_found_in_order_without_importing(fake_source):
+    source, _ = fake_source
+    parts = find_parts(source)
+    assert [p.name for p in parts] == ["part01.bin", "part02.bin", "part03.bin"]
+
+
+def test_assembly_checks_the_pinned_digest(fake_source, tmp_path):
+    source, data = fake_source
+    path = assemble_gguf(source, tmp_path / "cache")
+    assert path.read_bytes() == data
+    assert list((tmp_path / "cache").iterdir()) == [path]  # no temporary file left behind
+
+
+def test_corrupted_parts_are_refused_naming_the_packages(fake_source, tmp_path):
+    source, _ = fake_source
+    bad = GGUFSource(**{**source.__dict__, "sha256": "0" * 64})
+    with pytest.raises(ModelLoadError) as err:
+        assemble_gguf(bad, tmp_path / "cache")
+    message = str(err.value)
+    assert "SHA-256" in message and "fake-model-part" in message and "\n" not in message
+    assert not list((tmp_path / "cache").glob("*")), "a half-checked file must not stay in the cache"
+
+
+def test_missing_part_package_is_named(fake_source, tmp_path):
+    source, _ = fake_source
+    missing = GGUFSource(**{**source.__dict__, "parts": 4})
+    with pytest.raises(ModelLoadError, match="fake_model_part4"):
+        assemble_gguf(missing, tmp_path / "cache")
+
+
+def test_unknown_hub_id_offline_gives_one_clear_line(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError) as err:
+        load_model("no-such-org/no-such-model-xyz")
+    assert "no-such-org/no-such-model-xyz" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_malformed_model_id_is_refused(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError):
+        load_model("../../etc/passwd")
+
+
+def _tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
+    vocab = {w: i for i, w in enumerate(["<unk>"] + words)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>")),
+                                   unk_token="<unk>")
+
+
+def test_local_directory_loads(tmp_path):
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    original = _tokenizer([f"w{i}" for i in range(31)])
+    original.save_pretrained(tmp_path / "tiny")
+    model, tokenizer = load_model(str(tmp_path / "tiny"))
+    assert model.config.vocab_size == 32
+    assert tokenizer.convert_tokens_to_ids(["w0", "w30"]) == original.convert_tokens_to_ids(["w0", "w30"]) == [1, 31]
+    assert not model.training
+
+
+def test_vocabulary_mismatch_is_refused_with_the_reason():
+    check_same_vocabulary(_tokenizer(["a", "b"]), _tokenizer(["a", "b"]))
+    with pytest.raises(VocabularyMismatchError, match="different vocabularies"):
+        check_same_vocabulary(_tokenizer(["a", "b"]), _tokenizer(["a", "c", "d"]))
