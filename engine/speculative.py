@@ -45,15 +45,22 @@ class SpeculativeEngine:
     """Tree speculative decoding for a target/draft pair of HF causal LMs sharing a vocabulary."""
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None = None,
-                 stop_token_ids: list[int] | None = None) -> None:
+                 stop_token_ids: list[int] | None = None, tuner=None) -> None:
+        """``tuner``: an :class:`engine.optimizer.AutoTuner`, needed for ``tree="auto"``."""
+        for model in (target, draft):
+            if model is not None:
+                _refuse_sliding_window(model)
         self.target = target.eval()
+        self.tuner = tuner
+        self.last_tree_choice = None
         self.draft = draft.eval() if draft is not None else None
         self.vocab_size = _output_vocab(target)
         if draft is not None and _output_vocab(draft) != self.vocab_size:
             raise VocabularyMismatchError(
                 f"the draft predicts {_output_vocab(draft)} tokens but the target {self.vocab_size}: "
                 f"choose a draft from the same model family as the target")
-        self.stop_token_ids = frozenset(stop_token_ids if stop_token_ids is not None else _default_stop_ids(target))
+        self.stop_token_ids = _stop_set(stop_token_ids) if stop_token_ids is not None else \
+            frozenset(_default_stop_ids(target))
         self.max_context = int(getattr(target.config, "max_position_embeddings", 0) or 0)
         self.device = next(target.parameters()).device
 
@@ -70,7 +77,7 @@ class SpeculativeEngine:
                                 prefill_s=prefill_s, finish_reason=steps[-1].finish_reason or "length")
 
     def stream(self, input_ids: list[int], max_new_tokens: int = 64, temperature: float = 0.0,
-               top_p: float = 1.0, tree: Tree | None = None, seed: int = 0,
+               top_p: float = 1.0, tree: Tree | str | None = None, seed: int = 0,
                stop_token_ids: list[int] | None = None, method: str = "sequoia") -> Iterator[StepRecord]:
         """Yield one :class:`StepRecord` per draft/verify step until a stop token or the budget.
 
@@ -84,11 +91,16 @@ class SpeculativeEngine:
         - ``chain``: classic speculative sampling (the tree must be a chain);
         - ``topk``: children are the draft's top-k, the target samples and matches;
         - ``autoregressive``: the target alone (the tree is ignored).
+
+        ``tree="auto"`` lets the hardware-aware optimizer choose (needs ``tuner``). Parameters are
+        validated here, before the first step, so bad input raises at call time.
         """
         params = self._validate(input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids, method)
         if params.tree.depth > 0 and self.draft is None:
             raise InvalidParameterError("a tree with draft tokens needs a draft model: pass draft= or use tree=None")
-        state = _DecodeState(self, list(input_ids), params)
+        return self._steps(_DecodeState(self, list(input_ids), params))
+
+    def _steps(self, state: "_DecodeState") -> Iterator[StepRecord]:
         self.last_prefill_s = state.prefill()
         while not state.finished:
             yield state.step()
@@ -102,14 +114,16 @@ class SpeculativeEngine:
             raise InvalidParameterError(f"input_ids must be integers in [0, {self.vocab_size})")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidParameterError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
             raise InvalidParameterError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        if not _is_number(top_p) or not 0 < top_p <= 1:
             raise InvalidParameterError(f"top_p must be in (0, 1], got {top_p!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise InvalidParameterError(f"seed must be an integer, got {seed!r}")
         if method not in METHODS:
             raise InvalidParameterError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        if isinstance(tree, str) and tree == "auto":
+            tree = self._auto_tree(temperature, top_p)
         tree = tree if tree is not None and method != "autoregressive" else ROOT_ONLY
         if not isinstance(tree, Tree):
             raise InvalidParameterError(f"tree must be an engine.Tree or None, got {type(tree).__name__}")
@@ -120,8 +134,17 @@ class SpeculativeEngine:
             raise ContextOverflowError(
                 f"prompt ({len(input_ids)} tokens) + max_new_tokens ({max_new_tokens}) + tree ({tree.size}) "
                 f"exceeds the target's context of {self.max_context} tokens: shorten the prompt or lower max_new_tokens")
-        stops = frozenset(stop_token_ids) if stop_token_ids is not None else self.stop_token_ids
+        stops = _stop_set(stop_token_ids) if stop_token_ids is not None else self.stop_token_ids
         return DecodeParams(max_new_tokens, float(temperature), float(top_p), tree, seed, stops, method)
+
+
+    def _auto_tree(self, temperature: float, top_p: float) -> Tree:
+        """The hardware-aware optimizer's tree for this setting (kept in ``last_tree_choice``)."""
+        if self.tuner is None:
+            raise InvalidParameterError("tree='auto' needs a calibration and a hardware profile: build the engine "
+                                        "with tuner=engine.optimizer.AutoTuner(...) (see python -m engine.profile)")
+        self.last_tree_choice = self.tuner.choose(temperature, top_p)
+        return self.last_tree_choice.tree
 
 
 class _DecodeState:
@@ -284,6 +307,26 @@ def _child_probs(tree: Tree, tokens: list[int], parent_probs: torch.Tensor) -> l
     parents = torch.tensor(tree.parents[1:])
     children = torch.tensor(tokens[1:])
     return [1.0] + parent_probs[parents, children].tolist()
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _stop_set(stop_token_ids) -> frozenset[int]:
+    if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__") or \
+            any(isinstance(t, bool) or not isinstance(t, int) for t in stop_token_ids):
+        raise InvalidParameterError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
+    return frozenset(stop_token_ids)
+
+
+def _refuse_sliding_window(model: torch.nn.Module) -> None:
+    """Tree verification keeps every prefix position; sliding-window caches drop them."""
+    config = model.config
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        raise InvalidParameterError(
+            f"{type(model).__name__} uses sliding-window attention, which tree verification does not support "
+            f"yet: choose a model with full attention")
 
 
 def _output_vocab(model: torch.nn.Module) -> int:

@@ -77,17 +77,22 @@ class Tree:
     def from_parents(cls, parents: list[int] | tuple[int, ...]) -> "Tree":
         """Any parent array with ``parents[0] == -1`` and ``parents[i] < i``.
 
-        Nodes are renumbered breadth-first (stable, so sibling rank order is kept); the
-        resulting ``tree.parents`` is the canonical numbering used in step records.
+        Nodes are renumbered in breadth-first order visiting children in rank order (a child's
+        rank is its order of appearance among its siblings), so two arrays describing the same
+        ranked tree give the same ``tree.parents``: the canonical numbering of step records.
         """
         parents = [int(p) for p in parents]
         _validate_parents(parents)
-        depth = [0] * len(parents)
-        for i in range(1, len(parents)):
-            depth[i] = depth[parents[i]] + 1
-        order = sorted(range(len(parents)), key=lambda i: depth[i])
-        new_index = {old: new for new, old in enumerate(order)}
-        return cls(tuple(-1 if old == 0 else new_index[parents[old]] for old in order))
+        kids: list[list[int]] = [[] for _ in parents]
+        for i, p in enumerate(parents[1:], start=1):
+            kids[p].append(i)
+        order, new_index, new_parents = [0], {0: 0}, [-1]
+        for old in order:  # grows while iterated: a breadth-first traversal
+            for child in kids[old]:
+                new_index[child] = len(order)
+                order.append(child)
+                new_parents.append(new_index[old])
+        return cls(tuple(new_parents))
 
     @classmethod
     def optimal(cls, acceptance, size: int, depth: int) -> "Tree":

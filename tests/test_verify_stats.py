@@ -48,9 +48,9 @@ class LookupPair:
     def _distribution(self, role: str, context: tuple[int, ...]) -> torch.Tensor:
         key = (role, context)
         if key not in self._memo:
-            logits = _logits(context, "target", 2.0)
+            logits = _logits(context, "target", 0.6)
             if role == "draft":
-                logits = logits + _logits(context, "draft", 1.0)
+                logits = logits + _logits(context, "draft", 0.5)
             self._memo[key] = logits_to_probs(logits, self.temperature, self.top_p).double()
         return self._memo[key]
 
@@ -124,7 +124,8 @@ GRID = [(method, temperature, top_p, tree_name)
 @pytest.mark.parametrize("method,temperature,top_p,tree_name", GRID)
 def test_output_follows_the_target_distribution(method, temperature, top_p, tree_name):
     pair = LookupPair(temperature, top_p)
-    counts = empirical_joint(pair, TREES[tree_name], method, seed=hash((method, temperature, top_p)) % 2**31)
+    assert (pair.exact_joint() > 0.01).sum() >= 4, "degenerate target: the test would be vacuous"
+    counts = empirical_joint(pair, TREES[tree_name], method, seed=GRID.index((method, temperature, top_p, tree_name)))
     p_value, tv = exactness_stats(counts, pair.exact_joint())
     assert p_value > P_MIN and tv < TV_MAX, f"p-value {p_value:.2e}, TV {tv:.4f}"
 
