@@ -1,0 +1,96 @@
+"""Sequoia's hardware-aware optimizer: pick the tree size and depth that maximise predicted speedup.
+
+    S(n, d) = G(n, d) * t_T(1) / ( t_T(n) + draft cost of the tree )
+
+The draft cost charges one draft forward per tree level that has children (the first one also
+feeds the catch-up tokens) at the measured latency for that level's width.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import dp
+from .profile import HardwareProfile
+from .tree import Tree
+
+
+@dataclass(frozen=True)
+class TreeChoice:
+    """The optimizer's pick and what it predicts."""
+
+    tree: Tree
+    size: int
+    depth: int
+    expected_tokens: float      # G(n, d): tokens per step
+    step_time_s: float          # predicted seconds per step
+    predicted_speedup: float    # over target-only decoding
+
+
+def candidate_sizes(max_size: int) -> list[int]:
+    """Every size up to 16, then about 8 per octave (the table is exact; trees are rebuilt only here)."""
+    sizes = list(range(1, min(max_size, 16) + 1))
+    n = 16
+    while n < max_size:
+        n = min(max_size, int(n * 1.25) + 1)
+        sizes.append(n)
+    return sizes
+
+
+def draft_cost(tree: Tree, profile: HardwareProfile) -> float:
+    """One draft forward per level whose nodes have children; the root level includes catch-up."""
+    cost = 0.0
+    for level, nodes in enumerate(tree.level_slices[:-1]):
+        width = nodes.stop - nodes.start
+        cost += profile.draft_time(width + 1 if level == 0 else width)
+    return cost
+
+
+def predict(tree: Tree, acceptance, profile: HardwareProfile) -> TreeChoice:
+    tokens = tree.expected_tokens(acceptance)
+    step = profile.target_time(tree.size) + draft_cost(tree, profile)
+    return TreeChoice(tree, tree.size, tree.depth, tokens, step, tokens * profile.target_time(1) / step)
+
+
+def choose_tree(acceptance, profile: HardwareProfile, max_size: int | None = None,
+                max_depth: int = 16) -> TreeChoice:
+    """The (n, d) maximising predicted speedup, with its DP tree. ``n = 1`` (no drafting) always competes."""
+    max_size = max_size or max(profile.target)
+    table = dp.solve(acceptance, max_size, max_depth)
+    best = predict(Tree.chain(0), acceptance, profile)
+    for n in candidate_sizes(max_size)[1:]:
+        for d in range(1, min(max_depth, n - 1) + 1):
+            value = float(table.best[n, d + 1])
+            if value == float("-inf"):
+                continue
+            # cheap bound first: even with a free draft this (n, d) cannot win
+            if value * profile.target_time(1) / profile.target_time(n) <= best.predicted_speedup:
+                continue
+            choice = predict(Tree.from_parents(dp.optimal_parents(table, n, d)), acceptance, profile)
+            if choice.predicted_speedup > best.predicted_speedup:
+                best = choice
+    return best
+
+
+@dataclass
+class AutoTuner:
+    """What ``tree="auto"`` needs: a hardware profile and calibrated acceptance vectors.
+
+    ``acceptance`` maps (temperature, top_p) to a vector; the nearest calibrated setting is used.
+    Choices are memoised per setting.
+    """
+
+    profile: HardwareProfile
+    acceptance: dict[tuple[float, float], list[float]]
+    max_size: int | None = None
+    max_depth: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.acceptance:
+            raise ValueError("AutoTuner needs at least one calibrated acceptance vector")
+        self._chosen: dict[tuple[float, float], TreeChoice] = {}
+
+    def choose(self, temperature: float, top_p: float) -> TreeChoice:
+        key = min(self.acceptance, key=lambda k: (abs(k[0] - temperature) + abs(k[1] - top_p), k))
+        if key not in self._chosen:
+            self._chosen[key] = choose_tree(self.acceptance[key], self.profile, self.max_size, self.max_depth)
+        return self._chosen[key]

@@ -1,0 +1,152 @@
+"""Hardware profile: target latency t_T(n) for n tree tokens and draft latency t_D(w) per level width.
+
+``python -m engine.profile`` measures both for a pair after a realistic prefix and caches the
+result per (device, pair, dtype) as JSON in the user cache.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from .kv_cache import compact
+from .tree import Tree
+
+
+@dataclass
+class HardwareProfile:
+    """Median forward latencies in seconds, keyed by the number of new tokens."""
+
+    device: str
+    pair: str
+    dtype: str
+    prefix_len: int
+    target: dict[int, float] = field(default_factory=dict)  # n tree tokens -> seconds
+    draft: dict[int, float] = field(default_factory=dict)   # level width -> seconds
+
+    def target_time(self, n: int) -> float:
+        return _interpolate(self.target, n)
+
+    def draft_time(self, width: int) -> float:
+        return _interpolate(self.draft, width) if self.draft else 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "HardwareProfile":
+        raw = json.loads(text)
+        raw["target"] = {int(k): float(v) for k, v in raw["target"].items()}
+        raw["draft"] = {int(k): float(v) for k, v in raw["draft"].items()}
+        return cls(**raw)
+
+
+def _interpolate(points: dict[int, float], x: int) -> float:
+    """Piecewise-linear in x through the measured points; linear extrapolation past the ends."""
+    xs = sorted(points)
+    if x in points:
+        return points[x]
+    if len(xs) == 1:
+        return points[xs[0]] * max(x, 1) / xs[0]
+    lo, hi = (xs[0], xs[1]) if x < xs[0] else (xs[-2], xs[-1]) if x > xs[-1] else \
+        next((a, b) for a, b in zip(xs, xs[1:]) if a <= x <= b)
+    slope = (points[hi] - points[lo]) / (hi - lo)
+    return max(points[lo] + slope * (x - lo), 1e-9)
+
+
+def measure_forward(model, prefix: list[int], n: int, repeats: int = 3) -> float:
+    """Median seconds of one forward over ``n`` tree tokens (a chain mask) after ``prefix``."""
+    cache = DynamicCache(config=model.config)
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prefix], device=device), past_key_values=cache, use_cache=True,
+              logits_to_keep=1)
+        tree = Tree.chain(n - 1)
+        mask = tree.attention_mask(len(prefix), dtype=model.dtype).to(device)
+        positions = tree.position_ids(len(prefix)).to(device)
+        ids = torch.randint(0, min(1000, model.config.vocab_size), (1, n), device=device)
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            model(input_ids=ids, past_key_values=cache, use_cache=True, attention_mask=mask,
+                  position_ids=positions)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            compact(cache, len(prefix), [])
+    return statistics.median(times[1:])
+
+
+def measure_profile(target, draft, prefix: list[int], sizes: list[int], widths: list[int], pair: str,
+                    repeats: int = 3, progress: bool = True) -> HardwareProfile:
+    from tqdm.auto import tqdm
+
+    device = next(target.parameters()).device
+    profile = HardwareProfile(device=device_name(device), pair=pair, dtype=str(target.dtype).removeprefix("torch."),
+                              prefix_len=len(prefix))
+    jobs = [("target", n) for n in sizes] + ([("draft", w) for w in widths] if draft is not None else [])
+    for kind, n in tqdm(jobs, desc="profiling", disable=not progress):
+        model = target if kind == "target" else draft
+        getattr(profile, kind)[n] = measure_forward(model, prefix, n, repeats)
+    return profile
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu-{platform.machine()}-{torch.get_num_threads()}threads"
+
+
+def profile_path(profile_dir: Path, device: str, pair: str, dtype: str) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{device}__{pair}__{dtype}")
+    return profile_dir / f"{safe}.json"
+
+
+def powers_of_two(limit: int) -> list[int]:
+    out, n = [], 1
+    while n <= limit:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    from .models import cache_dir, load_pair
+    from .prompts import encode_chat, load_prompt_set
+
+    parser = argparse.ArgumentParser(prog="python -m engine.profile", description=__doc__)
+    parser.add_argument("--target", default="default-target")
+    parser.add_argument("--draft", default="default-draft")
+    parser.add_argument("--max-tokens", type=int, default=256, help="largest n measured (powers of two)")
+    parser.add_argument("--max-width", type=int, default=32, help="largest draft level width measured")
+    parser.add_argument("--prefix", type=int, default=128, help="prefix length before the tree")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: the user cache)")
+    args = parser.parse_args(argv)
+    target, draft, tokenizer = load_pair(args.target, args.draft)
+    text = " ".join(m["content"] for p in load_prompt_set("chat") for m in p["messages"])
+    prefix = (encode_chat(tokenizer, [{"role": "user", "content": text}]) * 4)[: args.prefix]
+    pair = f"{args.target}+{args.draft}"
+    profile = measure_profile(target, draft, prefix, powers_of_two(args.max_tokens), powers_of_two(args.max_width),
+                              pair, args.repeats)
+    path = args.out or profile_path(cache_dir() / "profiles", profile.device, pair, profile.dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.to_json())
+    for n, t in profile.target.items():
+        print(f"target n={n:5d}: {t * 1e3:8.1f} ms  ({t / profile.target[1]:.2f}x one token)")
+    for w, t in profile.draft.items():
+        print(f"draft  w={w:5d}: {t * 1e3:8.1f} ms")
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()

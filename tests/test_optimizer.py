@@ -1,0 +1,55 @@
+"""The hardware-aware optimizer on synthetic profiles, and profile interpolation."""
+from __future__ import annotations
+
+import pytest
+
+from engine.optimizer import choose_tree, predict
+from engine.profile import HardwareProfile
+from engine.tree import Tree
+
+ACCEPTANCE = [0.7, 0.12, 0.05, 0.03, 0.02, 0.01]
+SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def synthetic(target_ms, draft_ms=lambda w: 1.0) -> HardwareProfile:
+    return HardwareProfile(device="synthetic", pair="test", dtype="float32", prefix_len=128,
+                           target={n: target_ms(n) / 1e3 for n in SIZES},
+                           draft={w: draft_ms(w) / 1e3 for w in (1, 2, 4, 8, 16, 32, 64)})
+
+
+def test_flat_verification_cost_picks_a_large_tree():
+    choice = choose_tree(ACCEPTANCE, synthetic(lambda n: 30.0))  # GPU-like: n tokens cost as one
+    assert choice.size >= 64
+    assert choice.predicted_speedup > 3
+
+
+def test_steep_verification_cost_picks_a_small_tree():
+    choice = choose_tree(ACCEPTANCE, synthetic(lambda n: 30.0 * n, draft_ms=lambda w: 3.0))  # cost linear in n
+    assert choice.size <= 4
+
+
+def test_expensive_draft_means_no_speculation():
+    choice = choose_tree(ACCEPTANCE, synthetic(lambda n: 30.0, draft_ms=lambda w: 60.0))
+    assert choice.size == 1 and choice.predicted_speedup == pytest.approx(1.0)
+
+
+def test_middle_ground_grows_with_flatness():
+    steep = choose_tree(ACCEPTANCE, synthetic(lambda n: 30.0 + 4.0 * n))
+    flat = choose_tree(ACCEPTANCE, synthetic(lambda n: 30.0 + 0.2 * n))
+    assert steep.size < flat.size
+
+
+def test_prediction_formula():
+    profile = synthetic(lambda n: 10.0 + n, draft_ms=lambda w: 2.0)
+    tree = Tree.chain(3)
+    choice = predict(tree, ACCEPTANCE, profile)
+    step = (10.0 + 4) / 1e3 + 3 * 2.0 / 1e3   # verify 4 tokens + 3 draft levels with children
+    assert choice.step_time_s == pytest.approx(step)
+    assert choice.predicted_speedup == pytest.approx(tree.expected_tokens(ACCEPTANCE) * 11.0 / 1e3 / step)
+
+
+def test_profile_interpolates_and_round_trips():
+    profile = synthetic(lambda n: 10.0 + n)
+    assert profile.target_time(3) == pytest.approx((10.0 + 3) / 1e3)
+    assert profile.target_time(512) == pytest.approx((10.0 + 512) / 1e3)
+    assert HardwareProfile.from_json(profile.to_json()) == profile
