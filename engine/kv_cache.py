@@ -4,11 +4,6 @@ from __future__ import annotations
 import torch
 
 
-def cache_length(cache) -> int:
-    """Number of positions held by a transformers ``Cache`` (0 when empty)."""
-    return 0 if cache is None else int(cache.get_seq_length())
-
-
 def compact(cache, prefix_len: int, keep_nodes: list[int]) -> None:
     """Keep the first ``prefix_len`` positions and the tree nodes ``keep_nodes`` (indices relative
     to ``prefix_len``, increasing), moved into consecutive slots; drop everything else.

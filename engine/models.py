@@ -6,6 +6,7 @@ load in seconds. Every failure becomes a one-line :class:`ModelLoadError` naming
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -176,12 +177,14 @@ def _save_dequantised(model, tokenizer, directory: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@functools.lru_cache(maxsize=2)
 def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
                trust_remote_code: bool = False):
     """Load ``(model, tokenizer)`` from an embedded name, an HF hub id or a local directory.
 
     Downloads show a progress bar; ``HF_HUB_OFFLINE=1`` is respected (a model that is not cached
-    then gives a clear error).
+    then gives a clear error). The last two loads are memoised: asking again for a loaded model
+    returns the same objects instead of a second copy of the weights.
     """
     if model_id in DEFAULT_IDS:
         model, tokenizer = _load_source(DEFAULT_IDS[model_id], dtype)

