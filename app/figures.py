@@ -1,0 +1,403 @@
+"""Pure functions from engine step records to plotly figures and summary lines.
+
+Nothing here touches models or the UI: the inputs are :class:`engine.records.StepRecord` objects
+and the text of their tokens, the outputs plotly figures or Markdown strings.
+
+Node statuses in a step's tree:
+
+- ``root``: the last committed token the tree grows from;
+- ``accepted``: on the path the target accepted;
+- ``rejected``: drafted as a child of an accepted node (or of the root) but not accepted;
+- ``unreached``: below a node that was not accepted, so verification never looked at it;
+- ``bonus``: the token the target itself adds after the accepted path (not a tree node).
+"""
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import plotly.graph_objects as go
+
+from engine.records import StepRecord
+
+ROOT, ACCEPTED, REJECTED, UNREACHED, BONUS = "root", "accepted", "rejected", "unreached", "bonus"
+
+# Strong colour (marker border, legend, edges) and pale fill per status.
+COLOURS = {
+    ROOT: ("#334155", "#e2e8f0"),
+    ACCEPTED: ("#15803d", "#dcfce7"),
+    REJECTED: ("#dc2626", "#fee2e2"),
+    UNREACHED: ("#9ca3af", "#f3f4f6"),
+    BONUS: ("#7c3aed", "#ede9fe"),
+}
+STATUS_NAMES = {
+    ROOT: "root (last committed token)",
+    ACCEPTED: "accepted draft",
+    REJECTED: "rejected draft",
+    UNREACHED: "never reached",
+    BONUS: "bonus token (from the target)",
+}
+EDGE_GREY = "#b6bcc6"
+LABEL_BUDGET = 64  # characters of token labels across all levels of a tree figure
+FONT = "Inter, ui-sans-serif, system-ui, -apple-system, Segoe UI, sans-serif"
+MONO = "JetBrains Mono, ui-monospace, SFMono-Regular, Menlo, Consolas, monospace"
+
+_VISIBLE = {" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"}
+
+
+# ----- token text ------------------------------------------------------------------------------
+def visible_token(text: str, max_chars: int = 14) -> str:
+    """Token text with whitespace made visible (``␣ ↵ ⇥``), control characters as ``\\xNN``,
+    shortened with an ellipsis. Not escaped: see :func:`token_label`."""
+    out = []
+    for ch in text:
+        if ch in _VISIBLE:
+            out.append(_VISIBLE[ch])
+        elif ord(ch) < 32 or ord(ch) == 127:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    shown = "".join(out) or "∅"
+    return shown if len(shown) <= max_chars else shown[: max_chars - 1] + "…"
+
+
+def token_label(text: str, max_chars: int = 14) -> str:
+    """:func:`visible_token`, HTML-escaped for plotly (which renders a subset of HTML in text)."""
+    return html.escape(visible_token(text, max_chars), quote=False)
+
+
+def _text_of(token_texts, token: int) -> str:
+    if callable(token_texts) and not isinstance(token_texts, Mapping):
+        return token_texts(token)
+    text = token_texts.get(token) if token_texts is not None else None
+    return f"#{token}" if text is None else text
+
+
+# ----- tree ------------------------------------------------------------------------------------
+def node_statuses(step: StepRecord) -> list[str]:
+    """Status of every tree node of ``step`` (see the module docstring)."""
+    accepted = set(step.accepted)
+    statuses = []
+    for node, parent in enumerate(step.parents):
+        if node == 0:
+            statuses.append(ROOT)
+        elif node in accepted:
+            statuses.append(ACCEPTED)
+        elif parent in accepted:
+            statuses.append(REJECTED)
+        else:
+            statuses.append(UNREACHED)
+    return statuses
+
+
+def bonus_token(step: StepRecord) -> int | None:
+    """The target's own token after the accepted path, or None when a stop or the budget cut the step short."""
+    if len(step.committed) == len(step.accepted):
+        return step.committed[-1]
+    return None
+
+
+def tree_layout(parents: Sequence[int], extra_child_of: int | None = None) -> tuple[list[float], list[float]]:
+    """``(x, y)`` per node: x = depth (root left), leaves on consecutive rows in rank order, each
+    parent centred on its children. ``extra_child_of`` reserves one more leaf row (last) under
+    that node, returned as an extra final entry (used for the bonus token)."""
+    n = len(parents)
+    children: list[list[int]] = [[] for _ in range(n + 1)]
+    for node in range(1, n):
+        children[parents[node]].append(node)
+    if extra_child_of is not None:
+        children[extra_child_of].append(n)
+    depth = [0] * (n + 1)
+    for node in range(1, n):
+        depth[node] = depth[parents[node]] + 1
+    if extra_child_of is not None:
+        depth[n] = depth[extra_child_of] + 1
+    y = [0.0] * (n + 1)
+    next_row = 0.0
+    # iterative post-order: leaves take the next row, parents the middle of their children
+    stack = [(0, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if children[node] and not expanded:
+            stack.append((node, True))
+            stack.extend((c, False) for c in reversed(children[node]))
+        elif children[node]:
+            y[node] = (y[children[node][0]] + y[children[node][-1]]) / 2
+        else:
+            y[node] = next_row
+            next_row += 1
+    count = n + (1 if extra_child_of is not None else 0)
+    return [float(d) for d in depth[:count]], y[:count]
+
+
+def _fmt_prob(p: float) -> str:
+    if p == 0:
+        return "0"
+    return f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
+
+
+def acceptance_probability(p: float, q: float) -> float:
+    """min(1, p/q): the chance speculative sampling keeps a drafted token (1 when q == 0 and p > 0)."""
+    if q <= 0:
+        return 1.0 if p > 0 else 0.0
+    return min(1.0, p / q)
+
+
+def _node_hover(step: StepRecord, node: int, status: str, text: str) -> str:
+    shown = html.escape(visible_token(text, 40), quote=False)
+    token = step.tokens[node]
+    if node == 0:
+        return f"<b>{shown}</b>  (id {token})<br>root: the last committed token"
+    p, q = step.target_probs[node], step.draft_probs[node]
+    depth = 0
+    parent = step.parents[node]
+    while parent != -1:
+        depth += 1
+        parent = step.parents[parent]
+    return (f"<b>{shown}</b>  (id {token})<br>{STATUS_NAMES[status]} · depth {depth} · rank {step.ranks[node]}"
+            f"<br>draft q = {_fmt_prob(q)}<br>target p = {_fmt_prob(p)}"
+            f"<br>accept prob min(1, p/q) = {acceptance_probability(p, q):.2f}")
+
+
+def _edge_style(rank: int) -> tuple[str, float]:
+    if rank <= 1:
+        return "solid", 1.0
+    if rank == 2:
+        return "dash", 0.8
+    return "dot", 0.7
+
+
+def tree_figure(step: StepRecord, token_texts: Mapping[int, str] | Callable[[int], str] | None,
+                title: str | None = None, max_label_chars: int | None = None) -> go.Figure:
+    """The token tree of one step, root on the left, depth growing to the right.
+
+    Nodes are labelled with their (escaped, whitespace-visible) token text and coloured by
+    status; edges are solid for rank-1 children, dashed for rank 2, dotted beyond, and green
+    along the accepted path. Hover shows q, p, min(1, p/q) and the rank. The node traces carry
+    ``meta={"kind": "nodes", "status": ...}`` and ``customdata`` = node index.
+    """
+    statuses = node_statuses(step)
+    bonus = bonus_token(step)
+    last = step.accepted[-1]
+    depths, ys = tree_layout(step.parents, extra_child_of=last if bonus is not None else None)
+    n = len(step.tokens)
+    # labels share about LABEL_BUDGET characters across the levels; each level is as wide as its
+    # longest label, so chips never overlap however deep the tree is
+    levels = int(max(depths)) + 1
+    if max_label_chars is None:
+        max_label_chars = max(4, min(14, LABEL_BUDGET // levels - 2))
+    label_tokens = list(step.tokens) + ([bonus] if bonus is not None else [])
+    labels = [token_label(_text_of(token_texts, t), max_label_chars) for t in label_tokens]
+    width = [1] * levels
+    for depth, token in zip(depths, label_tokens):
+        width[int(depth)] = max(width[int(depth)], len(visible_token(_text_of(token_texts, token), max_label_chars)))
+    centre, edge = [], 0.0
+    for w in width:
+        centre.append(edge + w / 2 + 1)
+        edge += w + 2
+    xs = [centre[int(d)] for d in depths]
+    on_path = set(step.accepted)
+    traces: list[dict] = []  # plain dicts, validated once by go.Figure (per-call add_* is slow)
+
+    # edges, grouped by style so each group is one trace
+    groups: dict[tuple[str, bool], tuple[list, list]] = {}
+    for node in range(1, n):
+        parent = step.parents[node]
+        key = (_edge_style(step.ranks[node])[0], node in on_path and parent in on_path)
+        ex, ey = groups.setdefault(key, ([], []))
+        ex += [xs[parent], xs[node], None]
+        ey += [ys[parent], ys[node], None]
+    for (dash, accepted), (ex, ey) in sorted(groups.items(), key=lambda kv: kv[0][1]):
+        traces.append(dict(type="scatter", x=ex, y=ey, mode="lines", hoverinfo="skip", showlegend=False,
+                           line=dict(color=COLOURS[ACCEPTED][0] if accepted else EDGE_GREY,
+                                     width=3.2 if accepted else 1.6, dash=dash),
+                           meta={"kind": "edges", "dash": dash, "accepted": accepted}))
+    if bonus is not None:
+        traces.append(dict(type="scatter", x=[xs[last], xs[n]], y=[ys[last], ys[n]], mode="lines",
+                           hoverinfo="skip", showlegend=False,
+                           line=dict(color=COLOURS[BONUS][0], width=2.4, dash="dot"),
+                           meta={"kind": "edges", "dash": "dot", "accepted": False, "bonus": True}))
+
+    # nodes: transparent hover markers, one trace per status; the chips (annotations) are what shows
+    hover_marker = dict(symbol="square", size=24, color="rgba(0,0,0,0)", line=dict(width=0))
+    for status in (ROOT, ACCEPTED, REJECTED, UNREACHED):
+        nodes = [i for i in range(n) if statuses[i] == status]
+        if not nodes and status != ACCEPTED:
+            continue
+        traces.append(dict(
+            type="scatter", x=[xs[i] for i in nodes], y=[ys[i] for i in nodes], mode="markers",
+            name=STATUS_NAMES[status], customdata=nodes, showlegend=False,
+            text=[_node_hover(step, i, status, _text_of(token_texts, step.tokens[i])) for i in nodes],
+            hovertemplate="%{text}<extra></extra>", marker=hover_marker,
+            meta={"kind": "nodes", "status": status}))
+    if bonus is not None:
+        text = _text_of(token_texts, bonus)
+        traces.append(dict(
+            type="scatter", x=[xs[n]], y=[ys[n]], mode="markers", name=STATUS_NAMES[BONUS], customdata=[-1],
+            showlegend=False,
+            text=[f"<b>{html.escape(visible_token(text, 40), quote=False)}</b>  (id {bonus})<br>"
+                  f"bonus token: the target's own choice after the accepted path"],
+            hovertemplate="%{text}<extra></extra>", marker=hover_marker, meta={"kind": "bonus", "status": BONUS}))
+    # legend-only twins with visible swatches
+    for trace in list(traces):
+        if trace["meta"]["kind"] in ("nodes", "bonus"):
+            strong, pale = COLOURS[trace["meta"]["status"]]
+            traces.append(dict(type="scatter", x=[None], y=[None], mode="markers", name=trace["name"],
+                               hoverinfo="skip", meta={"kind": "legend"},
+                               marker=dict(symbol="square", size=11, color=pale, line=dict(color=strong, width=2))))
+
+    chips = [(i, statuses[i]) for i in range(n)] + ([(n, BONUS)] if bonus is not None else [])
+    annotations = []
+    for i, status in chips:
+        strong, pale = COLOURS[status]
+        emphasised = status in (ROOT, ACCEPTED, BONUS)
+        annotations.append(dict(
+            x=xs[i], y=ys[i], text=labels[i], showarrow=False,
+            font=dict(family=MONO, size=12, color="#0f172a" if emphasised else "#475569"),
+            bgcolor=pale, bordercolor=strong, borderwidth=2 if emphasised else 1, borderpad=3,
+            opacity=1.0 if status != UNREACHED else 0.75, captureevents=False))
+
+    rows = (max(ys) + 1) if ys else 1
+    drafted = n - 1
+    heading = title if title is not None else (
+        f"Step {step.index + 1}: accepted {step.accepted_draft_tokens} of {drafted} drafted token"
+        f"{'' if drafted == 1 else 's'}, committed {len(step.committed)}")
+    layout = dict(
+        annotations=annotations,
+        title=dict(text=html.escape(heading, quote=False), x=0.01, xanchor="left", font=dict(size=15)),
+        height=int(min(720, max(300, 34 * rows + 130))),
+        margin=dict(l=20, r=20, t=48, b=20),
+        plot_bgcolor="white", paper_bgcolor="white", font=dict(family=FONT, size=12, color="#1f2937"),
+        hoverlabel=dict(bgcolor="white", font=dict(family=FONT, size=12, color="#0f172a"), bordercolor="#94a3b8"),
+        legend=dict(orientation="h", yanchor="top", y=-0.02, xanchor="left", x=0, font=dict(size=11)),
+        xaxis=dict(visible=False, range=[0, max(edge, 8)], fixedrange=True),
+        yaxis=dict(visible=False, range=[rows - 0.4, -0.6], fixedrange=True),
+        showlegend=True, dragmode=False, transition=dict(duration=0),
+    )
+    return go.Figure(data=traces, layout=layout)
+
+
+def placeholder_figure(message: str, height: int = 300) -> go.Figure:
+    """An empty figure with a centred message (before the first step)."""
+    fig = go.Figure()
+    fig.add_annotation(x=0.5, y=0.5, xref="paper", yref="paper", text=html.escape(message, quote=False),
+                       showarrow=False, font=dict(family=FONT, size=14, color="#64748b"))
+    fig.update_layout(height=height, margin=dict(l=20, r=20, t=20, b=20), plot_bgcolor="white",
+                      paper_bgcolor="white", xaxis=dict(visible=False), yaxis=dict(visible=False))
+    return fig
+
+
+# ----- steps -----------------------------------------------------------------------------------
+def running_speedup(steps: Sequence[StepRecord], baseline_tokens_per_s: float) -> list[float]:
+    """Measured speedup after each step: cumulative tokens / cumulative step time, over the baseline."""
+    out, tokens, seconds = [], 0, 0.0
+    for step in steps:
+        tokens += len(step.committed)
+        seconds += step.timings.total_s
+        out.append(tokens / seconds / baseline_tokens_per_s if seconds > 0 and baseline_tokens_per_s > 0 else 0.0)
+    return out
+
+
+def steps_figure(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None = None,
+                 expected_tokens: float | None = None, predicted_speedup: float | None = None,
+                 highlight: int | None = None) -> go.Figure:
+    """Tokens committed per step as stacked bars (accepted drafts + bonus), with the running
+    measured speedup over the target-only rate (when ``baseline_tokens_per_s`` is known) and
+    the predicted values (expected tokens per step, predicted speedup) as dashed lines.
+    ``highlight``: step index to outline (the one the tree shows)."""
+    fig = go.Figure()
+    xs = [s.index + 1 for s in steps]
+    accepted = [min(s.accepted_draft_tokens, len(s.committed)) for s in steps]
+    bonus = [len(s.committed) - a for s, a in zip(steps, accepted)]
+    hover = [f"step {x}: {a} accepted + {b} bonus = {a + b} tokens<br>draft {s.timings.draft_s * 1e3:.0f} ms · "
+             f"verify {s.timings.verify_s * 1e3:.0f} ms" for x, a, b, s in zip(xs, accepted, bonus, steps)]
+    line_width = [2.5 if highlight is not None and s.index == highlight else 0 for s in steps]
+    fig.add_trace(go.Bar(x=xs, y=accepted, name="accepted drafts", marker=dict(
+        color=COLOURS[ACCEPTED][0], line=dict(color="#0f172a", width=line_width)),
+        text=hover, hovertemplate="%{text}<extra></extra>", meta={"kind": "accepted"}))
+    fig.add_trace(go.Bar(x=xs, y=bonus, name="bonus token", marker=dict(
+        color=COLOURS[BONUS][0], line=dict(color="#0f172a", width=line_width)),
+        text=hover, hovertemplate="%{text}<extra></extra>", textposition="none", meta={"kind": "bonus"}))
+    fig.update_traces(textposition="none", selector=dict(type="bar"))
+    if expected_tokens is not None and steps:
+        fig.add_trace(go.Scatter(x=[xs[0] - 0.5, xs[-1] + 0.5], y=[expected_tokens] * 2, mode="lines",
+                                 name=f"expected tokens/step ({expected_tokens:.2f})", hoverinfo="skip",
+                                 line=dict(color="#64748b", dash="dash", width=1.5), meta={"kind": "expected"}))
+    has_speedup = baseline_tokens_per_s is not None and baseline_tokens_per_s > 0 and steps
+    if has_speedup:
+        speed = running_speedup(steps, baseline_tokens_per_s)
+        fig.add_trace(go.Scatter(x=xs, y=speed, mode="lines+markers", name="measured speedup (running)",
+                                 yaxis="y2", line=dict(color="#ea580c", width=2.2), marker=dict(size=4),
+                                 hovertemplate="after step %{x}: %{y:.2f}× the target alone<extra></extra>",
+                                 meta={"kind": "speedup"}))
+    if predicted_speedup is not None and steps:
+        fig.add_trace(go.Scatter(x=[xs[0] - 0.5, xs[-1] + 0.5], y=[predicted_speedup] * 2, mode="lines",
+                                 yaxis="y2", name=f"predicted speedup ({predicted_speedup:.2f}×)", hoverinfo="skip",
+                                 line=dict(color="#ea580c", dash="dash", width=1.5), meta={"kind": "predicted"}))
+    most = max([a + b for a, b in zip(accepted, bonus)] + [expected_tokens or 0, 1])
+    layout = dict(
+        barmode="stack", height=290, margin=dict(l=50, r=50 if has_speedup or predicted_speedup else 20, t=36, b=70),
+        title=dict(text="Tokens per step" + (" and speedup" if has_speedup else ""), x=0.01, xanchor="left",
+                   font=dict(size=14)),
+        plot_bgcolor="white", paper_bgcolor="white", font=dict(family=FONT, size=12, color="#1f2937"),
+        legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0, font=dict(size=11),
+                    traceorder="normal"),
+        hoverlabel=dict(bgcolor="white", font=dict(family=FONT, size=12, color="#0f172a"), bordercolor="#94a3b8"),
+        xaxis=dict(title=dict(text="step", standoff=2), gridcolor="#f1f5f9", zeroline=False,
+                   range=[0.4, max(xs[-1] if xs else 1, 1) + 0.6], fixedrange=True),
+        yaxis=dict(title=dict(text="tokens"), gridcolor="#eef2f7", rangemode="tozero", dtick=1 if most <= 8 else None,
+                   range=[0, most * 1.15], fixedrange=True),
+        bargap=0.25 if len(steps) < 60 else 0.05, hovermode="closest", dragmode=False,
+    )
+    if has_speedup or predicted_speedup is not None:
+        top = max((running_speedup(steps, baseline_tokens_per_s) if has_speedup else []) + [predicted_speedup or 0, 1.0])
+        layout["yaxis2"] = dict(title=dict(text="speedup ×"), overlaying="y", side="right", rangemode="tozero",
+                                range=[0, top * 1.2], showgrid=False, fixedrange=True)
+    fig.update_layout(**layout)
+    return fig
+
+
+# ----- stats -----------------------------------------------------------------------------------
+def summarise(steps: Sequence[StepRecord]) -> dict:
+    """Totals over steps: tokens, seconds (decode), tokens/s, tokens/step, acceptance, time split."""
+    tokens = sum(len(s.committed) for s in steps)
+    drafted = sum(s.tree_size - 1 for s in steps)
+    accepted = sum(s.accepted_draft_tokens for s in steps)
+    draft_s = sum(s.timings.draft_s for s in steps)
+    verify_s = sum(s.timings.verify_s for s in steps)
+    total_s = sum(s.timings.total_s for s in steps)
+    return {
+        "steps": len(steps), "tokens": tokens, "seconds": total_s,
+        "tokens_per_s": tokens / total_s if total_s > 0 else 0.0,
+        "tokens_per_step": tokens / len(steps) if steps else 0.0,
+        "accepted_per_step": accepted / len(steps) if steps else 0.0,
+        "drafted": drafted, "accepted": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "draft_share": draft_s / total_s if total_s > 0 else 0.0,
+        "verify_share": verify_s / total_s if total_s > 0 else 0.0,
+    }
+
+
+def stats_line(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None = None) -> str:
+    """One Markdown line: tokens/s, tokens/step, acceptance, draft/verify time split, speedup."""
+    if not steps:
+        return "No steps yet."
+    s = summarise(steps)
+    parts = [f"**{s['tokens_per_s']:.1f} tokens/s**",
+             f"{s['tokens']} tokens in {s['steps']} step{'s' if s['steps'] != 1 else ''}",
+             f"**{s['tokens_per_step']:.2f} tokens/step**"]
+    if s["acceptance_rate"] is not None:
+        parts.append(f"accepted {s['accepted_per_step']:.2f} drafts/step "
+                     f"({_percent(s['acceptance_rate'])} of {s['drafted']} drafted)")
+    else:
+        parts.append("no drafts (target alone)")
+    parts.append(f"time: draft {_percent(s['draft_share'])} · verify {_percent(s['verify_share'])}")
+    if baseline_tokens_per_s and baseline_tokens_per_s > 0 and s["tokens_per_s"] > 0:
+        parts.append(f"**{s['tokens_per_s'] / baseline_tokens_per_s:.2f}× the target alone** "
+                     f"({baseline_tokens_per_s:.1f} tokens/s)")
+    return " · ".join(parts)
+
+
+def _percent(x: float) -> str:
+    return "–" if x is None or math.isnan(x) else f"{100 * x:.0f}%"

@@ -1,0 +1,93 @@
+"""Model pairs for the app: the auto-tuner from cached calibration files, and a tiny random pair
+(with the real Qwen tokenizer) for trying the UI without the real weights."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def load_tuner(pair: str, target, cache: Path | None = None):
+    """An :class:`engine.optimizer.AutoTuner` for ``pair`` ("target+draft" as the engine CLIs name
+    it) when ``python -m engine.profile`` and ``python -m engine.calibrate`` have cached a hardware
+    profile for this device/dtype and at least one acceptance vector; otherwise None."""
+    from engine.calibrate import Acceptance
+    from engine.models import cache_dir
+    from engine.optimizer import AutoTuner
+    from engine.profile import HardwareProfile, device_name, profile_path
+
+    cache = cache or cache_dir()
+    param = next(target.parameters())
+    dtype = str(param.dtype).removeprefix("torch.")
+    path = profile_path(cache / "profiles", device_name(param.device), pair, dtype)
+    if not path.exists():
+        return None
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in pair)
+    acceptance = {}
+    for file in sorted((cache / "acceptance").glob(f"{safe}__T*__p*.json")):
+        try:
+            measured = Acceptance.from_json(file.read_text())
+            acceptance[(float(measured.temperature), float(measured.top_p))] = list(measured.vector)
+        except (OSError, ValueError, TypeError, json.JSONDecodeError) as exc:
+            log.warning("ignoring %s: %s", file, exc)
+    if not acceptance:
+        return None
+    try:
+        return AutoTuner(HardwareProfile.from_json(path.read_text()), acceptance)
+    except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError) as exc:
+        log.warning("ignoring the hardware profile %s: %s", path, exc)
+        return None
+
+
+def load_tokenizer(path: str | os.PathLike | None = None):
+    """The real Qwen2.5 tokenizer of the embedded pair (tokenizer files only: no weights are read).
+
+    Looked for in ``path``, then in the dequantised cache of the embedded target or draft, then
+    in the draft's assembled GGUF (assembled from the installed parts when needed: about 400 MB
+    written once to the cache). Raises ModelLoadError when none is available.
+    """
+    from transformers import AutoTokenizer
+
+    from engine.models import CACHE_FORMAT, DEFAULT_DRAFT, DEFAULT_TARGET, assemble_gguf, cache_dir
+
+    if path is not None:
+        return AutoTokenizer.from_pretrained(str(path))
+    for source in (DEFAULT_TARGET, DEFAULT_DRAFT):
+        directory = cache_dir() / "dequantised" / f"{source.name}-float32-v{CACHE_FORMAT}"
+        if (directory / "tokenizer.json").exists():
+            return AutoTokenizer.from_pretrained(str(directory))
+    gguf = assemble_gguf(DEFAULT_DRAFT)
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def tiny_pair(tokenizer, hidden_size: int = 32, layers: int = 2, noise: float = 0.003, seed: int = 0,
+              max_positions: int = 4096):
+    """A random ``Qwen2ForCausalLM`` target over the tokenizer's vocabulary and a perturbed copy
+    as its draft: the answers are gibberish, but trees, acceptance and timing are real."""
+    import copy
+
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=max(len(tokenizer), 151936),  # Qwen2.5 pads its 151,665 tokens to 151,936
+        hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        tie_word_embeddings=False, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        target = transformers.Qwen2ForCausalLM(config).eval()
+    draft = copy.deepcopy(target).eval()
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for param in draft.parameters():
+            if param.dim() >= 2:
+                param.add_(torch.randn(param.shape, generator=generator) * noise)
+    for model in (target, draft):
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = None
+    return target, draft

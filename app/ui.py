@@ -1,0 +1,689 @@
+"""The web UI: ``build_demo(worker, tokenizer, options)`` returns the ``gr.Blocks`` app.
+
+The chat streams the answer as the engine commits tokens; next to it the token tree of the
+current step is drawn live (at most ``plot_interval`` apart), then a slider replays any step.
+Every request goes through the :class:`app.worker.Worker`, which owns the models.
+"""
+from __future__ import annotations
+
+import html
+import os
+import queue
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import gradio as gr
+
+from engine.generate import DEFAULT_ACCEPTANCE, build_tree
+from engine.errors import EngineError
+from engine.speculative import METHODS
+from engine.tree import Tree
+
+from . import figures
+from .conversation import (ContextTooLong, display_messages, export_conversation, fit_context, highlight_html,
+                           import_conversation, MAX_IMPORT_BYTES)
+from .worker import GenerationRequest, Job, Worker
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+CSS_PATH = ASSETS / "style.css"
+
+DEFAULTS = {
+    "title": "Sequoia Chat",
+    "system_prompt": "",
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "max_new_tokens": 256,
+    "max_new_tokens_limit": 2048,
+    "seed": 0,
+    "method": "sequoia",
+    "tree_size": 8,
+    "depth": 4,
+    "max_tree_size": 64,
+    "max_depth": 16,
+    "compare": False,
+    "highlight": False,
+    # positional acceptance used to build DP trees and predict tokens/step (the default pair's)
+    "acceptance": DEFAULT_ACCEPTANCE,
+    # show predicted tokens/step from ``acceptance``; off for pairs it was not measured on
+    "predict": True,
+    "plot_interval": 0.2,   # seconds between live tree redraws (<= 5 per second)
+    "text_interval": 0.05,  # seconds between text updates
+}
+
+METHOD_HELP = {
+    "sequoia": "Sequoia: children sampled without replacement (its verifier)",
+    "specinfer": "SpecInfer: children sampled independently",
+    "chain": "chain: classic speculative decoding along one path of the given depth",
+    "topk": "top-k: the draft's top children, the target samples and matches",
+    "autoregressive": "the target alone, one token per step",
+}
+
+# a small tree: root on the left, three tokens, one accepted path (green)
+LOGO = ("<svg class='sc-logo' width='26' height='26' viewBox='0 0 26 26' aria-hidden='true'>"
+        "<path d='M4 13 L12 6 M4 13 L12 20 M12 6 L21 4 M12 6 L21 10' stroke='#94a3b8' stroke-width='1.6' fill='none'/>"
+        "<path d='M4 13 L12 6 L21 4' stroke='#15803d' stroke-width='2.4' fill='none'/>"
+        "<rect x='1' y='10' width='6' height='6' rx='1.5' fill='#334155'/>"
+        "<rect x='9' y='3' width='6' height='6' rx='1.5' fill='#16a34a'/>"
+        "<rect x='9' y='17' width='6' height='6' rx='1.5' fill='#f87171'/>"
+        "<rect x='18' y='1' width='6' height='6' rx='1.5' fill='#16a34a'/>"
+        "<rect x='18' y='7' width='6' height='6' rx='1.5' fill='#cbd5e1'/></svg>")
+
+PLACEHOLDER = ("**Sequoia Chat** — a small draft model proposes a *tree* of tokens, the big target model "
+               "checks the whole tree in one pass, and the answer is exactly what the target alone would "
+               "write. Ask something and watch the tree on the right.")
+
+
+# ----- small pieces ------------------------------------------------------------------------------
+class TokenTexts:
+    """Decoded text of single tokens, cached per tokenizer."""
+
+    def __init__(self) -> None:
+        self._cache: dict[int, dict[int, str]] = {}
+        self._lock = threading.Lock()
+
+    def texts(self, tokenizer, tokens) -> dict[int, str]:
+        with self._lock:
+            cache = self._cache.setdefault(id(tokenizer), {})
+            for t in tokens:
+                if t not in cache:
+                    cache[t] = tokenizer.decode([t], skip_special_tokens=False)
+            return {t: cache[t] for t in tokens}
+
+
+@lru_cache(maxsize=256)
+def _cached_tree(size: int, depth: int, acceptance: tuple[float, ...]) -> Tree | None:
+    return build_tree(size, depth, list(acceptance))
+
+
+def resolve_tree(method: str, size: int, depth: int, acceptance) -> tuple[Tree | None, str]:
+    """The tree for the controls and a short description. Raises EngineError on bad values."""
+    size = int(max(1, size))
+    depth = int(max(1, depth))
+    if method == "autoregressive" or size == 1 and method != "chain":
+        return None, "target alone: 1 token per step, no draft"
+    if method == "chain":
+        return Tree.chain(depth), f"chain of {depth} draft tokens ({depth + 1} nodes)"
+    depth = min(depth, size - 1)
+    tree = _cached_tree(size, depth, tuple(acceptance))
+    kind = "chain" if tree.size == tree.depth + 1 else "Sequoia DP tree"
+    return tree, f"{kind}: {tree.size} nodes, depth {tree.depth}"
+
+
+def _clamp(value, low, high, cast=float):
+    try:
+        value = cast(value)
+    except (TypeError, ValueError):
+        value = low
+    return max(low, min(high, value))
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n / 1e3:.0f} K"
+
+
+def pair_markdown(info: dict) -> str:
+    if not info:
+        return "No models loaded."
+    return (f"- **target** `{info.get('target', '?')}` ({_params(info.get('target_params', 0))} parameters)\n"
+            f"- **draft** `{info.get('draft', '?')}` ({_params(info.get('draft_params', 0))} parameters)\n"
+            f"- **device** `{info.get('device', '?')}` · **dtype** `{info.get('dtype', '?')}` · "
+            f"**context** {info.get('max_context', 0) or '?'} tokens")
+
+
+def header_html(title: str, info: dict) -> str:
+    pair = (f"{html.escape(str(info.get('target', '?')))} ← draft {html.escape(str(info.get('draft', '?')))}"
+            f" · {html.escape(str(info.get('device', '?')))} · {html.escape(str(info.get('dtype', '?')))}") if info else ""
+    return (f"<div class='sc-header'><div class='sc-brand'>{LOGO}"
+            f"<span class='sc-title'>{html.escape(title)}</span>"
+            f"<span class='sc-sub'>tree speculative decoding, shown live</span></div>"
+            f"<div class='sc-pair' title='target ← draft · device · dtype'>{pair}</div></div>")
+
+
+def status_html(text: str, kind: str = "info") -> str:
+    return f"<div class='sc-status sc-{kind}'>{text}</div>" if text else ""
+
+
+@dataclass
+class Run:
+    """What a finished (or running) answer leaves behind for replay."""
+
+    steps: list = field(default_factory=list)
+    texts: dict = field(default_factory=dict)
+    tree_desc: str = ""
+    expected: float | None = None
+    predicted: float | None = None
+    baseline: float | None = None
+    main: dict | None = None
+    compare: dict | None = None
+    identical: bool | None = None
+
+
+# ----- the app ---------------------------------------------------------------------------------
+class ChatApp:
+    """Handlers of the UI; one instance per built demo, shared by every browser session."""
+
+    def __init__(self, worker: Worker, tokenizer=None, options: dict | None = None) -> None:
+        self.worker = worker
+        if tokenizer is not None and getattr(worker, "tokenizer", None) is None:
+            worker.tokenizer = tokenizer
+        self.options = {**DEFAULTS, **(options or {})}
+        self.texts = TokenTexts()
+        self.active: dict[str, Job] = {}
+        self.lock = threading.Lock()
+        self.export_dir = Path(tempfile.mkdtemp(prefix="sequoia-chat-export-"))
+
+    # ----- chat ------------------------------------------------------------------------------
+    def respond(self, message, history, run, system, temperature, top_p, max_new, seed, method, size, depth,
+                auto, compare, highlight, request: gr.Request | None = None):
+        message = (message or "").strip()
+        if not message:
+            gr.Info("Type a message first: empty messages are not sent.")
+            yield {self.c.status: status_html("Empty message ignored: type something first.", "warn")}
+            return
+        history = list(history or []) + [{"role": "user", "content": message}]
+        yield from self._answer(history, message, run, system, temperature, top_p, max_new, seed, method, size,
+                                depth, auto, compare, highlight, request)
+
+    def regenerate(self, history, run, system, temperature, top_p, max_new, seed, method, size, depth, auto,
+                   compare, highlight, request: gr.Request | None = None):
+        history = list(history or [])
+        while history and history[-1]["role"] == "assistant":
+            history.pop()
+        if not history:
+            gr.Info("Nothing to regenerate yet.")
+            yield {self.c.status: status_html("Nothing to regenerate yet.", "warn")}
+            return
+        yield from self._answer(history, "", run, system, temperature, top_p, max_new, seed, method, size, depth,
+                                auto, compare, highlight, request)
+
+    def _answer(self, history, message, run, system, temperature, top_p, max_new, seed, method, size, depth,
+                auto, compare, highlight, request):
+        c, o = self.c, self.options
+        session = getattr(request, "session_hash", None) or "local"
+        with self.lock:
+            busy = self.active.get(session)
+            if busy is not None and not busy.finished:
+                yield {c.status: status_html("An answer is still streaming: wait for it or press Stop.", "warn")}
+                return
+        temperature = _clamp(temperature, 0.0, 2.0)
+        top_p = _clamp(top_p, 0.01, 1.0)
+        max_new = int(_clamp(max_new, 1, o["max_new_tokens_limit"], int))
+        seed = int(_clamp(seed, 0, 2**31 - 1, int))
+        method = method if method in METHODS else "sequoia"
+        worker, engine = self.worker, self.worker.engine
+        choice = None
+        try:
+            if auto and worker.tuner is not None and method != "autoregressive":
+                choice = worker.tuner.choose(temperature, top_p)
+                tree, tree_desc = "auto", f"auto: {choice.size} nodes, depth {choice.depth}"
+                tree_size = choice.size
+            else:
+                tree, tree_desc = resolve_tree(method, size, depth, o["acceptance"])
+                tree_size = tree.size if tree is not None else 1
+                if method == "chain" and tree is None:
+                    method = "sequoia"
+        except EngineError as exc:
+            yield {c.status: status_html(f"Bad tree settings: {html.escape(str(exc))}", "error")}
+            return
+        limit = (engine.max_context - max_new - tree_size) if getattr(engine, "max_context", 0) else None
+        tokenizer = worker.tokenizer
+        notices = []
+        try:
+            input_ids, dropped = fit_context(tokenizer, system, history, limit)
+        except ContextTooLong as exc:
+            gr.Warning(str(exc))
+            yield {c.status: status_html(html.escape(f"Not sent: {exc}"), "error")}
+            return
+        if dropped:
+            notices.append(f"The {dropped} oldest message{'s' if dropped > 1 else ''} did not fit the "
+                           f"{engine.max_context}-token context and {'were' if dropped > 1 else 'was'} left out "
+                           f"of the prompt (the system prompt is kept).")
+        request_ = GenerationRequest(input_ids=input_ids, max_new_tokens=max_new, temperature=temperature,
+                                     top_p=top_p, tree=tree, seed=seed, method=method, compare=bool(compare))
+        job = worker.submit(request_, session=session)
+        with self.lock:
+            self.active[session] = job
+        try:
+            yield from self._stream(job, history, message, system, choice, tree_desc, tree, highlight, notices,
+                                    dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new, seed=seed,
+                                         method=method, tree=tree_desc))
+        finally:
+            if not job.finished:
+                job.cancel()  # the browser went away or the event was cancelled
+            with self.lock:
+                if self.active.get(session) is job:
+                    del self.active[session]
+
+    def _stream(self, job: Job, history, message, system, choice, tree_desc, tree, highlight, notices, settings):
+        c, o = self.c, self.options
+        run = Run(tree_desc=tree_desc)
+        history = history + [{"role": "assistant", "content": ""}]
+        answer = history[-1]
+        tokens: list[int] = []
+        compare_tokens: list[int] = []
+        tokenizer = self.worker.tokenizer
+        predict = o["predict"] and self.worker.pair_version == 0
+        notice = " ".join(notices)
+        phase = "main"
+        last_text = last_plot = 0.0
+        dirty_text = dirty_plot = False
+        position = job.position()
+        queued = f"Waiting for the engine: {position} request{'s' if position != 1 else ''} ahead of yours." \
+            if position else "Starting…"
+
+        def status(text, kind="info"):
+            return status_html(html.escape(notice) + ("<br>" if notice and text else "") + text,
+                               "warn" if notice and kind == "info" else kind)
+
+        yield {c.chatbot: display_messages(history[:-1] + [{"role": "assistant", "content": "…"}]),
+               c.msg: "", c.history: history[:-1],
+               c.tree_plot: figures.placeholder_figure("Waiting for the first step…"),
+               c.slider: gr.update(visible=False), c.compare_md: gr.update(value="", visible=False),
+               c.steps_plot: figures.placeholder_figure("Per-step chart appears as tokens are committed", 220),
+               c.stats: "", c.status: status(queued)}
+        terminal = None
+        while terminal is None:
+            try:
+                events = [job.events.get(timeout=0.25)]
+            except queue.Empty:
+                now_position = job.position()
+                if now_position and now_position != position:
+                    position = now_position
+                    yield {c.status: status(f"Waiting for the engine: {position} request"
+                                            f"{'s' if position != 1 else ''} ahead of yours.")}
+                continue
+            while True:  # drain what is already there: one UI update for a burst of fast steps
+                try:
+                    events.append(job.events.get_nowait())
+                except queue.Empty:
+                    break
+            for event in events:
+                kind, data = event.kind, event.data
+                if kind == "started":
+                    phase = event.phase
+                    tokenizer = data.get("tokenizer") or tokenizer
+                    if phase == "main":
+                        tc = data.get("tree_choice")
+                        if tc is not None:
+                            run.predicted = tc.predicted_speedup
+                            run.expected = tc.expected_tokens
+                            run.tree_desc = (f"auto: {tc.size} nodes, depth {tc.depth}, predicted "
+                                             f"{tc.predicted_speedup:.2f}× the target alone")
+                        elif predict and isinstance(data.get("tree"), Tree):
+                            run.expected = data["tree"].expected_tokens(o["acceptance"])
+                elif kind == "step" and event.phase == "main":
+                    run.steps.append(data)
+                    tokens.extend(data.committed)
+                    run.texts.update(self.texts.texts(tokenizer, data.tokens + data.committed))
+                    dirty_text = dirty_plot = True
+                elif kind == "step":
+                    compare_tokens.extend(data.committed)
+                    dirty_text = True
+                elif kind == "finished":
+                    if event.phase == "main":
+                        run.main = data
+                    else:
+                        run.compare = data
+                elif kind in ("done", "cancelled", "error"):
+                    terminal = event
+            now = time.perf_counter()
+            if terminal is None and dirty_text and now - last_text >= o["text_interval"]:
+                update = {}
+                answer["content"] = tokenizer.decode(tokens, skip_special_tokens=True)
+                if phase == "main":
+                    update[c.chatbot] = display_messages(history)
+                    last = run.steps[-1] if run.steps else None
+                    update[c.status] = status(
+                        f"Decoding · step {len(run.steps)} · {len(tokens)} tokens"
+                        + (f" · last step accepted {last.accepted_draft_tokens} of {last.tree_size - 1} drafts"
+                           if last is not None and last.tree_size > 1 else ""))
+                else:
+                    update[c.status] = status(f"Answer done. Now the target alone, for comparison: "
+                                              f"{len(compare_tokens)} tokens…")
+                if dirty_plot and run.steps and now - last_plot >= o["plot_interval"]:
+                    update[c.tree_plot] = figures.tree_figure(run.steps[-1], run.texts)
+                    update[c.steps_plot] = figures.steps_figure(run.steps, None, run.expected)
+                    update[c.stats] = figures.stats_line(run.steps)
+                    last_plot, dirty_plot = now, False
+                last_text, dirty_text = now, False
+                yield update
+
+        # ----- the end of the answer ------------------------------------------------------------
+        answer["content"] = tokenizer.decode(tokens, skip_special_tokens=True)
+        update = {}
+        kind = "ok"
+        run.baseline = self.worker.baseline_tokens_per_s  # the target alone, measured on this pair
+        if run.baseline is None and self.worker.tuner is not None:
+            run.baseline = 1.0 / self.worker.tuner.profile.target_time(1)  # the profile's estimate
+        if terminal.kind == "done":
+            if run.compare is not None:
+                run.identical = compare_tokens == tokens
+            reason = (run.main or {}).get("finish_reason")
+            text = f"Done: {len(tokens)} tokens in {len(run.steps)} steps" + (
+                " (reached max new tokens)." if reason == "length" else ".")
+            if run.tree_desc:
+                text += f" Tree: {html.escape(run.tree_desc)}."
+        elif terminal.kind == "cancelled":
+            answer["note"] = "stopped"
+            text, kind = f"Stopped after {len(run.steps)} steps ({len(tokens)} tokens).", "warn"
+        else:
+            error = str(terminal.data)
+            gr.Warning(f"The engine failed: {error}")
+            kind = "error"
+            text = f"The engine failed: {html.escape(error)}"
+            if not tokens:
+                history = history[:-2] if message else history[:-1]
+                update[c.msg] = message
+                text += " Your message is back in the box."
+            else:
+                answer["note"] = f"error: {error}"
+        if history and history[-1] is answer and not tokens and terminal.kind == "cancelled":
+            history = history[:-1]  # stopped before the first token: no empty answer left behind
+        update.update({c.chatbot: display_messages(history), c.history: history, c.run: run,
+                       c.status: status(text, kind)})
+        update.update(self._run_views(run, len(run.steps) - 1 if run.steps else None, highlight, tokenizer))
+        update[c.export_btn] = self._export_file(system, history, settings)
+        yield update
+
+    def _run_views(self, run: Run, index: int | None, highlight: bool, tokenizer=None) -> dict:
+        """Tree, slider, chart, stats, comparison and highlight views of a run."""
+        c = self.c
+        out = {}
+        if index is None or not run.steps:
+            out[c.tree_plot] = figures.placeholder_figure("No steps: the answer was stopped before the first one.")
+            out[c.slider] = gr.update(visible=False)
+            out[c.steps_plot] = figures.placeholder_figure("No steps yet", 220)
+            out[c.stats] = ""
+        else:
+            out[c.tree_plot] = figures.tree_figure(run.steps[index], run.texts)
+            out[c.slider] = gr.update(visible=len(run.steps) > 1, minimum=1, maximum=max(2, len(run.steps)),
+                                      value=index + 1, step=1, interactive=True,
+                                      label=f"Replay a step (1–{len(run.steps)})")
+            out[c.steps_plot] = figures.steps_figure(run.steps, run.baseline, run.expected, run.predicted,
+                                                     highlight=run.steps[index].index)
+            out[c.stats] = figures.stats_line(run.steps, run.baseline)
+        out[c.compare_md] = gr.update(value=self._compare_markdown(run), visible=run.compare is not None)
+        tokenizer = tokenizer or self.worker.tokenizer
+        out[c.highlight_view] = gr.update(value=highlight_html(tokenizer, run.steps), visible=bool(highlight))
+        return out
+
+    @staticmethod
+    def _compare_markdown(run: Run) -> str:
+        if run.compare is None or run.main is None:
+            return ""
+        m, a = run.main, run.compare
+
+        def rate(r):
+            return r["tokens"] / r["decode_s"] if r["decode_s"] > 0 else 0.0
+
+        speed = rate(m) / rate(a) if rate(a) > 0 else 0.0
+        same = ("identical tokens ✓" if run.identical else "different tokens (expected when sampling: "
+                "both follow the target's distribution)" if run.identical is False else "")
+        return (f"<div class='sc-compare'><div class='sc-compare-head'>Speculative vs. target alone: "
+                f"<b>{speed:.2f}×</b> decoding speed · {same}</div>"
+                f"<table><tr><th></th><th>speculative</th><th>target alone</th></tr>"
+                f"<tr><td>wall time (prefill included)</td><td>{_fmt_s(m['seconds'])}</td><td>{_fmt_s(a['seconds'])}</td></tr>"
+                f"<tr><td>decoding</td><td>{rate(m):.1f} tokens/s</td><td>{rate(a):.1f} tokens/s</td></tr>"
+                f"<tr><td>tokens / steps</td><td>{m['tokens']} / {m['steps']}</td><td>{a['tokens']} / {a['steps']}</td></tr>"
+                f"</table></div>")
+
+    def _export_file(self, system, history, settings=None):
+        if not history:
+            return gr.update(value=None, interactive=False)
+        for old in self.export_dir.glob("*.json"):  # files of earlier turns: served already, prune them
+            try:
+                if time.time() - old.stat().st_mtime > 3600:
+                    old.unlink()
+            except OSError:
+                pass
+        path = self.export_dir / f"sequoia-chat-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{id(history) % 10000}.json"
+        path.write_text(export_conversation(system, history, settings), encoding="utf-8")
+        return gr.update(value=str(path), interactive=True)
+
+    # ----- other handlers ---------------------------------------------------------------------
+    def stop(self, request: gr.Request | None = None) -> None:
+        """Cancel this tab's request; its stream ends within one step and says so itself (writing
+        the status from here could land after that final word)."""
+        session = getattr(request, "session_hash", None) or "local"
+        if not self.worker.cancel_session(session):
+            gr.Info("Nothing is running.")
+
+    def clear(self, request: gr.Request | None = None):
+        session = getattr(request, "session_hash", None) or "local"
+        self.worker.cancel_session(session)
+        c = self.c
+        return {c.chatbot: [], c.history: [], c.run: Run(), c.msg: "",
+                c.tree_plot: figures.placeholder_figure("The token tree of each step appears here."),
+                c.slider: gr.update(visible=False), c.steps_plot: figures.placeholder_figure(
+                    "Per-step chart appears as tokens are committed", 220),
+                c.stats: "", c.status: status_html("Cleared.", "info"),
+                c.compare_md: gr.update(value="", visible=False),
+                c.highlight_view: gr.update(value=highlight_html(self.worker.tokenizer, [])),
+                c.export_btn: gr.update(value=None, interactive=False)}
+
+    def show_step(self, step_no, run: Run, highlight):
+        if not isinstance(run, Run) or not run.steps:
+            return {}
+        index = int(_clamp(step_no, 1, len(run.steps), int)) - 1
+        views = self._run_views(run, index, highlight)
+        return {self.c.tree_plot: views[self.c.tree_plot], self.c.steps_plot: views[self.c.steps_plot]}
+
+    def toggle_highlight(self, highlight, run: Run):
+        steps = run.steps if isinstance(run, Run) else []
+        return gr.update(value=highlight_html(self.worker.tokenizer, steps), visible=bool(highlight))
+
+    def tree_info(self, method, size, depth, auto, temperature, top_p):
+        if auto and self.worker.tuner is not None and method != "autoregressive":
+            choice = self.worker.tuner.choose(_clamp(temperature, 0.0, 2.0), _clamp(top_p, 0.01, 1.0))
+            return (f"<div class='sc-tree-info'>auto (hardware-aware optimizer): <b>{choice.size} nodes, depth "
+                    f"{choice.depth}</b> · expected {choice.expected_tokens:.2f} tokens/step · predicted "
+                    f"<b>{choice.predicted_speedup:.2f}×</b></div>")
+        try:
+            tree, desc = resolve_tree(method, size, depth, self.options["acceptance"])
+        except EngineError as exc:
+            return f"<div class='sc-tree-info sc-error'>{html.escape(str(exc))}</div>"
+        extra = ""
+        if tree is not None and self.options["predict"] and self.worker.pair_version == 0:
+            extra = f" · expected {tree.expected_tokens(self.options['acceptance']):.2f} tokens/step"
+        note = ""
+        if method != "chain" and method != "autoregressive" and int(depth) > int(size) - 1 and int(size) > 1:
+            note = f" (depth capped at size − 1 = {int(size) - 1})"
+        return f"<div class='sc-tree-info'>{html.escape(desc)}{note}{extra}</div>"
+
+    def export_settings(self, system, history):
+        return self._export_file(system, history)
+
+    def import_file(self, file, request: gr.Request | None = None):
+        c = self.c
+        if file is None:
+            return {c.status: status_html("No file chosen.", "warn")}
+        path = file if isinstance(file, str) else getattr(file, "name", None) or getattr(file, "path", None)
+        try:
+            size = os.path.getsize(path)
+            if size > MAX_IMPORT_BYTES:
+                raise ValueError(f"the file is {size / 1e6:.1f} MB; conversations up to "
+                                 f"{MAX_IMPORT_BYTES / 1e6:.0f} MB can be imported")
+            with open(path, "rb") as f:
+                system, history = import_conversation(f.read())
+        except (OSError, ValueError) as exc:
+            gr.Warning(f"Import failed: {exc}")
+            return {c.status: status_html(html.escape(f"Import failed: {exc}"), "error")}
+        session = getattr(request, "session_hash", None) or "local"
+        self.worker.cancel_session(session)
+        return {c.chatbot: display_messages(history), c.history: history, c.system: system, c.run: Run(),
+                c.status: status_html(f"Imported {len(history)} messages.", "ok"),
+                c.export_btn: self._export_file(system, history),
+                **{k: v for k, v in self.clear(request).items()
+                   if k in (c.tree_plot, c.slider, c.steps_plot, c.stats, c.compare_md, c.highlight_view)}}
+
+    def load_pair(self, target, draft, dtype, device, trust_remote_code):
+        c = self.c
+        job = self.worker.load_models(target, draft, dtype, device, bool(trust_remote_code))
+        position = job.position()
+        if position:
+            yield {c.models_status: status_html(f"Queued behind {position} request(s)…", "info")}
+        for event in job.iter_events():
+            if event.kind == "progress":
+                yield {c.models_status: status_html(html.escape(event.data), "info")}
+            elif event.kind == "done":
+                info = self.worker.info
+                gr.Info(f"Loaded {info.get('target')} with draft {info.get('draft')}.")
+                yield {c.models_status: status_html("Loaded. New answers use this pair.", "ok"),
+                       c.models_info: pair_markdown(info), c.header: header_html(self.options["title"], info),
+                       c.auto: gr.update(visible=self.worker.tuner is not None, value=False)}
+            elif event.kind in ("error", "cancelled"):
+                message = event.data if event.kind == "error" else "cancelled"
+                gr.Warning(f"Could not load the pair: {message}")
+                yield {c.models_status: status_html(
+                    f"Could not load the pair: {html.escape(str(message))}<br>The previous pair "
+                    f"({html.escape(str(self.worker.info.get('target')))}) is still in use.", "error")}
+
+    # ----- layout ----------------------------------------------------------------------------
+    def build(self) -> gr.Blocks:
+        o, worker = self.options, self.worker
+        info = worker.info
+        c = self.c = _Components()
+        with gr.Blocks(title=o["title"], analytics_enabled=False, fill_width=True,
+                       delete_cache=(3600, 3600)) as demo:
+            c.history = gr.State([])
+            c.run = gr.State(Run())
+            c.header = gr.HTML(header_html(o["title"], info), elem_id="sc-header")
+            with gr.Sidebar(label="Settings", open=True, width=330, elem_id="sc-sidebar"):
+                gr.Markdown("### Settings", elem_classes=["sc-side-title"])
+                c.system = gr.Textbox(o["system_prompt"], label="System prompt", lines=3, max_lines=10,
+                                      placeholder="Optional: how the assistant should behave",
+                                      elem_id="sc-system")
+                with gr.Accordion("Decoding", open=True):
+                    c.temperature = gr.Slider(0.0, 2.0, value=o["temperature"], step=0.05, label="Temperature",
+                                              info="0 = greedy")
+                    c.top_p = gr.Slider(0.05, 1.0, value=o["top_p"], step=0.01, label="Top-p")
+                    c.max_new = gr.Slider(1, o["max_new_tokens_limit"], value=o["max_new_tokens"], step=1,
+                                          label="Max new tokens")
+                    c.seed = gr.Number(o["seed"], label="Seed", precision=0, minimum=0, maximum=2**31 - 1)
+                with gr.Accordion("Speculation", open=True):
+                    c.method = gr.Dropdown(list(METHODS), value=o["method"], label="Method",
+                                           info="Verifier used when temperature > 0")
+                    c.size = gr.Slider(1, o["max_tree_size"], value=o["tree_size"], step=1, label="Tree size",
+                                       info="Nodes per step, root included")
+                    c.depth = gr.Slider(1, o["max_depth"], value=o["depth"], step=1, label="Tree depth",
+                                        info="Longest draft path")
+                    c.auto = gr.Checkbox(False, label="Auto (hardware-aware tree choice)",
+                                         visible=worker.tuner is not None)
+                    c.tree_info = gr.HTML(self.tree_info(o["method"], o["tree_size"], o["depth"], False,
+                                                         o["temperature"], o["top_p"]))
+                with gr.Accordion("Display", open=True):
+                    c.compare = gr.Checkbox(o["compare"], label="Compare with the target alone",
+                                            info="After each answer, decode the same prompt without the draft")
+                    c.highlight = gr.Checkbox(o["highlight"], label="Colour draft vs. target tokens")
+                with gr.Accordion("Models", open=False):
+                    c.models_info = gr.Markdown(pair_markdown(info), elem_id="sc-models-info")
+                    c.target_id = gr.Textbox(info.get("target", ""), label="Target (HF id or local directory)")
+                    c.draft_id = gr.Textbox(info.get("draft", ""), label="Draft (same vocabulary)")
+                    with gr.Row():
+                        c.dtype = gr.Dropdown(["float32", "bfloat16", "float16"], value=info.get("dtype", "float32"),
+                                              label="dtype")
+                        c.device = gr.Textbox(info.get("device", "cpu"), label="device")
+                    c.trust = gr.Checkbox(False, label="Trust remote code (runs the repository's own code)")
+                    c.load_btn = gr.Button("Load pair", variant="secondary", size="sm")
+                    c.models_status = gr.HTML("", elem_id="sc-models-status")
+            with gr.Row(equal_height=False, elem_id="sc-main"):
+                with gr.Column(scale=5, min_width=380, elem_id="sc-chat-col"):
+                    c.chatbot = gr.Chatbot(label="Chat", height=560, buttons=["copy", "copy_all"],
+                                           placeholder=PLACEHOLDER, elem_id="sc-chatbot", show_label=False,
+                                           feedback_options=None, layout="bubble", autoscroll=True)
+                    with gr.Row(elem_id="sc-input-row"):
+                        c.msg = gr.Textbox(placeholder="Message  (Enter sends, Shift+Enter adds a line)",
+                                           show_label=False, lines=1, max_lines=8, scale=8, autofocus=True,
+                                           elem_id="sc-msg", container=False)
+                        c.send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="sc-send")
+                        c.stop_btn = gr.Button("Stop", variant="secondary", scale=1, min_width=80, elem_id="sc-stop")
+                    with gr.Row(elem_id="sc-actions"):
+                        c.regen = gr.Button("↻ Regenerate", size="sm", elem_id="sc-regen")
+                        c.clear_btn = gr.Button("Clear", size="sm", elem_id="sc-clear")
+                        c.export_btn = gr.DownloadButton("Export", size="sm", interactive=False,
+                                                         elem_id="sc-export")
+                        c.import_btn = gr.UploadButton("Import", size="sm", file_types=[".json"],
+                                                       type="filepath", elem_id="sc-import")
+                    c.status = gr.HTML("", elem_id="sc-status")
+                    c.compare_md = gr.HTML("", visible=False, elem_id="sc-compare")
+                    c.highlight_view = gr.HTML(highlight_html(worker.tokenizer, []), visible=bool(o["highlight"]),
+                                               elem_id="sc-highlight")
+                with gr.Column(scale=6, min_width=420, elem_id="sc-viz-col"):
+                    c.tree_plot = gr.Plot(figures.placeholder_figure("The token tree of each step appears here."),
+                                          show_label=False, elem_id="sc-tree")
+                    c.slider = gr.Slider(1, 2, value=1, step=1, label="Replay a step", visible=False,
+                                         elem_id="sc-step-slider")
+                    c.stats = gr.Markdown("", elem_id="sc-stats")
+                    c.steps_plot = gr.Plot(figures.placeholder_figure(
+                        "Per-step chart appears as tokens are committed", 220), show_label=False, elem_id="sc-steps")
+
+            settings = [c.system, c.temperature, c.top_p, c.max_new, c.seed, c.method, c.size, c.depth, c.auto,
+                        c.compare, c.highlight]
+            outputs = [c.chatbot, c.msg, c.history, c.run, c.tree_plot, c.slider, c.steps_plot, c.stats, c.status,
+                       c.compare_md, c.highlight_view, c.export_btn]
+            chat_kwargs = dict(concurrency_limit=16, concurrency_id="chat", show_progress="hidden")
+            c.msg.submit(self.respond, [c.msg, c.history, c.run] + settings, outputs, api_name="chat", **chat_kwargs)
+            c.send.click(self.respond, [c.msg, c.history, c.run] + settings, outputs, api_name="send", **chat_kwargs)
+            c.regen.click(self.regenerate, [c.history, c.run] + settings, outputs, api_name="regenerate",
+                          **chat_kwargs)
+            c.stop_btn.click(self.stop, None, None, api_name="stop", concurrency_limit=None,
+                             show_progress="hidden")
+            c.clear_btn.click(self.clear, None, outputs, api_name="clear", concurrency_limit=None,
+                              show_progress="hidden")
+            c.chatbot.clear(self.clear, None, outputs, api_visibility="private", show_progress="hidden")
+            c.slider.input(self.show_step, [c.slider, c.run, c.highlight], [c.tree_plot, c.steps_plot],
+                           api_name="show_step", trigger_mode="always_last", show_progress="hidden",
+                           concurrency_limit=4)
+            c.highlight.change(self.toggle_highlight, [c.highlight, c.run], c.highlight_view,
+                               api_visibility="private", show_progress="hidden")
+            for control in (c.method, c.size, c.depth, c.auto, c.temperature, c.top_p):
+                control.change(self.tree_info, [c.method, c.size, c.depth, c.auto, c.temperature, c.top_p],
+                               c.tree_info, api_visibility="private", show_progress="hidden",
+                               trigger_mode="always_last")
+            c.system.blur(self.export_settings, [c.system, c.history], c.export_btn, api_visibility="private",
+                          show_progress="hidden")
+            c.import_btn.upload(self.import_file, c.import_btn,
+                                [c.chatbot, c.history, c.system, c.run, c.status, c.export_btn, c.tree_plot,
+                                 c.slider, c.steps_plot, c.stats, c.compare_md, c.highlight_view],
+                                api_name="import_conversation")
+            c.load_btn.click(self.load_pair, [c.target_id, c.draft_id, c.dtype, c.device, c.trust],
+                             [c.models_status, c.models_info, c.header, c.auto], api_name="load_pair",
+                             concurrency_limit=1)
+        demo.chat_app = self
+        return demo
+
+
+class _Components:
+    """Attribute bag of the components a handler reads or writes."""
+
+
+def build_demo(worker: Worker, tokenizer=None, options: dict | None = None) -> gr.Blocks:
+    """The Gradio app around ``worker`` (which owns the models). ``options`` override :data:`DEFAULTS`."""
+    return ChatApp(worker, tokenizer, options).build()
+
+
+def theme() -> gr.themes.Base:
+    local = [gr.themes.Font("Inter"), gr.themes.Font("ui-sans-serif"), gr.themes.Font("system-ui"),
+             gr.themes.Font("Segoe UI"), gr.themes.Font("sans-serif")]
+    mono = [gr.themes.Font("JetBrains Mono"), gr.themes.Font("ui-monospace"), gr.themes.Font("Menlo"),
+            gr.themes.Font("Consolas"), gr.themes.Font("monospace")]
+    return gr.themes.Default(primary_hue="emerald", secondary_hue="violet", neutral_hue="slate", font=local,
+                             font_mono=mono, radius_size="md")
+
+
+def launch(demo: gr.Blocks, server_name: str = "127.0.0.1", server_port: int | None = None, share: bool = False,
+           inbrowser: bool = False, prevent_thread_lock: bool = False, quiet: bool = False, **kwargs):
+    """``demo.launch`` with the app's theme, CSS, queue and upload limits."""
+    demo.queue(default_concurrency_limit=4)
+    return demo.launch(server_name=server_name, server_port=server_port, share=share, inbrowser=inbrowser,
+                       prevent_thread_lock=prevent_thread_lock, quiet=quiet, theme=theme(),
+                       css_paths=[CSS_PATH] if CSS_PATH.exists() else None, max_file_size="5mb",
+                       show_error=True, run_history=False, footer_links=["api", "settings"], **kwargs)

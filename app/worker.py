@@ -1,0 +1,415 @@
+"""One background thread owns the engine; requests from every browser tab queue on it.
+
+Each request is a :class:`Job` with its own event queue and cancel flag. The worker iterates
+``engine.stream()`` and checks the flag after every step, so Stop takes effect within one step;
+a cancelled generator is closed and dropped. An exception inside the engine ends that job with
+an ``error`` event and the worker goes on serving the next one. Loading another model pair is a
+job too, so it never swaps the models under a running generation, and a failed load keeps the
+previous pair.
+
+Events (``Event.kind``), in order:
+
+- ``queued`` (data: jobs ahead of this one) while waiting;
+- ``started`` (data: ``{"phase", "tree", "tree_choice"}``) when a decoding phase begins;
+- ``step`` (data: a :class:`~engine.records.StepRecord`; ``phase`` says which run);
+- ``finished`` (data: ``{"phase", "steps", "tokens", "seconds", "prefill_s", "finish_reason"}``) per phase;
+- ``progress`` (data: a message) while loading models;
+- exactly one terminal event: ``done`` (data: summary dict), ``cancelled`` or ``error`` (data: message).
+
+Generation phases: ``main`` (the requested method and tree) and, in compare mode, ``compare``
+(the same prompt decoded by the target alone, ``tree=None``).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.errors import EngineError, ModelLoadError
+from engine.speculative import SpeculativeEngine
+from engine.tree import Tree
+
+log = logging.getLogger(__name__)
+
+TERMINAL = ("done", "cancelled", "error")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Event:
+    kind: str
+    data: Any = None
+    phase: str = "main"
+
+
+@dataclass
+class GenerationRequest:
+    """What to decode. ``tree``: a Tree, None (target alone) or "auto" (needs a tuner)."""
+
+    input_ids: list[int]
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    tree: Tree | str | None = None
+    seed: int = 0
+    method: str = "sequoia"
+    compare: bool = False
+
+
+@dataclass
+class LoadRequest:
+    target: str
+    draft: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    trust_remote_code: bool = False
+
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Job:
+    """One queued request: read ``events`` until a terminal event; ``cancel()`` to stop it."""
+
+    request: GenerationRequest | LoadRequest
+    session: str | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
+    worker: "Worker | None" = field(default=None, repr=False)
+    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def kind(self) -> str:
+        return "load" if isinstance(self.request, LoadRequest) else "generate"
+
+    def cancel(self) -> None:
+        self._cancel.set()
+        if self.worker is not None:
+            self.worker._drop_pending(self)
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    def position(self) -> int | None:
+        """Jobs ahead of this one (0: running now); None once finished."""
+        return self.worker.position(self) if self.worker is not None else None
+
+    def iter_events(self, timeout: float | None = None) -> Iterator[Event]:
+        """Events until the terminal one (inclusive). ``timeout``: seconds to wait for each."""
+        while True:
+            event = self.events.get(timeout=timeout)
+            yield event
+            if event.kind in TERMINAL:
+                return
+
+    def wait(self, timeout: float | None = None) -> list[Event]:
+        """Block until the job ends; all its events."""
+        return list(self.iter_events(timeout))
+
+    def _emit(self, kind: str, data: Any = None, phase: str = "main") -> None:
+        self.events.put(Event(kind, data, phase))
+        if kind in TERMINAL:
+            self._done.set()
+
+
+# ----- engines and pairs -------------------------------------------------------------------
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """The model's own stop tokens plus the tokenizer's end-of-sequence and end-of-turn tokens."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    if tokenizer is not None:
+        if tokenizer.eos_token_id is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        vocab = tokenizer.get_vocab()
+        for name in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"):
+            if name in vocab:
+                ids.add(int(vocab[name]))
+    return sorted(ids)
+
+
+def make_engine(target, draft, tokenizer, tuner=None) -> SpeculativeEngine:
+    """The engine the app uses for a pair: stops on the tokenizer's end-of-turn tokens too."""
+    return SpeculativeEngine(target, draft, stop_token_ids=stop_token_ids(target, tokenizer), tuner=tuner)
+
+
+def _count(model) -> int:
+    return sum(p.numel() for p in model.parameters()) if model is not None else 0
+
+
+def describe_pair(target, draft, target_name: str, draft_name: str) -> dict:
+    """What the Models panel shows."""
+    param = next(target.parameters())
+    return {"target": target_name, "draft": draft_name, "device": str(param.device),
+            "dtype": str(param.dtype).removeprefix("torch."), "target_params": _count(target),
+            "draft_params": _count(draft),
+            "max_context": int(getattr(target.config, "max_position_embeddings", 0) or 0)}
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
+
+
+def validate_model_id(value: str, role: str) -> str:
+    """A Hugging Face id (``owner/name``), a local directory, or an embedded name; raises ModelLoadError."""
+    value = (value or "").strip()
+    if not value:
+        raise ModelLoadError(f"the {role} model is empty: give a Hugging Face id (owner/name) or a local directory")
+    if len(value) > 300:
+        raise ModelLoadError(f"the {role} model id is too long")
+    if value in ("default-target", "default-draft") or os.path.isdir(os.path.expanduser(value)):
+        return os.path.expanduser(value) if os.path.isdir(os.path.expanduser(value)) else value
+    if not _HUB_ID.match(value) or ".." in value:
+        raise ModelLoadError(f"'{value}' is neither a local directory nor a Hugging Face id like "
+                             f"Qwen/Qwen2.5-0.5B-Instruct")
+    return value
+
+
+def _default_loader(model_id: str, dtype: torch.dtype, device: str, trust_remote_code: bool):
+    from engine.models import load_model
+    return load_model(model_id, dtype, device, trust_remote_code)
+
+
+# ----- the worker --------------------------------------------------------------------------
+class Worker:
+    """Owns the engine on one daemon thread; serves jobs first come, first served."""
+
+    def __init__(self, engine, tokenizer, info: dict | None = None,
+                 loader: Callable | None = None, tuner=None, name: str = "sequoia-engine") -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.info = dict(info or {})
+        self.tuner = tuner if tuner is not None else getattr(engine, "tuner", None)
+        self.loader = loader or _default_loader
+        self.baseline_tokens_per_s: float | None = None  # last measured target-alone rate, this pair
+        self.pair_version = 0                            # bumped on every successful model swap
+        self._pending: deque[Job] = deque()
+        self._current: Job | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_models(cls, target, draft, tokenizer, target_name: str = "target", draft_name: str = "draft",
+                    tuner=None, loader: Callable | None = None) -> "Worker":
+        engine = make_engine(target, draft, tokenizer, tuner)
+        return cls(engine, tokenizer, describe_pair(target, draft, target_name, draft_name), loader, tuner)
+
+    def set_tuner(self, tuner) -> None:
+        """Enable ``tree="auto"`` (an :class:`engine.optimizer.AutoTuner` for the current pair) or disable it."""
+        self.tuner = tuner
+        target = getattr(self.engine, "_engine", self.engine)  # through test wrappers
+        target.tuner = tuner
+
+    # ----- submitting --------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, session: str | None = None) -> Job:
+        return self._enqueue(Job(request, session))
+
+    def load_models(self, target: str, draft: str, dtype: str = "float32", device: str = "cpu",
+                    trust_remote_code: bool = False, session: str | None = None) -> Job:
+        return self._enqueue(Job(LoadRequest(target, draft, dtype, device, trust_remote_code), session))
+
+    def _enqueue(self, job: Job) -> Job:
+        job.worker = self
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the engine worker has been closed")
+            self._pending.append(job)
+            ahead = len(self._pending) - 1 + (self._current is not None)
+            self._cond.notify_all()
+        if ahead:
+            job._emit("queued", ahead)
+        return job
+
+    def _drop_pending(self, job: Job) -> None:
+        """A job cancelled while still waiting never runs."""
+        with self._cond:
+            try:
+                self._pending.remove(job)
+            except ValueError:
+                return
+        job._emit("cancelled")
+
+    def cancel_session(self, session: str) -> int:
+        """Cancel every running or waiting job of ``session``; how many."""
+        with self._cond:
+            jobs = [j for j in list(self._pending) + [self._current] if j is not None and j.session == session]
+        for job in jobs:
+            job.cancel()
+        return len(jobs)
+
+    def position(self, job: Job) -> int | None:
+        with self._cond:
+            if job is self._current:
+                return 0
+            try:
+                return self._pending.index(job) + (self._current is not None)
+            except ValueError:
+                return None
+
+    @property
+    def busy(self) -> int:
+        """Jobs running or waiting."""
+        with self._cond:
+            return len(self._pending) + (self._current is not None)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Cancel everything and stop the thread."""
+        with self._cond:
+            self._closed = True
+            jobs = list(self._pending) + ([self._current] if self._current else [])
+            self._cond.notify_all()
+        for job in jobs:
+            job.cancel()
+        self._thread.join(timeout)
+
+    # ----- serving -----------------------------------------------------------------------
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job = self._pending.popleft()
+                self._current = job
+            try:
+                if job.cancelled:
+                    job._emit("cancelled")
+                elif job.kind == "load":
+                    self._serve_load(job)
+                else:
+                    self._serve_generate(job)
+            except Exception as exc:  # noqa: BLE001 - the worker must survive anything a job does
+                log.exception("job %s failed", job.id)
+                job._emit("error", _message(exc))
+            finally:
+                if not job.finished:
+                    job._emit("error", "the request ended without a result")
+                with self._cond:
+                    self._current = None
+
+    def _serve_generate(self, job: Job) -> None:
+        request: GenerationRequest = job.request
+        main = self._decode(job, "main", request.tree, request.method)
+        if main is None:
+            return
+        summary = {"main": main, "compare": None}
+        if request.tree is None or request.method == "autoregressive":
+            self._record_baseline(main)
+        if request.compare and main["steps"]:
+            compare = self._decode(job, "compare", None, request.method)
+            if compare is None:
+                return
+            self._record_baseline(compare)
+            summary["compare"] = compare
+        summary["baseline_tokens_per_s"] = self.baseline_tokens_per_s
+        job._emit("done", summary)
+
+    def _decode(self, job: Job, phase: str, tree, method: str) -> dict | None:
+        """One decoding run; its ``finished`` data, or None when it was cancelled or failed."""
+        request: GenerationRequest = job.request
+        engine = self.engine
+        start = time.perf_counter()
+        try:
+            stream = engine.stream(request.input_ids, max_new_tokens=request.max_new_tokens,
+                                   temperature=request.temperature, top_p=request.top_p, tree=tree,
+                                   seed=request.seed, method=method)
+        except Exception as exc:  # noqa: BLE001 - bad parameters become an error event
+            job._emit("error", _message(exc))
+            return None
+        choice = getattr(engine, "last_tree_choice", None) if tree == "auto" else None
+        job._emit("started", {"phase": phase, "tree": choice.tree if choice else tree, "tree_choice": choice,
+                              "tokenizer": self.tokenizer, "pair_version": self.pair_version}, phase)
+        steps, tokens = 0, 0
+        finish_reason = None
+        decode_s = 0.0
+        try:
+            for record in stream:
+                steps += 1
+                tokens += len(record.committed)
+                decode_s += record.timings.total_s
+                finish_reason = record.finish_reason or finish_reason
+                job._emit("step", record, phase)
+                if job.cancelled:
+                    break
+        except Exception as exc:  # noqa: BLE001 - an engine failure mid-answer ends this job only
+            log.exception("engine failed during job %s", job.id)
+            job._emit("error", _message(exc))
+            return None
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
+        if job.cancelled:
+            job._emit("cancelled")
+            return None
+        result = {"phase": phase, "steps": steps, "tokens": tokens, "seconds": time.perf_counter() - start,
+                  "decode_s": decode_s, "prefill_s": getattr(engine, "last_prefill_s", 0.0),
+                  "finish_reason": finish_reason or "length",
+                  "tree_choice": choice}
+        job._emit("finished", result, phase)
+        return result
+
+    def _record_baseline(self, run: dict) -> None:
+        if run["decode_s"] > 0 and run["tokens"] > 0:
+            self.baseline_tokens_per_s = run["tokens"] / run["decode_s"]
+
+    def _serve_load(self, job: Job) -> None:
+        request: LoadRequest = job.request
+        if request.dtype not in DTYPES:
+            raise ModelLoadError(f"dtype must be one of {', '.join(DTYPES)}, got {request.dtype!r}")
+        device = (request.device or "cpu").strip()
+        if device != "cpu" and not (re.fullmatch(r"cuda(:\d+)?", device) and torch.cuda.is_available()):
+            raise ModelLoadError(f"device '{device}' is not available here: use cpu"
+                                 + (" or cuda" if torch.cuda.is_available() else ""))
+        target_id = validate_model_id(request.target, "target")
+        draft_id = validate_model_id(request.draft, "draft")
+        dtype = DTYPES[request.dtype]
+        job._emit("progress", f"loading target {target_id} …")
+        target, tokenizer = self.loader(target_id, dtype, device, request.trust_remote_code)
+        if job.cancelled:
+            job._emit("cancelled")
+            return
+        job._emit("progress", f"loading draft {draft_id} …")
+        draft, draft_tokenizer = self.loader(draft_id, dtype, device, request.trust_remote_code)
+        from engine.models import check_same_vocabulary
+        check_same_vocabulary(tokenizer, draft_tokenizer, target_id, draft_id)
+        job._emit("progress", "building the engine …")
+        engine = make_engine(target, draft, tokenizer)
+        if job.cancelled:
+            job._emit("cancelled")
+            return
+        self.engine, self.tokenizer = engine, tokenizer
+        self.info = describe_pair(target, draft, target_id, draft_id)
+        self.tuner = None  # a calibration belongs to the pair it was measured on
+        self.baseline_tokens_per_s = None
+        self.pair_version += 1
+        job._emit("done", {"info": dict(self.info)})
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, EngineError):
+        return str(exc)
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

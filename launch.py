@@ -1,0 +1,91 @@
+"""Entry point of `make run`: the Sequoia Chat web app (chat + live token tree) on a local server.
+
+Loads the target/draft pair (the embedded Qwen2.5-Coder pair unless --target/--draft say
+otherwise), then serves the UI and prints its local URL. `make run ARGS="--port 8000"`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from engine.errors import EngineError
+from engine.generate import DTYPES
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1", help="interface to serve on (0.0.0.0 exposes it to the network)")
+    parser.add_argument("--port", type=int, default=None, help="port (default: the first free one from 7860)")
+    parser.add_argument("--share", action="store_true", help="also create a public gradio.live link (off)")
+    parser.add_argument("--inbrowser", action="store_true", help="open the app in the default browser")
+    parser.add_argument("--target", default="default-target", help="HF id or local dir (default: embedded 1.5B)")
+    parser.add_argument("--draft", default="default-draft", help="HF id or local dir (default: embedded 0.5B)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub (HF_HUB_OFFLINE=1)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow model repos to run their own code")
+    parser.add_argument("--tree-size", type=int, default=8, help="initial tree size in the UI (nodes, root included)")
+    parser.add_argument("--depth", type=int, default=4, help="initial tree depth in the UI")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="initial answer budget in the UI")
+    # development: a tiny random pair with the real tokenizer, to work on the UI without the weights
+    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def build_worker(args: argparse.Namespace):
+    from app.pair import load_tuner
+    from app.worker import Worker
+
+    if args.tiny:
+        import torch
+
+        from app.pair import load_tokenizer, tiny_pair
+        torch.set_num_threads(1)
+        tokenizer = load_tokenizer()
+        target, draft = tiny_pair(tokenizer)
+        return Worker.from_models(target, draft, tokenizer, "tiny-random-qwen2 (dev)", "tiny-random-qwen2-perturbed (dev)")
+
+    from engine.models import load_pair
+    print("loading models (the first start assembles and dequantises the weights: a few minutes)...", flush=True)
+    target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
+                                         args.trust_remote_code)
+    tuner = load_tuner(f"{args.target}+{args.draft}", target)
+    return Worker.from_models(target, draft, tokenizer, args.target, args.draft, tuner=tuner)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    try:
+        worker = build_worker(args)
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    from app import ui
+
+    default_pair = (args.target, args.draft) == ("default-target", "default-draft")
+    demo = ui.build_demo(worker, worker.tokenizer, {
+        "tree_size": max(1, args.tree_size), "depth": max(1, args.depth),
+        "max_new_tokens": max(1, args.max_new_tokens), "predict": default_pair and not args.tiny})
+    _, local_url, share_url = ui.launch(demo, server_name=args.host, server_port=args.port, share=args.share,
+                                        inbrowser=args.inbrowser, prevent_thread_lock=True, quiet=True)
+    print(f"Sequoia Chat is running at {local_url}" + (f" (public link: {share_url})" if share_url else ""),
+          flush=True)
+    print("Press Ctrl-C to stop.", flush=True)
+    try:
+        demo.block_thread()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        worker.close()
+        demo.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

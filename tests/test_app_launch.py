@@ -1,0 +1,21 @@
+"""launch.py: flags and the error path (no model weights are loaded)."""
+from __future__ import annotations
+
+import launch
+
+
+def test_defaults_are_local_and_private():
+    args = launch.parse_args([])
+    assert args.host == "127.0.0.1" and args.share is False and args.inbrowser is False
+    assert (args.target, args.draft, args.device, args.dtype) == ("default-target", "default-draft", "cpu", "float32")
+    assert args.offline is False and args.trust_remote_code is False
+    args = launch.parse_args(["--port", "8000", "--share", "--offline", "--tree-size", "16", "--depth", "5"])
+    assert (args.port, args.share, args.offline, args.tree_size, args.depth) == (8000, True, True, 16, 5)
+
+
+def test_a_missing_model_exits_2_with_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # recorded, so the --offline that main() sets is undone
+    code = launch.main(["--offline", "--target", "sequoia-test-org/missing", "--draft", "sequoia-test-org/missing2"])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "sequoia-test-org/missing" in err and len(err.splitlines()) == 1

@@ -1,0 +1,198 @@
+"""app.worker: one thread owns the engine; cancel, queueing, errors and model loading."""
+from __future__ import annotations
+
+import pytest
+
+from app.worker import GenerationRequest, Worker, make_engine, validate_model_id
+from engine.errors import ModelLoadError
+from engine.generate import build_tree
+from engine.prompts import encode_chat
+from engine.tree import Tree
+
+import test_app_support as support
+
+TREE = build_tree(8, 4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    yield from support.one_torch_thread()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    tokenizer = support.tokenizer()
+    target, draft = support.tiny_pair()
+    return target, draft, tokenizer
+
+
+@pytest.fixture()
+def worker(pair):
+    target, draft, tokenizer = pair
+    engine = support.SlowEngine(make_engine(target, draft, tokenizer))
+    w = Worker(engine, tokenizer, {"target": "tiny-target", "draft": "tiny-draft"})
+    yield w
+    w.close()
+
+
+def prompt(pair, text="Write a haiku about trees"):
+    return encode_chat(pair[2], [{"role": "user", "content": text}])
+
+
+def reference(pair, ids, **kwargs):
+    engine = make_engine(pair[0], pair[1], pair[2])
+    return engine.generate(ids, **kwargs).tokens
+
+
+def tokens_of(events, phase="main"):
+    return [t for e in events if e.kind == "step" and e.phase == phase for t in e.data.committed]
+
+
+def test_greedy_answer_equals_the_engine_alone(worker, pair):
+    ids = prompt(pair)
+    events = worker.submit(GenerationRequest(ids, max_new_tokens=40, tree=TREE)).wait(60)
+    assert events[-1].kind == "done"
+    assert [e.kind for e in events][:2] == ["started", "step"]
+    assert tokens_of(events) == reference(pair, ids, max_new_tokens=40, tree=TREE)
+    assert events[-1].data["main"]["tokens"] == 40
+
+
+def test_cancel_stops_within_one_step_and_the_next_request_works(worker, pair):
+    worker.engine.delay = 0.05
+    job = worker.submit(GenerationRequest(prompt(pair), max_new_tokens=2000, tree=TREE))
+    steps_before = 0
+    for event in job.iter_events(timeout=30):
+        if event.kind == "step":
+            steps_before += 1
+            if steps_before == 3:
+                break
+    job.cancel()
+    rest = job.wait(10)
+    assert rest[-1].kind == "cancelled"
+    assert sum(e.kind == "step" for e in rest) <= 1  # the step in flight when Stop came, at most
+    worker.engine.delay = 0.0
+    ids = prompt(pair, "Another question")
+    events = worker.submit(GenerationRequest(ids, max_new_tokens=20, tree=TREE)).wait(60)
+    assert events[-1].kind == "done"
+    assert tokens_of(events) == reference(pair, ids, max_new_tokens=20, tree=TREE)
+
+
+def test_two_concurrent_requests_queue_and_both_complete_correctly(worker, pair):
+    worker.engine.delay = 0.01
+    a, b = prompt(pair, "First prompt"), prompt(pair, "Second, different prompt")
+    jobs = support.run_in_threads([
+        lambda: worker.submit(GenerationRequest(a, max_new_tokens=30, tree=TREE), session="tab-a"),
+        lambda: worker.submit(GenerationRequest(b, max_new_tokens=30, tree=Tree.chain(3)), session="tab-b")])
+    positions = sorted(j.position() for j in jobs)
+    assert positions == [0, 1] or positions[1] is None  # one runs, the other waits its turn
+    results = support.run_in_threads([lambda: jobs[0].wait(60), lambda: jobs[1].wait(60)])
+    assert results[0][-1].kind == results[1][-1].kind == "done"
+    queued = [e for r in results for e in r if e.kind == "queued"]
+    assert queued and queued[0].data == 1
+    assert tokens_of(results[0]) == reference(pair, a, max_new_tokens=30, tree=TREE)
+    assert tokens_of(results[1]) == reference(pair, b, max_new_tokens=30, tree=Tree.chain(3))
+
+
+def test_a_job_cancelled_while_waiting_never_runs(worker, pair):
+    worker.engine.delay = 0.05
+    first = worker.submit(GenerationRequest(prompt(pair), max_new_tokens=2000, tree=TREE), session="x")
+    second = worker.submit(GenerationRequest(prompt(pair), max_new_tokens=10, tree=TREE), session="y")
+    assert second.position() == 1
+    second.cancel()
+    assert [e.kind for e in second.wait(5)] == ["queued", "cancelled"]
+    assert worker.cancel_session("x") == 1
+    assert first.wait(10)[-1].kind == "cancelled"
+    assert worker.busy == 0 or support.wait_until(lambda: worker.busy == 0, 5)
+
+
+def test_engine_error_becomes_an_error_event_and_the_worker_keeps_serving(worker, pair):
+    worker.engine.fail_after = 2
+    events = worker.submit(GenerationRequest(prompt(pair), max_new_tokens=50, tree=TREE)).wait(30)
+    assert events[-1].kind == "error"
+    assert "simulated engine failure" in events[-1].data
+    assert sum(e.kind == "step" for e in events) == 2
+    bad = worker.submit(GenerationRequest(prompt(pair), max_new_tokens=0, tree=TREE)).wait(10)
+    assert bad[-1].kind == "error" and "max_new_tokens" in bad[-1].data
+    ids = prompt(pair, "Still there?")
+    events = worker.submit(GenerationRequest(ids, max_new_tokens=12, tree=TREE)).wait(60)
+    assert events[-1].kind == "done"
+    assert tokens_of(events) == reference(pair, ids, max_new_tokens=12, tree=TREE)
+
+
+def test_compare_mode_decodes_again_with_the_target_alone(worker, pair):
+    ids = prompt(pair)
+    events = worker.submit(GenerationRequest(ids, max_new_tokens=16, tree=TREE, compare=True)).wait(60)
+    done = events[-1]
+    assert done.kind == "done" and done.data["compare"]["tokens"] == 16
+    assert tokens_of(events, "compare") == tokens_of(events, "main")  # greedy: identical answers
+    assert all(e.data.tree_size == 1 for e in events if e.kind == "step" and e.phase == "compare")
+    assert done.data["baseline_tokens_per_s"] > 0 and worker.baseline_tokens_per_s > 0
+
+
+def test_failed_model_load_keeps_the_previous_pair(worker, pair, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    before = (worker.engine, dict(worker.info))
+    events = worker.load_models("sequoia-test-org/no-such-model-anywhere", "sequoia-test-org/no-such-draft").wait(60)
+    assert events[-1].kind == "error"
+    assert "no-such-model-anywhere" in events[-1].data
+    assert any(e.kind == "progress" for e in events)
+    bad = worker.load_models("not a model id!", "x").wait(10)
+    assert bad[-1].kind == "error" and "neither a local directory nor a Hugging Face id" in bad[-1].data
+    assert (worker.engine, worker.info) == before and worker.pair_version == 0
+    ids = prompt(pair)
+    events = worker.submit(GenerationRequest(ids, max_new_tokens=8, tree=TREE)).wait(60)
+    assert tokens_of(events) == reference(pair, ids, max_new_tokens=8, tree=TREE)
+
+
+def test_model_load_swaps_the_pair_with_an_injected_loader(pair):
+    target, draft, tokenizer = pair
+    calls = []
+
+    def loader(model_id, dtype, device, trust_remote_code):
+        calls.append(model_id)
+        return (target if model_id == "org/target" else draft), tokenizer
+
+    w = Worker.from_models(target, draft, tokenizer, "a", "b", loader=loader)
+    try:
+        events = w.load_models("org/target", "org/draft").wait(30)
+        assert events[-1].kind == "done", events[-1]
+        assert calls == ["org/target", "org/draft"]
+        assert w.info["target"] == "org/target" and w.pair_version == 1
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("value, ok", [("Qwen/Qwen2.5-0.5B-Instruct", True), ("gpt2", True),
+                                       ("default-target", True), ("", False), ("a b", False),
+                                       ("../no/such/dir", False), ("x" * 400, False)])
+def test_validate_model_id(value, ok):
+    if ok:
+        assert validate_model_id(value, "target") == value
+    else:
+        with pytest.raises(ModelLoadError):
+            validate_model_id(value, "target")
+
+
+def fake_tuner():
+    from engine.optimizer import AutoTuner
+    from engine.profile import HardwareProfile
+    profile = HardwareProfile(device="test", pair="tiny", dtype="float32", prefix_len=128,
+                              target={1: 0.010, 4: 0.011, 16: 0.013, 64: 0.030},
+                              draft={1: 0.001, 4: 0.0012, 16: 0.0015})
+    return AutoTuner(profile, {(0.0, 1.0): [0.8, 0.1, 0.05]}, max_size=32, max_depth=6)
+
+
+def test_auto_tree_reports_the_optimizer_choice(worker, pair):
+    from app.ui import build_demo
+    demo = build_demo(worker, pair[2])
+    assert demo.chat_app.c.auto.visible is False  # no tuner: no auto checkbox
+    worker.set_tuner(fake_tuner())
+    try:
+        assert build_demo(worker, pair[2]).chat_app.c.auto.visible is True
+        events = worker.submit(GenerationRequest(prompt(pair), max_new_tokens=12, tree="auto")).wait(60)
+        assert events[-1].kind == "done"
+        choice = events[0].data["tree_choice"]
+        assert choice is not None and choice.size > 1 and choice.predicted_speedup > 1
+        assert all(e.data.tree_size == choice.size for e in events if e.kind == "step")
+    finally:
+        worker.set_tuner(None)

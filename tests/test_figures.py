@@ -1,0 +1,233 @@
+"""app.figures and app.conversation: pure functions, tested on hand-made step records."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app import figures
+from app.conversation import (ContextTooLong, display_messages, export_conversation, fit_context, import_conversation,
+                              safe_markdown, token_origins)
+from engine.records import StepRecord, StepTimings
+
+#        0 (root)
+#       /        \
+#   1 (r1)      2 (r2)
+#   /    \          \
+# 3 (r1) 4 (r2)     5 (r1)
+#  |
+# 6 (r1)
+PARENTS = [-1, 0, 0, 1, 1, 2, 3]
+RANKS = [0, 1, 2, 1, 2, 1, 1]
+TOKENS = [100, 101, 102, 103, 104, 105, 106]
+TEXTS = {100: "root", 101: " the", 102: "<b>&", 103: "\n  ", 104: "tree", 105: "x" * 40, 106: "\t", 107: "!"}
+
+
+def make_step(accepted=(0, 1, 4), committed=(101, 104, 107), index=2, finish_reason=None) -> StepRecord:
+    return StepRecord(index=index, tokens=list(TOKENS), parents=list(PARENTS), ranks=list(RANKS),
+                      draft_probs=[1.0, 0.6, 0.3, 0.5, 0.2, 0.9, 0.4],
+                      target_probs=[1.0, 0.7, 0.1, 0.2, 0.6, 0.5, 0.0],
+                      accepted=list(accepted), committed=list(committed),
+                      timings=StepTimings(draft_s=0.02, verify_s=0.05, bookkeeping_s=0.01),
+                      finish_reason=finish_reason)
+
+
+def traces(fig, kind):
+    return [t for t in fig.data if t.meta and t.meta.get("kind") == kind]
+
+
+def node_points(fig) -> dict[int, str]:
+    """node index -> status, from the hover-marker traces."""
+    out = {}
+    for trace in traces(fig, "nodes"):
+        for node in trace.customdata:
+            out[int(node)] = trace.meta["status"]
+    return out
+
+
+# ----- statuses ------------------------------------------------------------------------------
+def test_statuses_distinguish_rejected_from_never_reached():
+    assert figures.node_statuses(make_step()) == ["root", "accepted", "rejected", "rejected", "accepted",
+                                                  "unreached", "unreached"]
+
+
+def test_only_root_accepted_makes_its_children_rejected_and_the_rest_unreached():
+    step = make_step(accepted=(0,), committed=(107,))
+    assert figures.node_statuses(step) == ["root", "rejected", "rejected", "unreached", "unreached", "unreached",
+                                           "unreached"]
+
+
+def test_bonus_token_present_unless_the_step_was_cut_short():
+    assert figures.bonus_token(make_step()) == 107
+    assert figures.bonus_token(make_step(committed=(101, 104), finish_reason="length")) is None
+
+
+# ----- tree figure ---------------------------------------------------------------------------
+def test_tree_figure_has_one_marker_per_node_and_the_bonus():
+    fig = figures.tree_figure(make_step(), TEXTS)
+    assert node_points(fig) == dict(enumerate(figures.node_statuses(make_step())))
+    bonus = traces(fig, "bonus")
+    assert len(bonus) == 1 and len(bonus[0].x) == 1
+    assert len(fig.layout.annotations) == len(TOKENS) + 1  # one label per node + the bonus
+
+
+def test_accepted_path_edges_and_labels_are_green():
+    fig = figures.tree_figure(make_step(), TEXTS)
+    green = figures.COLOURS["accepted"][0]
+    accepted_edges = [t for t in traces(fig, "edges") if t.meta["accepted"]]
+    assert accepted_edges and all(t.line.color == green for t in accepted_edges)
+    # segments 0->1 and 1->4, each "parent, child, None"
+    assert sum(len(t.x) for t in accepted_edges) == 6
+    other_edges = [t for t in traces(fig, "edges") if not t.meta["accepted"] and not t.meta.get("bonus")]
+    assert all(t.line.color != green for t in other_edges)
+    statuses = figures.node_statuses(make_step())
+    for node, annotation in enumerate(fig.layout.annotations[:len(TOKENS)]):
+        assert annotation.bordercolor == figures.COLOURS[statuses[node]][0]
+
+
+def test_edges_are_styled_by_rank():
+    fig = figures.tree_figure(make_step(), TEXTS)
+    dashes = {t.meta["dash"] for t in traces(fig, "edges") if not t.meta.get("bonus")}
+    assert dashes == {"solid", "dash"}  # ranks 1 and 2 only in this tree
+
+
+def test_labels_are_escaped_and_whitespace_is_visible():
+    fig = figures.tree_figure(make_step(), TEXTS)
+    labels = [a.text for a in fig.layout.annotations]
+    assert "&lt;b&gt;&amp;" in labels
+    assert "↵␣␣" in labels and "⇥" in labels and "␣the" in labels
+    assert not any("<b>" in label for label in labels)
+    long_label = next(label for label in labels if label.startswith("xxx"))
+    assert long_label.endswith("…") and len(long_label) <= 14
+    hovers = [h for t in traces(fig, "nodes") for h in t.text]
+    assert any(h.startswith("<b>&lt;b&gt;&amp;</b>") for h in hovers)  # the token escaped inside our bold
+    assert not any("<b><b>" in h for h in hovers)
+
+
+def test_hover_shows_q_p_acceptance_probability_and_rank():
+    fig = figures.tree_figure(make_step(), TEXTS)
+    by_node = {int(n): h for t in traces(fig, "nodes") for n, h in zip(t.customdata, t.text)}
+    assert "draft q = 0.600" in by_node[1] and "target p = 0.700" in by_node[1]
+    assert "min(1, p/q) = 1.00" in by_node[1] and "rank 1" in by_node[1]
+    assert "min(1, p/q) = 0.33" in by_node[2] and "rank 2" in by_node[2]
+    assert "root" in by_node[0]
+
+
+def test_layout_puts_depth_on_x_and_parents_between_children():
+    xs, ys = figures.tree_layout(PARENTS)
+    assert xs == [0, 1, 1, 2, 2, 2, 3]
+    assert len(set(zip(xs, ys))) == len(PARENTS)
+    assert ys[3] <= ys[1] <= ys[4] and ys[1] < ys[2]  # rank order top to bottom
+
+
+def test_unknown_token_text_falls_back_to_id():
+    fig = figures.tree_figure(make_step(), {})
+    assert "#104" in [a.text for a in fig.layout.annotations]
+
+
+def test_root_only_step_draws_without_drafts():
+    step = StepRecord(index=0, tokens=[5], parents=[-1], ranks=[0], draft_probs=[1.0], target_probs=[1.0],
+                      accepted=[0], committed=[6])
+    fig = figures.tree_figure(step, {5: "a", 6: "b"})
+    assert node_points(fig) == {0: "root"}
+    assert "0 drafted tokens" in fig.layout.title.text
+
+
+# ----- steps figure and stats ------------------------------------------------------------------
+def steps():
+    return [make_step(index=0), make_step(accepted=(0,), committed=(107,), index=1),
+            make_step(accepted=(0, 1, 3, 6), committed=(101, 103, 106, 107), index=2)]
+
+
+def test_steps_figure_stacks_accepted_and_bonus_tokens():
+    fig = figures.steps_figure(steps())
+    assert list(traces(fig, "accepted")[0].y) == [2, 0, 3]
+    assert list(traces(fig, "bonus")[0].y) == [1, 1, 1]
+    assert not traces(fig, "speedup")
+
+
+def test_steps_figure_speedup_lines():
+    fig = figures.steps_figure(steps(), baseline_tokens_per_s=10.0, expected_tokens=2.5, predicted_speedup=1.8)
+    speed = traces(fig, "speedup")[0]
+    # step 1: 3 tokens in 0.08 s = 37.5 tokens/s -> 3.75x the 10 tokens/s baseline
+    assert speed.y[0] == pytest.approx(3.75)
+    assert speed.y[-1] == pytest.approx(8 / 0.24 / 10)
+    assert list(traces(fig, "predicted")[0].y) == [1.8, 1.8]
+    assert list(traces(fig, "expected")[0].y) == [2.5, 2.5]
+
+
+def test_stats_line():
+    line = figures.stats_line(steps(), baseline_tokens_per_s=10.0)
+    assert "8 tokens in 3 steps" in line and "2.67 tokens/step" in line
+    assert "accepted 1.67 drafts/step (28% of 18 drafted)" in line  # 5 of 18
+    assert "draft 25%" in line and "verify 6" in line  # 62.5%
+    assert "3.33× the target alone" in line
+    assert figures.stats_line([]) == "No steps yet."
+
+
+# ----- conversation functions ------------------------------------------------------------------
+def test_safe_markdown_escapes_html_outside_code_only():
+    out = safe_markdown("a <b>x</b> & `<i>` then\n```py\nif a<b:\n```\n<c")
+    assert "&lt;b&gt;x&lt;/b&gt; &amp;" in out and "`<i>`" in out and "if a<b:" in out and out.endswith("&lt;c")
+    assert safe_markdown("```\nunclosed <x>") == "```\nunclosed <x>"  # streaming code block
+
+
+def test_display_messages_adds_notes():
+    shown = display_messages([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "note": "stopped"}])
+    assert shown[1]["content"] == [{"type": "text", "text": "yo\n\n*stopped*"}]
+
+
+def test_token_origins_split_drafts_from_bonus():
+    assert token_origins(steps()[:2]) == [(101, "draft"), (104, "draft"), (107, "bonus"), (107, "bonus")]
+
+
+class CountingTokenizer:
+    """One token per character; the template adds 3 tokens per message and 2 for the prompt."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, return_dict):
+        ids = []
+        for m in messages:
+            ids += [1, 2, 3] + [ord(ch) % 100 for ch in m["content"]]
+        return {"input_ids": ids + [4, 5]}
+
+
+def test_fit_context_drops_oldest_turns_but_keeps_the_system_prompt():
+    history = [{"role": "user", "content": "a" * 20}, {"role": "assistant", "content": "b" * 20},
+               {"role": "user", "content": "c" * 20}, {"role": "assistant", "content": "d" * 20},
+               {"role": "user", "content": "e" * 10}]
+    ids, dropped = fit_context(CountingTokenizer(), "sys", history, limit=None)
+    assert dropped == 0 and len(ids) == 6 + 5 * 3 + 90 + 2
+    ids, dropped = fit_context(CountingTokenizer(), "sys", history, limit=70)
+    assert dropped == 2 and len(ids) == 6 + 3 * 3 + 50 + 2 == 67
+    ids, dropped = fit_context(CountingTokenizer(), "sys", history, limit=30)
+    assert dropped == 4 and ids[:6] == [1, 2, 3] + [ord(c) % 100 for c in "sys"]
+    with pytest.raises(ContextTooLong):
+        fit_context(CountingTokenizer(), "sys", history, limit=10)
+
+
+def test_export_import_round_trip():
+    history = [{"role": "user", "content": "hi <b>"}, {"role": "assistant", "content": "hello", "note": "stopped"}]
+    text = export_conversation("be brief", history, {"temperature": 0})
+    system, imported = import_conversation(text)
+    assert system == "be brief"
+    assert imported == [{"role": "user", "content": "hi <b>"}, {"role": "assistant", "content": "hello"}]
+    # a plain list of messages with a leading system message works too
+    system, imported = import_conversation(json.dumps([{"role": "system", "content": "s"},
+                                                       {"role": "user", "content": "u"}]))
+    assert system == "s" and imported == [{"role": "user", "content": "u"}]
+
+
+@pytest.mark.parametrize("payload, reason", [
+    (b"not json at all", "not a JSON file"),
+    (b"\xff\xfe\x00garbage", "not a JSON file"),
+    (json.dumps({"nothing": 1}), "no 'messages'"),
+    (json.dumps({"messages": "hi"}), "must be a list"),
+    (json.dumps({"messages": [{"role": "tool", "content": "x"}]}), "role 'tool'"),
+    (json.dumps({"messages": [{"role": "user", "content": ["x"]}]}), "content must be text"),
+    (json.dumps({"messages": [{"role": "user"}]}), "'role' and 'content'"),
+    (json.dumps({"messages": [{"role": "user", "content": "x", "extra": 1}]}), "'role' and 'content'"),
+    (b" " * 1_000_001, "MB"),
+])
+def test_import_rejects_bad_files_with_a_reason(payload, reason):
+    with pytest.raises(ValueError, match=reason):
+        import_conversation(payload)
