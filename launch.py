@@ -68,10 +68,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     from app import ui
 
-    default_pair = (args.target, args.draft) == ("default-target", "default-draft")
+    from engine.calibrate import find_acceptance
+    from engine.generate import acceptance_for
+
+    pair = f"{args.target}+{args.draft}"
+    measured = (args.target, args.draft) == ("default-target", "default-draft") or bool(find_acceptance(pair))
     demo = ui.build_demo(worker, worker.tokenizer, {
         "tree_size": max(1, args.tree_size), "depth": max(1, args.depth),
-        "max_new_tokens": max(1, args.max_new_tokens), "predict": default_pair and not args.tiny})
+        "max_new_tokens": max(1, args.max_new_tokens), "acceptance": acceptance_for(pair),
+        "predict": measured and not args.tiny})
     _, local_url, share_url = ui.launch(demo, server_name=args.host, server_port=args.port, share=args.share,
                                         inbrowser=args.inbrowser, prevent_thread_lock=True, quiet=True)
     print(f"Sequoia Chat is running at {local_url}" + (f" (public link: {share_url})" if share_url else ""),

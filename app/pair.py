@@ -14,28 +14,30 @@ log = logging.getLogger(__name__)
 
 def load_tuner(pair: str, target, cache: Path | None = None):
     """An :class:`engine.optimizer.AutoTuner` for ``pair`` ("target+draft" as the engine CLIs name
-    it) when ``python -m engine.profile`` and ``python -m engine.calibrate`` have cached a hardware
-    profile for this device/dtype and at least one acceptance vector; otherwise None."""
-    from engine.calibrate import Acceptance
+    it) from a hardware profile for this device/dtype and at least one acceptance vector, as
+    written by ``python -m engine.profile`` and ``python -m engine.calibrate``. The user cache is
+    searched first, then the measurements bundled in ``assets/`` for the embedded pair; None when
+    either is missing."""
     from engine.models import cache_dir
+    from engine.prompts import ASSETS
+
+    for directory in (cache or cache_dir(), ASSETS):
+        tuner = _tuner_from(directory, pair, target)
+        if tuner is not None:
+            return tuner
+    return None
+
+
+def _tuner_from(directory: Path, pair: str, target):
+    from engine.calibrate import find_acceptance
     from engine.optimizer import AutoTuner
     from engine.profile import HardwareProfile, device_name, profile_path
 
-    cache = cache or cache_dir()
     param = next(target.parameters())
     dtype = str(param.dtype).removeprefix("torch.")
-    path = profile_path(cache / "profiles", device_name(param.device), pair, dtype)
-    if not path.exists():
-        return None
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in pair)
-    acceptance = {}
-    for file in sorted((cache / "acceptance").glob(f"{safe}__T*__p*.json")):
-        try:
-            measured = Acceptance.from_json(file.read_text())
-            acceptance[(float(measured.temperature), float(measured.top_p))] = list(measured.vector)
-        except (OSError, ValueError, TypeError, json.JSONDecodeError) as exc:
-            log.warning("ignoring %s: %s", file, exc)
-    if not acceptance:
+    path = profile_path(directory / "profiles", device_name(param.device), pair, dtype)
+    acceptance = find_acceptance(pair, [directory / "acceptance"])
+    if not path.exists() or not acceptance:
         return None
     try:
         return AutoTuner(HardwareProfile.from_json(path.read_text()), acceptance)

@@ -66,8 +66,7 @@ def calibrate(engine: SpeculativeEngine, prompts: list[list[int]], temperature: 
 
 
 def acceptance_path(directory: Path, pair: str, temperature: float, top_p: float) -> Path:
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in pair)
-    return directory / f"{safe}__T{temperature:g}__p{top_p:g}.json"
+    return directory / f"{safe_name(pair)}__T{temperature:g}__p{top_p:g}.json"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,3 +101,25 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def safe_name(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def find_acceptance(pair: str, directories: list[Path] | None = None) -> dict[tuple[float, float], list[float]]:
+    """Calibrated vectors of ``pair`` keyed by (temperature, top_p): the user cache first, then the
+    measurements bundled in ``assets/acceptance`` (the embedded pair's); unreadable files are skipped."""
+    if directories is None:
+        from .models import cache_dir
+        from .prompts import ASSETS
+        directories = [cache_dir() / "acceptance", ASSETS / "acceptance"]
+    found: dict[tuple[float, float], list[float]] = {}
+    for directory in reversed(directories):  # earlier directories override later ones
+        for file in sorted(directory.glob(f"{safe_name(pair)}__T*__p*.json")):
+            try:
+                measured = Acceptance.from_json(file.read_text())
+            except (OSError, ValueError, TypeError, KeyError):
+                continue
+            found[(float(measured.temperature), float(measured.top_p))] = list(measured.vector)
+    return found

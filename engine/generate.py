@@ -17,9 +17,23 @@ DEFAULT_ACCEPTANCE = [0.875, 0.069, 0.025, 0.014, 0.002, 0.002, 0.002, 0.002]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_tree(size: int, depth: int | None, acceptance: list[float] = DEFAULT_ACCEPTANCE) -> Tree | None:
+def acceptance_for(pair: str, temperature: float = 0.0, top_p: float = 1.0) -> list[float]:
+    """The calibrated vector of ``pair`` nearest to (temperature, top_p), else the default pair's
+    greedy vector above."""
+    from .calibrate import find_acceptance
+
+    found = find_acceptance(pair)
+    if not found:
+        return DEFAULT_ACCEPTANCE
+    return found[min(found, key=lambda k: (abs(k[0] - temperature) + abs(k[1] - top_p), k))]
+
+
+def build_tree(size: int, depth: int | None, acceptance: list[float] | None = None) -> Tree | None:
     """``size`` nodes (root included) and depth <= ``depth``: a chain when size == depth + 1,
-    otherwise Sequoia's DP tree; ``size == 1`` means autoregressive (``None``)."""
+    otherwise Sequoia's DP tree for ``acceptance`` (cached); ``size == 1`` means autoregressive
+    (``None``)."""
+    from .tree_store import optimal_tree
+
     if size == 1:
         return None
     depth = size - 1 if depth is None else depth
@@ -27,7 +41,7 @@ def build_tree(size: int, depth: int | None, acceptance: list[float] = DEFAULT_A
         raise EngineError(f"--depth must be between 1 and tree size - 1 ({size - 1}), got {depth}")
     if size == depth + 1:
         return Tree.chain(depth)
-    return Tree.optimal(acceptance, size, depth)
+    return optimal_tree(acceptance if acceptance is not None else DEFAULT_ACCEPTANCE, size, depth)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,7 +79,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.tree_size < 1:
         raise EngineError(f"--tree-size must be >= 1, got {args.tree_size}")
-    tree = build_tree(args.tree_size, args.depth)
+    tree = build_tree(args.tree_size, args.depth,
+                      acceptance_for(f"{args.target}+{args.draft}", args.temperature, args.top_p))
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
                                          args.trust_remote_code)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \

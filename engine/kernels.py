@@ -36,3 +36,4 @@ def use_small_batch_linear(model: torch.nn.Module) -> int:
             module._small_batch_linear = True
             count += 1
     return count
+

@@ -1,0 +1,58 @@
+"""Cached optimal trees: human-readable JSON files keyed by (acceptance vector, size, depth).
+
+Looked up in the user cache (``<cache>/trees``) and in ``assets/trees`` (precomputed for the
+embedded pair); a miss solves the dynamic program and writes the result to the user cache.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from .tree import Tree
+
+
+def tree_key(acceptance, size: int, depth: int) -> str:
+    rounded = [round(float(p), 6) for p in acceptance]
+    digest = hashlib.sha256(json.dumps(rounded).encode()).hexdigest()[:12]
+    return f"n{size}-d{depth}-{digest}"
+
+
+def default_directories() -> list[Path]:
+    from .models import cache_dir
+    from .prompts import ASSETS
+
+    return [cache_dir() / "trees", ASSETS / "trees"]
+
+
+def optimal_tree(acceptance, size: int, depth: int, directories: list[Path] | None = None) -> Tree:
+    """``Tree.optimal(acceptance, size, depth)``, read from the first directory that has it, else
+    built and saved in the first directory."""
+    directories = directories if directories is not None else default_directories()
+    name = tree_key(acceptance, size, depth) + ".json"
+    for directory in directories:
+        path = directory / name
+        if path.exists():
+            try:
+                return Tree.from_parents(json.loads(path.read_text())["parents"])
+            except (OSError, ValueError, KeyError):
+                continue  # unreadable: rebuild below
+    tree = Tree.optimal(acceptance, size, depth)
+    if directories:
+        save_tree(tree, acceptance, directories[0] / name)
+    return tree
+
+
+def save_tree(tree: Tree, acceptance, path: Path) -> None:
+    record = {"size": tree.size, "depth": tree.depth, "expected_tokens": tree.expected_tokens(acceptance),
+              "acceptance": [float(p) for p in acceptance], "parents": list(tree.parents)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".partial")
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a cache that cannot be written only costs a rebuild next time
