@@ -54,12 +54,12 @@ def single_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def qwen():
-    target = tm.qwen2(seed=QWEN_SEED)
+def model_set(build, seed: int) -> dict:
+    """A target, a random and a close draft, and the target's own greedy references."""
+    target = build(seed=seed)
     return {
         "target": target,
-        "random": tm.qwen2(seed=QWEN_SEED + 50, hidden_size=16, layers=1),
+        "random": build(seed=seed + 50, hidden_size=16, layers=1),
         "close": tm.perturbed(target, noise=0.003),
         "clone": tm.clone(target),
         "ref": tm.hf_greedy(target, PROMPT, NEW_TOKENS),
@@ -69,14 +69,13 @@ def qwen():
 
 
 @pytest.fixture(scope="module")
+def qwen():
+    return model_set(tm.qwen2, QWEN_SEED)
+
+
+@pytest.fixture(scope="module")
 def llama():
-    target = tm.llama(seed=LLAMA_SEED)
-    return {
-        "target": target,
-        "random": tm.llama(seed=LLAMA_SEED + 50, hidden_size=16, layers=1),
-        "close": tm.perturbed(target, noise=0.003),
-        "ref": tm.hf_greedy(target, PROMPT, NEW_TOKENS),
-    }
+    return model_set(tm.llama, LLAMA_SEED)
 
 
 def engine_for(models, draft_kind, **kwargs) -> SpeculativeEngine:

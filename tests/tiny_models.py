@@ -23,18 +23,21 @@ def _finish(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _build(config_class, model_class, seed: int, **config) -> torch.nn.Module:
+    config = config_class(tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+                          attn_implementation="sdpa", **config)
+    with torch.random.fork_rng(devices=[]):  # leave the global RNG of other tests alone
+        torch.manual_seed(seed)
+        model = model_class(config)
+    return _finish(model)
+
+
 def qwen2(seed: int = 0, vocab_size: int = VOCAB, hidden_size: int = 32, layers: int = 2,
           max_positions: int = MAX_POSITIONS) -> torch.nn.Module:
     """A random ``Qwen2ForCausalLM`` with grouped-query attention (4 query heads, 2 KV heads)."""
-    config = transformers.Qwen2Config(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=max_positions, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0, attn_implementation="sdpa")
-    with torch.random.fork_rng(devices=[]):  # leave the global RNG of other tests alone
-        torch.manual_seed(seed)
-        model = transformers.Qwen2ForCausalLM(config)
-    return _finish(model)
+    return _build(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, seed, vocab_size=vocab_size,
+                  hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions)
 
 
 def llama(seed: int = 0, vocab_size: int = VOCAB, hidden_size: int = 32, layers: int = 2,
@@ -44,15 +47,9 @@ def llama(seed: int = 0, vocab_size: int = VOCAB, hidden_size: int = 32, layers:
     Untied on purpose: a tiny random model with tied embeddings mostly predicts its own input token,
     so every draft agrees with every target and the tests would prove little.
     """
-    config = transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-        max_position_embeddings=max_positions, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0, attn_implementation="sdpa")
-    with torch.random.fork_rng(devices=[]):  # leave the global RNG of other tests alone
-        torch.manual_seed(seed)
-        model = transformers.LlamaForCausalLM(config)
-    return _finish(model)
+    return _build(transformers.LlamaConfig, transformers.LlamaForCausalLM, seed, vocab_size=vocab_size,
+                  hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=max_positions)
 
 
 def clone(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,0 +1,74 @@
+"""The app on the real default pair: a local server driven by gradio_client, and a browser screenshot."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from app.conversation import safe_markdown
+from app.worker import Worker, make_engine
+from engine.generate import build_tree
+
+import test_app_support as support
+from test_app_server import CHATBOT, STATUS, TREE_PLOT, answer_text, chat_args
+
+pytestmark = pytest.mark.real_pair
+gradio_client = pytest.importorskip("gradio_client")
+
+PROMPT = "In two sentences, what is a hash map?"
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+CHROMIUM = os.environ.get("SEQUOIA_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage"]
+
+
+@pytest.fixture(scope="module")
+def server(real_pair):
+    target, draft, tokenizer = real_pair
+    worker = Worker.from_models(target, draft, tokenizer, "default-target", "default-draft")
+    demo, url = support.start_server(worker, {"max_new_tokens": 40})
+    yield worker, url
+    demo.close()
+    worker.close()
+
+
+def test_greedy_chat_turn_equals_the_engine_alone(server, real_pair):
+    worker, url = server
+    target, draft, tokenizer = real_pair
+    client = gradio_client.Client(url, verbose=False, download_files=False)
+    job = client.submit(*chat_args(PROMPT, max_new=40, size=8, depth=4), api_name="/chat")
+    final = job.result(timeout=600)
+    text, tokens = support.reference_text(make_engine(target, draft, tokenizer), tokenizer,
+                                          [{"role": "user", "content": PROMPT}], max_new_tokens=40,
+                                          tree=build_tree(8, 4))
+    assert answer_text(final[CHATBOT]) == safe_markdown(text)
+    assert "hash" in text.lower()
+    assert '"kind":"nodes"' in final[TREE_PLOT]["plot"]
+    partial = {len(answer_text(out[CHATBOT])) for out in job.outputs()
+               if isinstance(out[CHATBOT], list) and len(out[CHATBOT]) == 2}
+    assert len(partial) >= 3, "the answer should stream in several updates"
+    assert "Done" in final[STATUS]
+
+
+def test_browser_screenshot_on_the_real_pair(server):
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (make browser installs it)")
+    playwright = pytest.importorskip("playwright.sync_api")
+    expect, sync_playwright = playwright.expect, playwright.sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1500, "height": 1000})
+        page.goto(server[1])
+        box = page.get_by_placeholder("Message", exact=False)
+        box.fill("Write a Python function that reverses a string.")
+        box.press("Enter")
+        expect(page.locator(".js-plotly-plot .nodes, .js-plotly-plot text").first).to_be_visible(timeout=300_000)
+        page.get_by_text("Done:", exact=False).first.wait_for(timeout=600_000)
+        page.screenshot(path=str(ARTIFACTS / "real-pair-chat.png"), full_page=True)
+        assert "def" in page.content()
+        browser.close()
