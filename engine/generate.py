@@ -75,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from .models import load_pair
     from .prompts import encode_chat
-    from .speculative import SpeculativeEngine
+    from .speculative import SpeculativeEngine, check_params
 
+    if not args.prompt.strip():
+        raise EngineError("--prompt is empty: give the message to answer, e.g. --prompt \"Hello\"")
+    check_params(args.max_new_tokens, args.temperature, args.top_p, args.seed, "sequoia")
     if args.tree_size < 1:
         raise EngineError(f"--tree-size must be >= 1, got {args.tree_size}")
     tree = build_tree(args.tree_size, args.depth,

@@ -123,16 +123,7 @@ class SpeculativeEngine:
             raise InvalidParameterError("input_ids must be a non-empty list of token ids (the prompt is empty)")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in input_ids):
             raise InvalidParameterError(f"input_ids must be integers in [0, {self.vocab_size})")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InvalidParameterError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
-            raise InvalidParameterError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-        if not _is_number(top_p) or not 0 < top_p <= 1:
-            raise InvalidParameterError(f"top_p must be in (0, 1], got {top_p!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise InvalidParameterError(f"seed must be an integer, got {seed!r}")
-        if method not in METHODS:
-            raise InvalidParameterError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        check_params(max_new_tokens, temperature, top_p, seed, method)
         if isinstance(tree, str) and tree == "auto":
             tree = self._auto_tree(temperature, top_p)
         tree = tree if tree is not None and method != "autoregressive" else ROOT_ONLY
@@ -318,6 +309,20 @@ def _child_probs(tree: Tree, tokens: list[int], parent_probs: torch.Tensor) -> l
     parents = torch.tensor(tree.parents[1:])
     children = torch.tensor(tokens[1:])
     return [1.0] + parent_probs[parents, children].tolist()
+
+
+def check_params(max_new_tokens: int, temperature: float, top_p: float, seed: int, method: str) -> None:
+    """Raise :class:`InvalidParameterError` for out-of-range scalar generation parameters."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InvalidParameterError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise InvalidParameterError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise InvalidParameterError(f"top_p must be in (0, 1], got {top_p!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InvalidParameterError(f"seed must be an integer, got {seed!r}")
+    if method not in METHODS:
+        raise InvalidParameterError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
 
 
 def _is_number(value) -> bool:

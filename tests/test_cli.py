@@ -21,6 +21,10 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("args,needle", [
     (["--prompt", "hi", "--tree-size", "0"], "--tree-size"),
+    (["--prompt", "   "], "--prompt"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature"),
+    (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
     (["--prompt", "hi", "--tree-size", "5", "--depth", "7"], "--depth"),
     (["--prompt", "hi", "--target", "no-such-org/no-such-model"], "no-such-org/no-such-model"),
 ])
