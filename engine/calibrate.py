@@ -2,7 +2,8 @@
 
 Every step verifies a one-level tree with K children (``Tree.k_ary(K, 1)``) and records which
 rank the verifier accepted, or none; p_k = (steps accepting rank k) / steps. Greedy (T = 0):
-p_k = P(target argmax is the draft's k-th most likely token). ``python -m engine.calibrate``
+p_k = P(target argmax is the draft's k-th most likely token), read exactly and cheaply off the
+greedy continuations with :mod:`engine.replay` (one causal draft pass per prompt). ``python -m engine.calibrate``
 runs it over the bundled prompts with a progress bar and caches the vector per
 (pair, temperature, top-p) as JSON.
 """
@@ -46,6 +47,9 @@ def calibrate(engine: SpeculativeEngine, prompts: list[list[int]], temperature: 
     """Run one-level K-child trees over the prompts until ``positions`` steps are counted."""
     from tqdm.auto import tqdm
 
+    if temperature == 0:
+        return _greedy_calibration(engine, prompts, k, positions, pair, progress)
+
     tree = Tree.k_ary(k, 1)
     counts = [0] * k
     seen = 0
@@ -67,6 +71,25 @@ def calibrate(engine: SpeculativeEngine, prompts: list[list[int]], temperature: 
 
 def acceptance_path(directory: Path, pair: str, temperature: float, top_p: float) -> Path:
     return directory / f"{safe_name(pair)}__T{temperature:g}__p{top_p:g}.json"
+
+
+def _greedy_calibration(engine: SpeculativeEngine, prompts: list[list[int]], k: int, positions: int,
+                        pair: str, progress: bool) -> Acceptance:
+    """T = 0: the draft's rank of every token of the target's greedy continuations, spread evenly
+    over the prompts (``positions`` in all)."""
+    from tqdm.auto import tqdm
+
+    from .replay import draft_ranks
+
+    per_prompt = -(-positions // len(prompts))
+    ranks: list[int] = []
+    for ids in tqdm(prompts, desc="calibrating T=0 (greedy replay)", disable=not progress):
+        continuation = engine.generate(ids, max_new_tokens=per_prompt, tree=Tree.chain(4)).tokens
+        ranks += draft_ranks(engine.draft, ids, continuation)
+    ranks = ranks[:positions]
+    counts = [sum(1 for r in ranks if r == rank) for rank in range(1, k + 1)]
+    return Acceptance(pair=pair, temperature=0.0, top_p=1.0, positions=len(ranks), counts=counts,
+                      vector=[c / len(ranks) for c in counts])
 
 
 def main(argv: list[str] | None = None) -> None:

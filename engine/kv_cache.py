@@ -12,7 +12,7 @@ def compact(cache, prefix_len: int, keep_nodes: list[int]) -> None:
     ``seq``; the prefix is never copied or recomputed.
     """
     if list(keep_nodes) == list(range(len(keep_nodes))):  # already consecutive: just truncate
-        _truncate(cache, prefix_len + len(keep_nodes))
+        truncate(cache, prefix_len + len(keep_nodes))
         return
     index = torch.tensor(keep_nodes, dtype=torch.long) + prefix_len
     for layer in cache.layers:
@@ -24,7 +24,7 @@ def compact(cache, prefix_len: int, keep_nodes: list[int]) -> None:
             setattr(layer, name, tensor)
 
 
-def _truncate(cache, length: int) -> None:
+def truncate(cache, length: int) -> None:
     for layer in cache.layers:
         layer.keys = layer.keys[:, :, :length]
         layer.values = layer.values[:, :, :length]

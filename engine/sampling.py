@@ -38,8 +38,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return torch.argmax(probs / noise, dim=-1)
 
 
-
-
 def sample_children(q: torch.Tensor, count: int, without_replacement: bool,
                     generator: torch.Generator | None = None) -> torch.Tensor:
     """``count`` tokens drawn from ``q [V]``: distinct (Sequoia) or i.i.d. (SpecInfer).
@@ -53,3 +51,17 @@ def sample_children(q: torch.Tensor, count: int, without_replacement: bool,
         noise = torch.empty_like(q).exponential_(1, generator=generator)
         return torch.topk(q / noise, count).indices
     return torch.multinomial(q, count, replacement=True, generator=generator)
+
+
+def choose_children(q: torch.Tensor, count: int, method: str, greedy: bool,
+                    generator: torch.Generator | None = None) -> list[int]:
+    """Tokens for ``count`` children drawn from the draft distribution ``q [V]``, in rank order.
+
+    Greedy decoding and ``topk`` take the draft's top-``count``; ``specinfer`` samples i.i.d.;
+    the others sample without replacement. When the support runs out before ``count``, the last
+    token repeats: such a surplus child is never accepted (its q was zeroed at removal).
+    """
+    if greedy or method == "topk":
+        return torch.topk(q, count).indices.tolist()
+    drawn = sample_children(q, count, without_replacement=method != "specinfer", generator=generator).tolist()
+    return drawn + drawn[-1:] * (count - len(drawn))

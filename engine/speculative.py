@@ -17,7 +17,7 @@ from .errors import ContextOverflowError, InvalidParameterError, VocabularyMisma
 from .kernels import use_small_batch_linear
 from .kv_cache import compact
 from .records import GenerationResult, StepRecord, StepTimings
-from .sampling import logits_to_probs, sample_children
+from .sampling import choose_children, logits_to_probs
 from .tree import Tree
 from .verify import verify_greedy, verify_stochastic, verify_topk
 
@@ -177,7 +177,7 @@ class _DecodeState:
         start = time.perf_counter()
         if len(self.seq) > 1:
             with torch.inference_mode():
-                _forward(self.engine.target, self.target_cache, self.seq[:-1], start=0, logits_to_keep=1)
+                forward(self.engine.target, self.target_cache, self.seq[:-1], start=0, logits_to_keep=1)
         return time.perf_counter() - start
 
     def step(self) -> StepRecord:
@@ -188,7 +188,7 @@ class _DecodeState:
             t0 = time.perf_counter()
             tokens, draft_probs, draft_dists = self._draft_tree(tree)
             t1 = time.perf_counter()
-            target_logits = _forward(self.engine.target, self.target_cache, tokens, start=prefix,
+            target_logits = forward(self.engine.target, self.target_cache, tokens, start=prefix,
                                      mask=tree.attention_mask(prefix), positions=tree.position_ids(prefix))
             t2 = time.perf_counter()
             target_dists = logits_to_probs(target_logits, self.params.temperature, self.params.top_p)
@@ -216,7 +216,7 @@ class _DecodeState:
             return tokens, probs, dists
         draft, cache = self.engine.draft, self.draft_cache
         # Catch-up: committed tokens the draft has not seen yet, the root last.
-        level_logits = _forward(draft, cache, self.seq[self.draft_len:], start=self.draft_len, logits_to_keep=1)
+        level_logits = forward(draft, cache, self.seq[self.draft_len:], start=self.draft_len, logits_to_keep=1)
         self.draft_len = len(self.seq)
         for level in range(1, tree.depth + 1):
             parents = tree.level_slices[level - 1]
@@ -225,30 +225,19 @@ class _DecodeState:
             for row, parent in enumerate(range(parents.start, parents.stop)):
                 if tree.children[parent]:
                     dists[parent] = level_probs[row]
-                    choices[parent] = self._choose_children(level_probs[row], len(tree.children[parent]))
+                    choices[parent] = choose_children(level_probs[row], len(tree.children[parent]),
+                                                      self.params.method, self.params.greedy, self.generator)
             for node in range(tree.level_slices[level].start, tree.level_slices[level].stop):
-                parent_choices = choices[tree.parents[node]]
-                rank = tree.ranks[node]
-                # Sampling without replacement can run out of support: surplus nodes repeat the
-                # last token and are never accepted (q of a drawn token is then 0 after removal).
-                token = parent_choices[min(rank, len(parent_choices)) - 1]
+                token = choices[tree.parents[node]][tree.ranks[node] - 1]
                 tokens.append(token)
                 probs.append(float(dists[tree.parents[node]][token]))
             if level < tree.depth:
                 nodes = tree.level_slices[level]
-                level_logits = _forward(draft, cache, tokens[nodes], start=len(self.seq),
+                level_logits = forward(draft, cache, tokens[nodes], start=len(self.seq),
                                         mask=tree.attention_mask(len(self.seq), nodes=nodes,
                                                                  columns=slice(1, nodes.stop)),
                                         positions=tree.position_ids(len(self.seq) - 1, nodes=nodes))
         return tokens, probs, dists
-
-    def _choose_children(self, q: torch.Tensor, count: int) -> list[int]:
-        """Tokens for ``count`` children drawn from the draft distribution ``q [V]``, in rank order."""
-        method = self.params.method
-        if self.params.greedy or method == "topk":
-            return torch.topk(q, count).indices.tolist()
-        return sample_children(q, count, without_replacement=method != "specinfer",
-                               generator=self.generator).tolist()
 
     def _verify(self, tree: Tree, tokens: list[int], target_logits: torch.Tensor, target_dists: torch.Tensor,
                 draft_dists: dict[int, torch.Tensor]) -> tuple[list[int], int]:
@@ -285,7 +274,7 @@ class _DecodeState:
         return committed
 
 
-def _forward(model, cache, token_ids: list[int], start: int, mask: torch.Tensor | None = None,
+def forward(model, cache, token_ids: list[int], start: int, mask: torch.Tensor | None = None,
              positions: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
     """One forward of ``token_ids`` after ``start`` cached positions; float32 logits ``[q, V]``.
 

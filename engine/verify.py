@@ -44,31 +44,39 @@ def verify_stochastic(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
     """
     node, path = 0, [0]
     while True:
-        p = target_probs[node]
         kids = tree.children[node]
-        accepted = None
-        if kids:
-            q = draft_probs[node].clone()
-            for child in kids:
-                x = tokens[child]
-                if q[x] <= 0:  # support of q exhausted: the remaining children carry no mass
-                    break
-                u = torch.rand((), generator=generator, dtype=torch.float64).item()
-                if u * q[x].item() < p[x].item():  # u < p/q without dividing
-                    accepted = child
-                    break
-                p = _residual(p, q)
-                if without_replacement:
-                    q[x] = 0.0
-                    total = q.sum()
-                    if total <= 0:
-                        break
-                    q = q / total
-        if accepted is None:
-            bonus = int(torch.multinomial(p, 1, generator=generator).item())
-            return path, bonus
-        node = accepted
+        q = draft_probs[node] if kids else None
+        choice, p = accept_child(target_probs[node], q, [tokens[c] for c in kids], without_replacement, generator)
+        if choice is None:
+            return path, int(torch.multinomial(p, 1, generator=generator).item())
+        node = kids[choice]
         path.append(node)
+
+
+def accept_child(p: torch.Tensor, q: torch.Tensor | None, child_tokens: list[int], without_replacement: bool,
+                 generator: torch.Generator | None = None) -> tuple[int | None, torch.Tensor]:
+    """One node of :func:`verify_stochastic`: try the children (tokens in rank order) against the
+    target distribution ``p [V]`` and the draft distribution ``q [V]`` they were drawn from.
+
+    Returns ``(index of the accepted child, p)`` or ``(None, residual p)`` to draw the bonus from.
+    """
+    if not child_tokens:
+        return None, p
+    q = q.clone()
+    for index, x in enumerate(child_tokens):
+        if q[x] <= 0:  # support of q exhausted: the remaining children carry no mass
+            break
+        u = torch.rand((), generator=generator, dtype=torch.float64).item()
+        if u * q[x].item() < p[x].item():  # u < p/q without dividing
+            return index, p
+        p = _residual(p, q)
+        if without_replacement:
+            q[x] = 0.0
+            total = q.sum()
+            if total <= 0:
+                break
+            q = q / total
+    return None, p
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from engine import SpeculativeEngine, Tree
-from engine.speculative import _DecodeState, _forward
+from engine.speculative import _DecodeState, forward
 
 pytestmark = pytest.mark.real_pair
 
@@ -93,12 +93,12 @@ def test_tree_forward_logits_equal_causal_path_logits(real_pair, chat_prompts):
     p = len(prefix) - 1
     with torch.inference_mode():
         cache = DynamicCache(config=target.config)
-        _forward(target, cache, prefix[:-1], start=0, logits_to_keep=1)
-        tree_logits = _forward(target, cache, tokens, start=p, mask=tree.attention_mask(p),
+        forward(target, cache, prefix[:-1], start=0, logits_to_keep=1)
+        tree_logits = forward(target, cache, tokens, start=p, mask=tree.attention_mask(p),
                                positions=tree.position_ids(p))
         for node in range(tree.size):
             path = [tokens[i] for i in tree.path_to(node)]
-            causal = _forward(target, DynamicCache(config=target.config), prefix[:-1] + path, start=0,
+            causal = forward(target, DynamicCache(config=target.config), prefix[:-1] + path, start=0,
                               logits_to_keep=1)[-1]
             diff = (tree_logits[node] - causal).abs().max().item()
             assert diff < 1e-4, f"node {node}: max |tree - causal| = {diff:.2e}"
@@ -116,7 +116,7 @@ def test_kv_caches_after_20_steps_equal_a_fresh_prefill(real_pair, chat_prompts,
                                  (draft, state.draft_cache, state.draft_len)):
         fresh = DynamicCache(config=model.config)
         with torch.inference_mode():
-            _forward(model, fresh, state.seq[:length], start=0, logits_to_keep=1)
+            forward(model, fresh, state.seq[:length], start=0, logits_to_keep=1)
         assert cache.get_seq_length() == length
         for got, want in zip(cache.layers, fresh.layers):
             torch.testing.assert_close(got.keys, want.keys, atol=1e-4, rtol=1e-4)
