@@ -23,3 +23,7 @@ class VocabularyMismatchError(EngineError):
 
 class ContextOverflowError(EngineError):
     """A prompt plus generation budget longer than the target's context window."""
+
+
+class InvalidDistributionError(EngineError, ValueError):
+    """A probability vector or logits row with NaN/+inf entries or no mass (a broken model or dtype)."""

@@ -107,8 +107,9 @@ def device_name(device: torch.device) -> str:
 
 
 def profile_path(profile_dir: Path, device: str, pair: str, dtype: str) -> Path:
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{device}__{pair}__{dtype}")
-    return profile_dir / f"{safe}.json"
+    from .calibrate import safe_name
+
+    return profile_dir / f"{safe_name(f'{device}__{pair}__{dtype}')}.json"
 
 
 def powers_of_two(limit: int) -> list[int]:

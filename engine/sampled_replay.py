@@ -51,7 +51,15 @@ class ContextOracle:
         self.index: dict[Path, int] = {}         # path -> trie slot
         self.lineage: list[list[int]] = []       # slot -> slots of its ancestors and itself
         self.logits: dict[Path, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._probs: dict[tuple[Path, float, float], tuple[torch.Tensor, torch.Tensor]] = {}
         self.forwards = 0
+
+    def probs(self, path: Path, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(p, q)`` after ``path`` at this sampling setting (memoised; the path must be evaluated)."""
+        key = (path, temperature, top_p)
+        if key not in self._probs:
+            self._probs[key] = tuple(logits_to_probs(x, temperature, top_p) for x in self.logits[path])
+        return self._probs[key]
 
     def evaluate(self, paths: Sequence[Path]) -> None:
         """Run both models once over every path not seen yet (their parents first)."""
@@ -77,16 +85,16 @@ class ContextOracle:
             self.logits[path] = (outputs[0][row], outputs[1][row])
 
 
-def simulate_step(setting: Setting, generator: torch.Generator) -> Generator[Path, tuple[torch.Tensor, torch.Tensor], int]:
-    """One engine step as a coroutine: yields the token path whose ``(target, draft)`` logits it
-    needs next; returns the number of tokens the step commits (accepted drafts + 1)."""
+def simulate_step(setting: Setting, generator: torch.Generator) -> Generator[Path, tuple[torch.Tensor, torch.Tensor],
+                                                                              tuple[int, ...]]:
+    """One engine step as a coroutine: yields the token path whose ``(p, q)`` (target and draft
+    distributions ``[V]`` at the setting's temperature/top-p) it needs next; returns the ranks of
+    the accepted nodes, root excluded (the step commits them plus the bonus token)."""
     tree, method = setting.tree, setting.method
-    node, path = 0, ()
+    node, path, ranks = 0, (), ()
     while True:
-        target_logits, draft_logits = yield path
-        p = logits_to_probs(target_logits, setting.temperature, setting.top_p)
+        p, q = yield path
         kids = tree.children[node]
-        q = logits_to_probs(draft_logits, setting.temperature, setting.top_p) if kids else None
         children = choose_children(q, len(kids), method, False, generator) if kids else []
         if method == "topk":
             x = int(torch.multinomial(p, 1, generator=generator).item())
@@ -94,14 +102,15 @@ def simulate_step(setting: Setting, generator: torch.Generator) -> Generator[Pat
         else:
             choice, _ = accept_child(p, q, children, method != "specinfer", generator)
         if choice is None:
-            return len(path) + 1
-        node, path = kids[choice], path + (children[choice],)
+            return ranks
+        node, path, ranks = kids[choice], path + (children[choice],), ranks + (choice + 1,)
 
 
-def replay_root(oracle: ContextOracle, settings: Sequence[Setting], seeds: Sequence[int]) -> list[list[int]]:
-    """Tokens committed by one step from the oracle's root, per setting and seed, all simulated in
+def replay_root(oracle: ContextOracle, settings: Sequence[Setting],
+                seeds: Sequence[int]) -> list[list[tuple[int, ...]]]:
+    """Accepted ranks of one step from the oracle's root, per setting and seed, all simulated in
     lockstep so that each round of model evaluations serves every walk still running."""
-    results = [[0] * len(seeds) for _ in settings]
+    results: list[list[tuple[int, ...]]] = [[()] * len(seeds) for _ in settings]
     running = {}
     for i, setting in enumerate(settings):
         for j, seed in enumerate(seeds):
@@ -110,20 +119,22 @@ def replay_root(oracle: ContextOracle, settings: Sequence[Setting], seeds: Seque
     while running:
         oracle.evaluate([request for _, request in running.values()])
         for key, (walk, request) in list(running.items()):
+            setting = settings[key[0]]
             try:
-                running[key] = (walk, walk.send(oracle.logits[request]))
+                running[key] = (walk, walk.send(oracle.probs(request, setting.temperature, setting.top_p)))
             except StopIteration as done:
                 results[key[0]][key[1]] = done.value
                 del running[key]
     return results
 
 
-def sampled_tokens_per_step(target: torch.nn.Module, draft: torch.nn.Module, sequence: list[int],
-                            root_positions: Sequence[int], settings: Sequence[Setting],
-                            seeds: Sequence[int]) -> list[list[int]]:
+def replay_sequence(target: torch.nn.Module, draft: torch.nn.Module, sequence: list[int],
+                    root_positions: Sequence[int], settings: Sequence[Setting],
+                    seeds: Sequence[int]) -> list[list[tuple[int, ...]]]:
     """Simulate one step from each root (the context ``sequence[:r + 1]``, ``r`` in
-    ``root_positions``) for every setting and seed; returns ``[setting][root * len(seeds) + seed]``
-    tokens committed. Both models read ``sequence`` once; each root starts from a copy of that cache."""
+    ``root_positions``) for every setting and seed; returns the accepted ranks per step, indexed
+    ``[setting][root * len(seeds) + seed]``. Both models read ``sequence`` once; each root starts
+    from a copy of that cache."""
     from transformers import DynamicCache
 
     caches = []
@@ -132,7 +143,7 @@ def sampled_tokens_per_step(target: torch.nn.Module, draft: torch.nn.Module, seq
             cache = DynamicCache(config=model.config)
             forward(model, cache, sequence[:max(root_positions)], start=0, logits_to_keep=1)
             caches.append(cache)
-        out: list[list[int]] = [[] for _ in settings]
+        out: list[list[tuple[int, ...]]] = [[] for _ in settings]
         for root in root_positions:
             root_caches = []
             for cache in caches:
@@ -141,6 +152,15 @@ def sampled_tokens_per_step(target: torch.nn.Module, draft: torch.nn.Module, seq
                 truncate(root_cache, root)
                 root_caches.append(root_cache)
             oracle = ContextOracle(target, draft, *root_caches, root_pos=root, root_token=sequence[root])
-            for i, counts in enumerate(replay_root(oracle, settings, [s * 7919 + root for s in seeds])):
-                out[i].extend(counts)
+            for i, walks in enumerate(replay_root(oracle, settings, [s * 7919 + root for s in seeds])):
+                out[i].extend(walks)
     return out
+
+
+def rank_histogram(walks: Sequence[tuple[int, ...]], k: int) -> list[int]:
+    """``counts[r - 1]``: steps whose first accepted child had rank ``r`` (of one-level K-child walks)."""
+    counts = [0] * k
+    for ranks in walks:
+        if ranks:
+            counts[ranks[0] - 1] += 1
+    return counts

@@ -3,17 +3,24 @@ from __future__ import annotations
 
 import torch
 
+from .errors import InvalidDistributionError
+
 
 def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
                     top_k: int = 0) -> torch.Tensor:
     """Softmax of ``logits [..., V] / temperature`` restricted to top-k and the top-p nucleus.
 
     ``temperature == 0`` returns the plain softmax (greedy decisions use argmax, the softmax is
-    only reported). Computed in float32; rows sum to 1.
+    only reported). Computed in float32; rows sum to 1. NaN or +inf logits (an overflowing dtype,
+    broken weights) raise :class:`InvalidDistributionError` instead of sampling garbage.
     """
     logits = logits.float()
-    if temperature > 0:
-        logits = logits / temperature
+    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+        raise InvalidDistributionError("the model produced NaN/inf logits: load it in float32 (--dtype float32) "
+                                       "or check its weights")
+    if temperature > 0:  # shifted to max 0 first: a tiny temperature gives 0 or -inf, never inf - inf
+        shifted = logits - logits.max(dim=-1, keepdim=True).values
+        logits = torch.nan_to_num(shifted / temperature, nan=0.0, neginf=float("-inf"))  # 0 / tiny -> 0
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

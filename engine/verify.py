@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .errors import InvalidDistributionError
 from .tree import Tree
 
 
@@ -42,6 +43,7 @@ def verify_stochastic(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
     children were drawn without replacement (Sequoia), ``q[x] <- 0`` renormalised. If no child is
     accepted (or the node is a leaf) the bonus token is sampled from the residual ``p``.
     """
+    check_distributions(target_probs)
     node, path = 0, [0]
     while True:
         kids = tree.children[node]
@@ -62,6 +64,7 @@ def accept_child(p: torch.Tensor, q: torch.Tensor | None, child_tokens: list[int
     """
     if not child_tokens:
         return None, p
+    check_distributions(q)
     q = q.clone()
     for index, x in enumerate(child_tokens):
         if q[x] <= 0:  # support of q exhausted: the remaining children carry no mass
@@ -79,6 +82,12 @@ def accept_child(p: torch.Tensor, q: torch.Tensor | None, child_tokens: list[int
     return None, p
 
 
+def check_distributions(probs: torch.Tensor) -> None:
+    """Rows of ``probs [..., V]`` must be finite, non-negative and carry mass."""
+    if not torch.isfinite(probs).all() or (probs < 0).any() or (probs.sum(dim=-1) <= 0).any():
+        raise InvalidDistributionError("a verifier distribution has NaN/inf, negative entries or no mass")
+
+
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``normalize(relu(p - q))``; if rounding leaves no mass, ``p`` itself (impossible exactly)."""
     residual = torch.clamp(p - q, min=0.0)
@@ -89,6 +98,7 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def verify_topk(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
                 generator: torch.Generator | None = None) -> tuple[list[int], int]:
     """Top-k drafting baseline: the target samples its token; accept the child that matches it."""
+    check_distributions(target_probs)
     node, path = 0, [0]
     while True:
         x = int(torch.multinomial(target_probs[node], 1, generator=generator).item())

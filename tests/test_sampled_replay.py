@@ -14,7 +14,7 @@ from scipy.stats import chi2_contingency
 
 import tests.tiny_models as tm
 from engine import SpeculativeEngine, Tree
-from engine.sampled_replay import ContextOracle, Setting, sampled_tokens_per_step
+from engine.sampled_replay import ContextOracle, Setting, replay_sequence
 from engine.speculative import forward
 from tests.test_engine_sampling import sharpened
 
@@ -55,8 +55,9 @@ def chi2_p_value(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def replay_counts(pair, settings: list[Setting]) -> list[np.ndarray]:
-    per_setting = sampled_tokens_per_step(*pair, PROMPT, [len(PROMPT) - 1], settings, range(SEEDS))
-    return [np.bincount(c, minlength=s.tree.depth + 2) for c, s in zip(per_setting, settings)]
+    per_setting = replay_sequence(*pair, PROMPT, [len(PROMPT) - 1], settings, range(SEEDS))
+    return [np.bincount([len(w) + 1 for w in walks], minlength=s.tree.depth + 2)
+            for walks, s in zip(per_setting, settings)]
 
 
 SETTINGS = [
@@ -106,3 +107,20 @@ def test_oracle_logits_equal_causal_forward(pair):
             for model, got in zip(pair, oracle.logits[path]):
                 want = model(ids).logits[0, -1].float()
                 assert torch.allclose(got, want, atol=1e-4), (path, (got - want).abs().max())
+
+
+def test_bench_trees_sampled_report_runs_end_to_end(pair, tmp_path):
+    """The benchmark's sampled part on tiny models: every row present, tokens/step in range, plot written."""
+    from engine.bench_trees import plot, sampled_measurements
+    sequences = [(len(PROMPT), PROMPT + [2, 6, 5, 3, 5, 8, 9, 7])] * 2
+    sampled = sampled_measurements(*pair, sequences[:1], sequences[1:], sizes=(2, 4, 8),
+                                   scalability_setting=(0.6, 1.0), grid=[(0.6, 1.0), (1.0, 0.8)],
+                                   robust_size=6, roots=3, seeds=2, k=8)
+    assert [r["size"] for r in sampled["scalability"]] == [2, 4, 8]
+    assert len(sampled["robustness"]) == 2 and sampled["steps_per_point"] == 3 * 2
+    for row in sampled["scalability"]:
+        assert 1.0 <= row["sequoia"] <= row["sequoia_depth"] + 1 and row["k_chains_k"] in (1, 2, 4, 8)
+    assert all(0 < sum(v) <= 1 + 1e-9 and min(v) >= 0 for v in sampled["acceptance"].values())
+    greedy = [{"size": n, "sequoia": 1.5, "sequoia_predicted": 1.6, "k_chains": 1.4, "binary": 1.3} for n in (2, 4)]
+    plot({"greedy": greedy, "sampled": sampled}, tmp_path / "trees.html")
+    assert "specinfer" in (tmp_path / "trees.html").read_text()
