@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--method", default="sequoia", help="sequoia, specinfer, chain, topk or autoregressive")
     parser.add_argument("--tree-size", type=int, default=5, help="nodes verified per step, root included; 1 = no draft")
     parser.add_argument("--depth", type=int, default=None, help="max draft tokens on a path (default: size - 1)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
@@ -79,11 +80,15 @@ def _run(args: argparse.Namespace) -> int:
 
     if not args.prompt.strip():
         raise EngineError("--prompt is empty: give the message to answer, e.g. --prompt \"Hello\"")
-    check_params(args.max_new_tokens, args.temperature, args.top_p, args.seed, "sequoia")
+    check_params(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.method)
     if args.tree_size < 1:
         raise EngineError(f"--tree-size must be >= 1, got {args.tree_size}")
     tree = build_tree(args.tree_size, args.depth,
                       acceptance_for(f"{args.target}+{args.draft}", args.temperature, args.top_p))
+    if args.method == "autoregressive":
+        tree = None
+    elif args.method == "chain" and tree is not None and tree.size != tree.depth + 1:
+        raise EngineError("--method chain needs a chain: leave --depth unset or set it to --tree-size - 1")
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
                                          args.trust_remote_code)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
@@ -91,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
     input_ids = encode_chat(tokenizer, messages)
     engine = SpeculativeEngine(target, draft if tree is not None else None)
     result = engine.generate(input_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             top_p=args.top_p, tree=tree, seed=args.seed)
+                             top_p=args.top_p, tree=tree, seed=args.seed, method=args.method)
     if args.json:
         print(json.dumps({"text": tokenizer.decode(result.tokens, skip_special_tokens=True),
                           "tree": tree.to_dict() if tree else None, **result.to_dict()}))

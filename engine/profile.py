@@ -121,6 +121,7 @@ def powers_of_two(limit: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from .kernels import use_small_batch_linear
     from .models import cache_dir, load_pair
     from .prompts import encode_chat, load_prompt_set
 
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: the user cache)")
     args = parser.parse_args(argv)
     target, draft, tokenizer = load_pair(args.target, args.draft)
+    if draft is not None:
+        use_small_batch_linear(draft)  # the draft runs this way in the engine (fast_draft_linear)
     text = " ".join(m["content"] for p in load_prompt_set("chat") for m in p["messages"])
     prefix = (encode_chat(tokenizer, [{"role": "user", "content": text}]) * 4)[: args.prefix]
     pair = f"{args.target}+{args.draft}"

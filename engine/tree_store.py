@@ -56,3 +56,29 @@ def save_tree(tree: Tree, acceptance, path: Path) -> None:
         os.replace(tmp, path)
     except OSError:
         pass  # a cache that cannot be written only costs a rebuild next time
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m engine.tree_store``: precompute the DP trees of a size x depth grid for every
+    calibrated acceptance vector of a pair (the bundled ``assets/trees`` come from this)."""
+    import argparse
+
+    from .calibrate import find_acceptance
+
+    parser = argparse.ArgumentParser(prog="python -m engine.tree_store", description=main.__doc__)
+    parser.add_argument("--pair", default="default-target+default-draft")
+    parser.add_argument("--sizes", default="8,16,32,64")
+    parser.add_argument("--depths", default="4,6,8")
+    parser.add_argument("--out", type=Path, default=None, help="directory (default: the user cache)")
+    args = parser.parse_args(argv)
+    directories = [args.out] if args.out else default_directories()[:1]
+    for (temperature, top_p), acceptance in sorted(find_acceptance(args.pair).items()):
+        for size in map(int, args.sizes.split(",")):
+            for depth in (d for d in map(int, args.depths.split(",")) if d < size):
+                tree = optimal_tree(acceptance, size, depth, directories)
+                print(f"T={temperature:g} top-p={top_p:g} n={size} d={depth}: "
+                      f"{tree.expected_tokens(acceptance):.3f} tokens/step expected")
+
+
+if __name__ == "__main__":
+    main()

@@ -27,6 +27,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
     (["--prompt", "hi", "--tree-size", "5", "--depth", "7"], "--depth"),
     (["--prompt", "hi", "--target", "no-such-org/no-such-model"], "no-such-org/no-such-model"),
+    (["--prompt", "hi", "--method", "beam"], "method"),
+    (["--prompt", "hi", "--method", "chain", "--tree-size", "8", "--depth", "3"], "--method chain"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     proc = run_cli(*args)
