@@ -77,6 +77,16 @@ PLACEHOLDER = ("**Sequoia Chat** — a small draft model proposes a *tree* of to
                "write. Ask something and watch the tree on the right.")
 
 
+def describe_choice(choice, markup: bool = False) -> str:
+    """The optimizer's pick in words; a one-node pick means drafting does not pay on this device."""
+    bold = (lambda t: f"<b>{t}</b>") if markup else (lambda t: t)
+    if choice.size == 1:
+        return (f"{bold('the target alone')}: on this device's profile no tree is predicted to beat plain "
+                f"decoding (verification of a few tokens costs several single-token forwards)")
+    return (f"{bold(f'{choice.size} nodes, depth {choice.depth}')} · expected {choice.expected_tokens:.2f} "
+            f"tokens/step · predicted {bold(f'{choice.predicted_speedup:.2f}×')} the target alone")
+
+
 # ----- small pieces ------------------------------------------------------------------------------
 class TokenTexts:
     """Decoded text of single tokens, cached per tokenizer."""
@@ -315,8 +325,7 @@ class ChatApp:
                         if tc is not None:
                             run.predicted = tc.predicted_speedup
                             run.expected = tc.expected_tokens
-                            run.tree_desc = (f"auto: {tc.size} nodes, depth {tc.depth}, predicted "
-                                             f"{tc.predicted_speedup:.2f}× the target alone")
+                            run.tree_desc = "auto: " + describe_choice(tc)
                         elif predict and isinstance(data.get("tree"), Tree):
                             run.expected = data["tree"].expected_tokens(o["acceptance"])
                 elif kind == "step" and event.phase == "main":
@@ -483,9 +492,7 @@ class ChatApp:
     def tree_info(self, method, size, depth, auto, temperature, top_p):
         if auto and self.worker.tuner is not None and method != "autoregressive":
             choice = self.worker.tuner.choose(_clamp(temperature, 0.0, 2.0), _clamp(top_p, 0.01, 1.0))
-            return (f"<div class='sc-tree-info'>auto (hardware-aware optimizer): <b>{choice.size} nodes, depth "
-                    f"{choice.depth}</b> · expected {choice.expected_tokens:.2f} tokens/step · predicted "
-                    f"<b>{choice.predicted_speedup:.2f}×</b></div>")
+            return f"<div class='sc-tree-info'>auto (hardware-aware optimizer): {describe_choice(choice, markup=True)}</div>"
         try:
             tree, desc = resolve_tree(method, size, depth, self.options["acceptance"])
         except EngineError as exc:
