@@ -21,7 +21,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--inbrowser", action="store_true", help="open the app in the default browser")
     parser.add_argument("--target", default="default-target", help="HF id or local dir (default: embedded 1.5B)")
     parser.add_argument("--draft", default="default-draft", help="HF id or local dir (default: embedded 0.5B)")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (spread a large target over the GPUs)")
+    parser.add_argument("--offload", action="store_true",
+                        help="keep the target's layers in pinned CPU memory and stream them to the GPU (needs --device cuda)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub (HF_HUB_OFFLINE=1)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model repos to run their own code")
@@ -49,7 +51,7 @@ def build_worker(args: argparse.Namespace):
     from engine.models import load_pair
     print("loading models (the first start assembles and dequantises the weights: a few minutes)...", flush=True)
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
-                                         args.trust_remote_code)
+                                         args.trust_remote_code, offload=args.offload)
     tuner = load_tuner(f"{args.target}+{args.draft}", target)
     return Worker.from_models(target, draft, tokenizer, args.target, args.draft, tuner=tuner)
 

@@ -101,7 +101,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=None, help="number of bundled prompts (default 2 quick, 6 full)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per run (default 64 quick, 128 full)")
     parser.add_argument("--out", type=Path, default=Path("results"))
-    args = parser.parse_args(argv)
+    parser.add_argument("--device", default="cpu", help="cpu (the default pair) or cuda (see --synthetic)")
+    parser.add_argument("--synthetic", default=None, metavar="TARGET+DRAFT",
+                        help="GPU benchmark on random-weight models of these shapes, e.g. llama2-7b+llama-68m "
+                             "(python -m engine.bench_gpu --help for its options)")
+    args, rest = parser.parse_known_args(argv)
+    if args.device != "cpu" or args.synthetic:
+        from . import bench_gpu
+        return bench_gpu.main(["--synthetic", args.synthetic or "llama2-7b+llama-68m", "--out", str(args.out), *rest])
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     prompts = args.prompts or (2 if args.quick else 6)
     new_tokens = args.new_tokens or (64 if args.quick else 128)
     run(prompts, new_tokens, args.quick, args.out)

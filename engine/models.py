@@ -190,7 +190,20 @@ def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = 
         model, tokenizer = _load_source(DEFAULT_IDS[model_id], dtype)
     else:
         model, tokenizer = _load_hub_model(model_id, dtype, trust_remote_code)
-    return model.to(device).eval(), tokenizer
+    return place(model, device).eval(), tokenizer
+
+
+def place(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """Move ``model`` to ``device``; ``"auto"`` spreads it over the GPUs present (then CPU) with
+    accelerate's ``device_map="auto"``, for targets larger than one GPU."""
+    if device != "auto":
+        return model.to(device)
+    if not torch.cuda.is_available():
+        return model
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    no_split = getattr(model, "_no_split_modules", None) or []
+    return dispatch_model(model, infer_auto_device_map(model, no_split_module_classes=no_split))
 
 
 def hub_offline() -> bool:
@@ -234,9 +247,19 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str = 
 
 
 def load_pair(target_id: str = "default-target", draft_id: str = "default-draft",
-              dtype: torch.dtype = torch.float32, device: str = "cpu", trust_remote_code: bool = False):
-    """Load ``(target, draft, tokenizer)``; the draft is refused unless it shares the target's vocabulary."""
-    target, tokenizer = load_model(target_id, dtype, device, trust_remote_code)
+              dtype: torch.dtype = torch.float32, device: str = "cpu", trust_remote_code: bool = False,
+              offload: bool = False):
+    """Load ``(target, draft, tokenizer)``; the draft is refused unless it shares the target's vocabulary.
+
+    ``offload`` keeps the target's decoder layers in pinned CPU memory and streams them to the
+    GPU ``device`` layer by layer (:mod:`engine.offload`); the draft sits on the GPU."""
+    if offload and not str(device).startswith("cuda"):
+        raise ModelLoadError(f"offloading streams the target's weights to a CUDA GPU: use --device cuda, not {device}")
+    target, tokenizer = load_model(target_id, dtype, "cpu" if offload else device, trust_remote_code)
+    if offload:
+        from .offload import stream_layers
+
+        stream_layers(target, device)
     draft, draft_tokenizer = load_model(draft_id, dtype, device, trust_remote_code)
     check_same_vocabulary(tokenizer, draft_tokenizer, target_id, draft_id)
     return target, draft, tokenizer

@@ -14,9 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
-
-from .kv_cache import compact
+from .runner import make_runner
+from .sampling import choose_level_children, logits_to_probs
 from .tree import Tree
 
 
@@ -61,33 +60,56 @@ def _interpolate(points: dict[int, float], x: int) -> float:
     return max(points[lo] + slope * (x - lo), 1e-9)
 
 
-def measure_forward(model, prefix: list[int], n: int, repeats: int = 3) -> float:
-    """Median seconds of one forward over ``n`` tree tokens (a chain mask) after ``prefix``."""
-    cache = DynamicCache(config=model.config)
-    device = next(model.parameters()).device
+def measure_forward(model, prefix: list[int], n: int, repeats: int = 3, runner=None,
+                    draft_level: bool = False) -> float:
+    """Median seconds of one forward over ``n`` tree tokens (a chain mask) after ``prefix``.
+
+    ``runner`` (an :mod:`engine.runner` runner of ``model``) is what the engine would use; by
+    default a static runner with CUDA graphs on CUDA and a dynamic one on CPU. ``draft_level``
+    adds what the engine does with a draft level's logits (probabilities, each row's top
+    children and their q, read back to the host): on a GPU that costs as much as the forward.
+    """
+    if runner is None:
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        runner = make_runner(model, static=on_cuda, max_len=len(prefix) + n, cuda_graphs=on_cuda)
+    device = runner.device
+    tree = Tree.chain(n - 1)
+    positions = tree.position_ids(len(prefix))
+    ids = torch.randint(0, min(1000, model.config.vocab_size), (n,)).tolist()
     with torch.inference_mode():
-        model(input_ids=torch.tensor([prefix], device=device), past_key_values=cache, use_cache=True,
-              logits_to_keep=1)
-        tree = Tree.chain(n - 1)
-        mask = tree.attention_mask(len(prefix), dtype=model.dtype).to(device)
-        positions = tree.position_ids(len(prefix)).to(device)
-        ids = torch.randint(0, min(1000, model.config.vocab_size), (1, n), device=device)
+        runner.reset()
+        runner.forward(prefix, start=0, logits_to_keep=1)
         times = []
-        for _ in range(repeats + 1):  # the first run warms up
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+        for _ in range(repeats + 1):  # the first run warms up (and captures a graph)
+            synchronize(device)
             start = time.perf_counter()
-            model(input_ids=ids, past_key_values=cache, use_cache=True, attention_mask=mask,
-                  position_ids=positions)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            logits = runner.forward(ids, start=len(prefix), tail=tree.ancestor_matrix, positions=positions)
+            if draft_level:
+                _level_bookkeeping(logits)
+            synchronize(device)
             times.append(time.perf_counter() - start)
-            compact(cache, len(prefix), [])
+            runner.compact(len(prefix), [])
     return statistics.median(times[1:])
 
 
+def _level_bookkeeping(logits: torch.Tensor) -> None:
+    """The engine's work on one draft level's logits ``[w, V]``, as in ``_draft_tree`` (greedy)."""
+    probs = logits_to_probs(logits, 0.0, 1.0)
+    rows = list(range(probs.shape[0]))
+    children = choose_level_children(probs, rows, [2] * len(rows), "sequoia", True)
+    probs[rows, [c[0] for c in children]].tolist()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (for wall-clock timing); nothing on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def measure_profile(target, draft, prefix: list[int], sizes: list[int], widths: list[int], pair: str,
-                    repeats: int = 3, progress: bool = True) -> HardwareProfile:
+                    repeats: int = 3, progress: bool = True, runners: dict | None = None) -> HardwareProfile:
+    """Profile ``target`` at each size and ``draft`` at each width; ``runners`` maps "target" /
+    "draft" to the runner to time (default: see :func:`measure_forward`)."""
     from tqdm.auto import tqdm
 
     device = next(target.parameters()).device
@@ -96,7 +118,8 @@ def measure_profile(target, draft, prefix: list[int], sizes: list[int], widths: 
     jobs = [("target", n) for n in sizes] + ([("draft", w) for w in widths] if draft is not None else [])
     for kind, n in tqdm(jobs, desc="profiling", disable=not progress):
         model = target if kind == "target" else draft
-        getattr(profile, kind)[n] = measure_forward(model, prefix, n, repeats)
+        getattr(profile, kind)[n] = measure_forward(model, prefix, n, repeats, (runners or {}).get(kind),
+                                                    draft_level=kind == "draft")
     return profile
 
 

@@ -72,3 +72,16 @@ def choose_children(q: torch.Tensor, count: int, method: str, greedy: bool,
         return torch.topk(q, count).indices.tolist()
     drawn = sample_children(q, count, without_replacement=method != "specinfer", generator=generator).tolist()
     return drawn + drawn[-1:] * (count - len(drawn))
+
+
+def choose_level_children(probs: torch.Tensor, rows: list[int], counts: list[int], method: str, greedy: bool,
+                          generator: torch.Generator | None = None) -> list[list[int]]:
+    """:func:`choose_children` for several rows of one tree level ``probs [R, V]`` at once:
+    ``counts[i]`` children for row ``rows[i]``. The top-k case is one batched ``topk`` (one
+    host sync per level, not per node); sampling draws row by row, in order, from ``generator``."""
+    if not rows:
+        return []
+    if greedy or method == "topk":
+        top = torch.topk(probs[rows], max(counts), dim=-1).indices.tolist()
+        return [row[:count] for row, count in zip(top, counts)]
+    return [choose_children(probs[row], count, method, greedy, generator) for row, count in zip(rows, counts)]

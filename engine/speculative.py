@@ -11,14 +11,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from .errors import ContextOverflowError, InvalidParameterError, VocabularyMismatchError
 from .kernels import use_small_batch_linear
-from .kv_cache import compact
 from .records import GenerationResult, StepRecord, StepTimings
-from .sampling import choose_children, logits_to_probs
+from .sampling import choose_level_children, logits_to_probs
 from .tree import Tree
+from .profile import synchronize
+from .runner import DynamicRunner, StaticRunner, run_model
 from .verify import verify_greedy, verify_stochastic, verify_topk
 
 ROOT_ONLY = Tree.chain(0)
@@ -47,8 +47,13 @@ class SpeculativeEngine:
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None = None,
                  stop_token_ids: list[int] | None = None, tuner=None, fast_draft_linear: bool = True,
-                 fast_target_linear: bool = False) -> None:
+                 fast_target_linear: bool = False, static_cache: bool | None = None,
+                 cuda_graphs: bool | None = None, max_cache_len: int | None = None) -> None:
         """``tuner``: an :class:`engine.optimizer.AutoTuner`, needed for ``tree="auto"``.
+
+        ``static_cache`` preallocates both KV caches once (``max_cache_len`` slots, default the
+        target's context capped at 8192) and reuses them for every generation; ``cuda_graphs``
+        replays one CUDA graph per forward width. Both default to on for CUDA models, off on CPU.
 
         ``fast_draft_linear`` / ``fast_target_linear`` route that model's linear layers through
         :mod:`engine.kernels` (faster multi-token forwards on CPU in fp32). On for the draft, whose
@@ -74,6 +79,23 @@ class SpeculativeEngine:
             frozenset(_default_stop_ids(target))
         self.max_context = int(getattr(target.config, "max_position_embeddings", 0) or 0)
         self.device = next(target.parameters()).device
+        on_cuda = self.device.type == "cuda"
+        self.static_cache = on_cuda if static_cache is None else bool(static_cache)
+        self.cuda_graphs = self.static_cache and (on_cuda if cuda_graphs is None else bool(cuda_graphs))
+        self.max_cache_len = int(max_cache_len or min(self.max_context or 8192, 8192))
+        self._static_runners: dict[str, StaticRunner] = {}
+
+    def runner(self, role: str, owner: object):
+        """The runner of ``"target"`` or ``"draft"`` for one generation ``owner``: the engine's
+        preallocated static runner (now owned by ``owner``) or a fresh dynamic one."""
+        model = self.target if role == "target" else self.draft
+        if not self.static_cache:
+            return DynamicRunner(model)
+        if role not in self._static_runners:
+            self._static_runners[role] = StaticRunner(model, self.max_cache_len, self.cuda_graphs and graphable(model))
+        runner = self._static_runners[role]
+        runner.owner = owner
+        return runner
 
     # ----- public API ---------------------------------------------------------------------
     def generate(self, input_ids: list[int], **kwargs) -> GenerationResult:
@@ -132,10 +154,13 @@ class SpeculativeEngine:
         if method == "chain" and tree.size != tree.depth + 1:
             raise InvalidParameterError("method 'chain' needs a chain tree: use Tree.chain(depth)")
         needed = len(input_ids) + max_new_tokens + tree.size
-        if self.max_context and needed > self.max_context:
+        limit, what = (self.max_context, "the target's context") if self.max_context else (0, "")
+        if self.static_cache and (not limit or self.max_cache_len < limit):
+            limit, what = self.max_cache_len, "the static KV cache (max_cache_len)"
+        if limit and needed > limit:
             raise ContextOverflowError(
                 f"prompt ({len(input_ids)} tokens) + max_new_tokens ({max_new_tokens}) + tree ({tree.size}) "
-                f"exceeds the target's context of {self.max_context} tokens: shorten the prompt or lower max_new_tokens")
+                f"exceeds {what} of {limit} tokens: shorten the prompt or lower max_new_tokens")
         stops = _stop_set(stop_token_ids) if stop_token_ids is not None else self.stop_token_ids
         return DecodeParams(max_new_tokens, float(temperature), float(top_p), tree, seed, stops, method)
 
@@ -161,11 +186,11 @@ class _DecodeState:
         self.engine, self.params = engine, params
         self.seq = prompt
         self.prompt_len = len(prompt)
-        self.target_cache = DynamicCache(config=engine.target.config)
-        self.draft_cache = DynamicCache(config=engine.draft.config) if engine.draft is not None else None
+        self.target_runner = engine.runner("target", self)
+        self.draft_runner = engine.runner("draft", self) if engine.draft is not None and params.tree.depth else None
         self.draft_len = 0
         self.steps = 0
-        self.generator = torch.Generator().manual_seed(params.seed)
+        self.generator = torch.Generator(device=engine.device).manual_seed(params.seed)
         self.finished = False
 
     @property
@@ -177,10 +202,14 @@ class _DecodeState:
         start = time.perf_counter()
         if len(self.seq) > 1:
             with torch.inference_mode():
-                forward(self.engine.target, self.target_cache, self.seq[:-1], start=0, logits_to_keep=1)
+                self.target_runner.forward(self.seq[:-1], start=0, logits_to_keep=1)
         return time.perf_counter() - start
 
     def step(self) -> StepRecord:
+        for runner in (self.target_runner, self.draft_runner):
+            if getattr(runner, "owner", self) is not self:
+                raise RuntimeError("another generation started on this engine and took its preallocated caches: "
+                                   "with static_cache, finish (or drop) one generation before starting the next")
         timings = StepTimings()
         tree = self.params.tree
         prefix = len(self.seq) - 1  # position of the root
@@ -188,8 +217,9 @@ class _DecodeState:
             t0 = time.perf_counter()
             tokens, draft_probs, draft_dists = self._draft_tree(tree)
             t1 = time.perf_counter()
-            target_logits = forward(self.engine.target, self.target_cache, tokens, start=prefix,
-                                     mask=tree.attention_mask(prefix), positions=tree.position_ids(prefix))
+            target_logits = self.target_runner.forward(tokens, start=prefix, tail=tree.ancestor_matrix,
+                                                       positions=tree.position_ids(prefix))
+            synchronize(self.engine.device)  # so that verify_s is the forward's own time on a GPU
             t2 = time.perf_counter()
             target_dists = logits_to_probs(target_logits, self.params.temperature, self.params.top_p)
             accepted, bonus = self._verify(tree, tokens, target_logits, target_dists, draft_dists)
@@ -214,29 +244,30 @@ class _DecodeState:
         tokens, probs, dists = [self.seq[-1]], [1.0], {}
         if tree.depth == 0:
             return tokens, probs, dists
-        draft, cache = self.engine.draft, self.draft_cache
+        runner = self.draft_runner
         # Catch-up: committed tokens the draft has not seen yet, the root last.
-        level_logits = forward(draft, cache, self.seq[self.draft_len:], start=self.draft_len, logits_to_keep=1)
+        level_logits = runner.forward(self.seq[self.draft_len:], start=self.draft_len, logits_to_keep=1)
         self.draft_len = len(self.seq)
         for level in range(1, tree.depth + 1):
             parents = tree.level_slices[level - 1]
             level_probs = logits_to_probs(level_logits, self.params.temperature, self.params.top_p)
-            choices = {}
-            for row, parent in enumerate(range(parents.start, parents.stop)):
-                if tree.children[parent]:
-                    dists[parent] = level_probs[row]
-                    choices[parent] = choose_children(level_probs[row], len(tree.children[parent]),
-                                                      self.params.method, self.params.greedy, self.generator)
-            for node in range(tree.level_slices[level].start, tree.level_slices[level].stop):
-                token = choices[tree.parents[node]][tree.ranks[node] - 1]
-                tokens.append(token)
-                probs.append(float(dists[tree.parents[node]][token]))
+            expanding = [p for p in range(parents.start, parents.stop) if tree.children[p]]
+            drawn = choose_level_children(level_probs, [p - parents.start for p in expanding],
+                                          [len(tree.children[p]) for p in expanding],
+                                          self.params.method, self.params.greedy, self.generator)
+            choices = dict(zip(expanding, drawn))
+            for parent in expanding:
+                dists[parent] = level_probs[parent - parents.start]
+            nodes = tree.level_slices[level]
+            level_parents = [tree.parents[node] for node in range(nodes.start, nodes.stop)]
+            level_tokens = [choices[parent][tree.ranks[node] - 1] for node, parent in zip(range(nodes.start, nodes.stop), level_parents)]
+            tokens.extend(level_tokens)
+            probs.extend(level_probs[[p - parents.start for p in level_parents], level_tokens].tolist())  # one sync
             if level < tree.depth:
-                nodes = tree.level_slices[level]
-                level_logits = forward(draft, cache, tokens[nodes], start=len(self.seq),
-                                        mask=tree.attention_mask(len(self.seq), nodes=nodes,
-                                                                 columns=slice(1, nodes.stop)),
-                                        positions=tree.position_ids(len(self.seq) - 1, nodes=nodes))
+                # the draft cache holds seq, then tree nodes 1.. in order: this level goes after them
+                level_logits = runner.forward(tokens[nodes], start=len(self.seq) + nodes.start - 1,
+                                              tail=tree.ancestor_matrix[nodes, 1:nodes.stop],
+                                              positions=tree.position_ids(len(self.seq) - 1, nodes=nodes))
         return tokens, probs, dists
 
     def _verify(self, tree: Tree, tokens: list[int], target_logits: torch.Tensor, target_dists: torch.Tensor,
@@ -251,10 +282,10 @@ class _DecodeState:
     # ----- bookkeeping --------------------------------------------------------------------
     def _compact(self, tree: Tree, prefix: int, accepted: list[int]) -> None:
         """Keep prefix + accepted path in the target cache, and the accepted nodes the draft saw."""
-        compact(self.target_cache, prefix, accepted)
+        self.target_runner.compact(prefix, accepted)
         if tree.depth > 0:
             seen_by_draft = [a - 1 for a in accepted[1:] if tree.depths[a] < tree.depth]
-            compact(self.draft_cache, prefix + 1, seen_by_draft)
+            self.draft_runner.compact(prefix + 1, seen_by_draft)
             self.draft_len = prefix + 1 + len(seen_by_draft)
 
     def _commit(self, candidates: list[int]) -> list[int]:
@@ -285,10 +316,8 @@ def forward(model, cache, token_ids: list[int], start: int, mask: torch.Tensor |
     ids = torch.tensor([token_ids], dtype=torch.long, device=device)
     if positions is None:
         positions = torch.arange(start, start + len(token_ids))[None]
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, position_ids=positions.to(device),
-                attention_mask=None if mask is None else mask.to(device=device, dtype=model.dtype),
-                logits_to_keep=logits_to_keep)
-    return out.logits[0].float()
+    return run_model(model, cache, ids, positions.to(device),
+                     None if mask is None else mask.to(device=device, dtype=model.dtype), logits_to_keep)
 
 
 def _child_probs(tree: Tree, tokens: list[int], parent_probs: torch.Tensor) -> list[float]:
@@ -298,6 +327,14 @@ def _child_probs(tree: Tree, tokens: list[int], parent_probs: torch.Tensor) -> l
     parents = torch.tensor(tree.parents[1:])
     children = torch.tensor(tokens[1:])
     return [1.0] + parent_probs[parents, children].tolist()
+
+
+def graphable(model: torch.nn.Module) -> bool:
+    """CUDA graphs need the whole model on one GPU and no host-side hooks: not for targets split
+    with ``device_map`` or streamed from the host (those run eagerly)."""
+    streamed = getattr(model, "_layer_streamer", None) is not None
+    devices = set(getattr(model, "hf_device_map", {}).values())
+    return not streamed and len(devices) <= 1
 
 
 def check_params(max_new_tokens: int, temperature: float, top_p: float, seed: int, method: str) -> None:

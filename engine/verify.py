@@ -69,7 +69,7 @@ def accept_child(p: torch.Tensor, q: torch.Tensor | None, child_tokens: list[int
     for index, x in enumerate(child_tokens):
         if q[x] <= 0:  # support of q exhausted: the remaining children carry no mass
             break
-        u = torch.rand((), generator=generator, dtype=torch.float64).item()
+        u = torch.rand((), generator=generator, dtype=torch.float64, device=p.device).item()
         if u * q[x].item() < p[x].item():  # u < p/q without dividing
             return index, p
         p = _residual(p, q)

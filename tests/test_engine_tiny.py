@@ -99,10 +99,11 @@ def test_references_have_no_near_ties(qwen, llama):
 
 
 # ----- exactness -----------------------------------------------------------------------------
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("draft_kind", ["random", "close"])
 @pytest.mark.parametrize("tree_name", list(TREES))
-def test_greedy_matches_target_generate_qwen(qwen, tree_name, draft_kind):
-    result = engine_for(qwen, draft_kind).generate(PROMPT, max_new_tokens=NEW_TOKENS, temperature=0,
+def test_greedy_matches_target_generate_qwen(qwen, tree_name, draft_kind, static):
+    result = engine_for(qwen, draft_kind, static_cache=static).generate(PROMPT, max_new_tokens=NEW_TOKENS, temperature=0,
                                                    tree=TREES[tree_name])
     assert result.tokens == qwen["ref"]
     assert result.finish_reason == "length"
@@ -117,11 +118,12 @@ def test_greedy_matches_target_generate_one_token_prompt(qwen, tree_name):
     assert result.tokens == qwen["ref_short"]
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("draft_kind", ["random", "close"])
 @pytest.mark.parametrize("tree_name", ["none", "chain3", "2ary2", "3ary2", "2indep3", "irregular"])
-def test_greedy_matches_target_generate_llama(llama, tree_name, draft_kind):
+def test_greedy_matches_target_generate_llama(llama, tree_name, draft_kind, static):
     """Not Qwen-specific: a Llama pair (multi-head attention, different config class) works the same."""
-    result = engine_for(llama, draft_kind).generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=TREES[tree_name])
+    result = engine_for(llama, draft_kind, static_cache=static).generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=TREES[tree_name])
     assert result.tokens == llama["ref"]
 
 
@@ -191,27 +193,36 @@ def fresh_cache(model, token_ids):
     return cache
 
 
-def assert_caches_close(actual, expected, what):
-    assert actual.get_seq_length() == expected.get_seq_length(), what
-    assert len(actual.layers) == len(expected.layers)
-    for i, (a, e) in enumerate(zip(actual.layers, expected.layers)):
+def assert_caches_close(runner, length, expected, what):
+    """The first ``length`` slots of ``runner``'s cache equal the ``expected`` DynamicCache."""
+    assert expected.get_seq_length() == length, what
+    if not runner.cache.layers[0].is_initialized:
+        assert length == 0, what
+        return
+    if isinstance(runner.cache, DynamicCache):
+        assert runner.cache.get_seq_length() == length, what
+    assert len(runner.cache.layers) == len(expected.layers)
+    for i, (a, e) in enumerate(zip(runner.cache.layers, expected.layers)):
         for name in ("keys", "values"):
-            ta, te = getattr(a, name), getattr(e, name)
+            ta, te = getattr(a, name)[:, :, :length], getattr(e, name)
             assert ta.shape == te.shape, f"{what}: layer {i} {name} shape {tuple(ta.shape)} != {tuple(te.shape)}"
             assert torch.allclose(ta, te, atol=1e-5), \
                 f"{what}: layer {i} {name} differs by {float((ta - te).abs().max()):.2e}"
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("tree_name", ["chain3", "2ary2", "3ary2", "2indep3", "irregular", "cousins_swapped"])
-def test_kv_caches_equal_recomputed_caches_after_each_step(qwen, tree_name):
+def test_kv_caches_equal_recomputed_caches_after_each_step(qwen, tree_name, static):
     """After every step the compacted caches hold exactly what a from-scratch forward of the committed
-    sequence produces: the target all of ``seq`` but its last token, the draft ``seq[:draft_len]``."""
+    sequence produces: the target all of ``seq`` but its last token, the draft ``seq[:draft_len]``
+    (for the static cache: in its first slots; the rest is stale and masked)."""
     tree = TREES[tree_name]
-    engine = engine_for(qwen, "close")
+    engine = engine_for(qwen, "close", static_cache=static)
     params = engine._validate(list(PROMPT), 64, 0.0, 1.0, tree, 0, [])
     state = _DecodeState(engine, list(PROMPT), params)
     state.prefill()
-    assert_caches_close(state.target_cache, fresh_cache(qwen["target"], PROMPT[:-1]), "after prefill")
+    assert_caches_close(state.target_runner, len(PROMPT) - 1, fresh_cache(qwen["target"], PROMPT[:-1]),
+                        "after prefill")
     gathered = 0
     for n in range(8):
         before = len(state.seq)
@@ -220,12 +231,13 @@ def test_kv_caches_equal_recomputed_caches_after_each_step(qwen, tree_name):
         seq = state.seq
         assert seq == PROMPT + qwen["ref_long"][: len(seq) - len(PROMPT)]
         gathered += record.accepted != list(range(len(record.accepted)))
-        assert_caches_close(state.target_cache, fresh_cache(qwen["target"], seq[:-1]), f"target after step {n}")
+        assert_caches_close(state.target_runner, len(seq) - 1, fresh_cache(qwen["target"], seq[:-1]),
+                            f"target after step {n}")
         # The draft keeps every accepted node it has already processed (all but a deepest-level one):
         # nothing it saw is recomputed in the next step's catch-up.
         if tree.depth:
             assert state.draft_len == before + sum(tree.depths[a] < tree.depth for a in record.accepted[1:])
-        assert_caches_close(state.draft_cache, fresh_cache(qwen["close"], seq[: state.draft_len]),
+        assert_caches_close(state.draft_runner, state.draft_len, fresh_cache(qwen["close"], seq[: state.draft_len]),
                             f"draft after step {n}")
     if tree_name != "chain3":
         assert gathered, "no step exercised the gather (non-contiguous) compaction path"
@@ -492,3 +504,22 @@ def test_sliding_window_models_are_refused_clearly():
     with pytest.raises(InvalidParameterError, match="sliding-window") as info:
         SpeculativeEngine(Qwen2ForCausalLM(config), None)
     assert single_line(info.value)
+
+
+# ----- static cache: the attention window grows with the context --------------------------------
+def test_window_bucket():
+    from engine.runner import window_bucket
+    assert [window_bucket(n, 4096) for n in (1, 256, 257, 600, 4000, 5000)] == [256, 256, 512, 1024, 4096, 4096]
+
+
+def test_static_cache_crossing_a_window_boundary_stays_exact():
+    """A long prompt whose answer crosses slot 256: attention switches from a 256- to a 512-slot window
+    mid-generation, and every step still equals the target's own greedy decoding."""
+    target = tm.qwen2(seed=QWEN_SEED, max_positions=1024)
+    draft = tm.perturbed(target, noise=0.003)
+    prompt = [(7 * i + 3) % tm.VOCAB for i in range(240)]
+    ref = tm.hf_greedy(target, prompt, 40)
+    assert tm.min_top2_gap(target, prompt + ref, len(prompt)) > 1e-4
+    engine = SpeculativeEngine(target, draft, stop_token_ids=[], static_cache=True)
+    assert engine.generate(prompt, max_new_tokens=40, tree=Tree.k_ary(2, 3)).tokens == ref
+    assert engine._static_runners["target"].window.slots == 512

@@ -100,3 +100,30 @@ def test_vocabulary_mismatch_is_refused_with_the_reason():
     check_same_vocabulary(_tokenizer(["a", "b"]), _tokenizer(["a", "b"]))
     with pytest.raises(VocabularyMismatchError, match="different vocabularies"):
         check_same_vocabulary(_tokenizer(["a", "b"]), _tokenizer(["a", "c", "d"]))
+
+
+def test_offload_needs_a_cuda_device_and_says_so():
+    from engine.models import load_pair
+    with pytest.raises(ModelLoadError, match="CUDA"):
+        load_pair("default-target", "default-draft", device="cpu", offload=True)
+
+
+def test_device_auto_without_a_gpu_leaves_the_model_on_cpu():
+    import tiny_models as tm
+    from engine.models import place
+    model = tm.qwen2()
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    assert place(model, "auto") is model and next(model.parameters()).device.type == "cpu"
+
+
+def test_split_or_streamed_models_run_without_cuda_graphs():
+    import tiny_models as tm
+    from engine.speculative import graphable
+    model = tm.qwen2()
+    assert graphable(model)
+    model.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}
+    assert not graphable(model)
+    del model.hf_device_map
+    model._layer_streamer = object()
+    assert not graphable(model)

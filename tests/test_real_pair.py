@@ -112,8 +112,8 @@ def test_kv_caches_after_20_steps_equal_a_fresh_prefill(real_pair, chat_prompts,
     state.prefill()
     for _ in range(20):
         state.step()
-    for model, cache, length in ((target, state.target_cache, len(state.seq) - 1),
-                                 (draft, state.draft_cache, state.draft_len)):
+    for model, cache, length in ((target, state.target_runner.cache, len(state.seq) - 1),
+                                 (draft, state.draft_runner.cache, state.draft_len)):
         fresh = DynamicCache(config=model.config)
         with torch.inference_mode():
             forward(model, fresh, state.seq[:length], start=0, logits_to_keep=1)

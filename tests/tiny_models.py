@@ -59,8 +59,10 @@ def clone(model: torch.nn.Module) -> torch.nn.Module:
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The new tokens of Hugging Face's own greedy decoding (the reference the engine must match)."""
+    device = next(model.parameters()).device
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        out = model.generate(torch.tensor([prompt], device=device),
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
                              max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()
@@ -73,7 +75,7 @@ def min_top2_gap(model: torch.nn.Module, sequence: list[int], prompt_len: int) -
     forward) may legitimately flip the greedy choice.
     """
     with torch.inference_mode():
-        logits = model(torch.tensor([sequence])).logits[0, prompt_len - 1:-1].float()
+        logits = model(torch.tensor([sequence], device=next(model.parameters()).device)).logits[0, prompt_len - 1:-1].float()
     top2 = torch.topk(logits, 2, dim=-1).values
     return float((top2[:, 0] - top2[:, 1]).min())
 
@@ -89,5 +91,5 @@ def perturbed(model: torch.nn.Module, noise: float, seed: int = 0) -> torch.nn.M
     with torch.no_grad():
         for param in copy_.parameters():
             if param.dim() >= 2:
-                param.add_(torch.randn(param.shape, generator=generator) * noise)
+                param.add_(torch.randn(param.shape, generator=generator).to(param.device) * noise)
     return copy_
