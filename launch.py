@@ -27,6 +27,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub (HF_HUB_OFFLINE=1)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model repos to run their own code")
+    parser.add_argument("--models-dir", default=os.environ.get("SEQUOIA_MODELS_DIR", "~/models"),
+                        help="the only folder the UI may load local models from (~/models, or $SEQUOIA_MODELS_DIR)")
     parser.add_argument("--tree-size", type=int, default=8, help="initial tree size in the UI (nodes, root included)")
     parser.add_argument("--depth", type=int, default=4, help="initial tree depth in the UI")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="initial answer budget in the UI")
@@ -46,14 +48,23 @@ def build_worker(args: argparse.Namespace):
         torch.set_num_threads(1)
         tokenizer = load_tokenizer()
         target, draft = tiny_pair(tokenizer)
-        return Worker.from_models(target, draft, tokenizer, "tiny-random-qwen2 (dev)", "tiny-random-qwen2-perturbed (dev)")
+        return Worker.from_models(target, draft, tokenizer, "tiny-random-qwen2 (dev)",
+                                  "tiny-random-qwen2-perturbed (dev)", **worker_policy(args))
 
     from engine.models import load_pair
     print("loading models (the first start assembles and dequantises the weights: a few minutes)...", flush=True)
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
                                          args.trust_remote_code, offload=args.offload)
     tuner = load_tuner(f"{args.target}+{args.draft}", target)
-    return Worker.from_models(target, draft, tokenizer, args.target, args.draft, tuner=tuner)
+    return Worker.from_models(target, draft, tokenizer, args.target, args.draft, tuner=tuner, **worker_policy(args))
+
+
+def worker_policy(args: argparse.Namespace) -> dict:
+    """What UI requests may load: local folders under --models-dir only; remote code only with
+    --trust-remote-code."""
+    from pathlib import Path
+
+    return {"models_dir": Path(args.models_dir).expanduser(), "allow_remote_code": args.trust_remote_code}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -598,7 +598,8 @@ class ChatApp:
                         c.dtype = gr.Dropdown(["float32", "bfloat16", "float16"], value=info.get("dtype", "float32"),
                                               label="dtype")
                         c.device = gr.Textbox(info.get("device", "cpu"), label="device")
-                    c.trust = gr.Checkbox(False, label="Trust remote code (runs the repository's own code)")
+                    c.trust = gr.Checkbox(False, label="Trust remote code (runs the repository's own code)",
+                                          visible=worker.allow_remote_code)
                     c.load_btn = gr.Button("Load pair", variant="secondary", size="sm")
                     c.models_status = gr.HTML("", elem_id="sc-models-status")
             with gr.Row(equal_height=False, elem_id="sc-main"):

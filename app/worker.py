@@ -29,6 +29,7 @@ import re
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,18 +169,31 @@ def describe_pair(target, draft, target_name: str, draft_name: str) -> dict:
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
 
 
-def validate_model_id(value: str, role: str) -> str:
-    """A Hugging Face id (``owner/name``), a local directory, or an embedded name; raises ModelLoadError."""
+def validate_model_id(value: str, role: str, models_dir: Path | None = None) -> str:
+    """An embedded name, a Hugging Face id (``owner/name``) or a folder under ``models_dir``.
+
+    The UI may name local folders only inside the configured models folder (symlinks resolved),
+    never elsewhere on disk; anything else that looks like a path, a URL or ``..`` is refused.
+    Raises :class:`ModelLoadError`.
+    """
     value = (value or "").strip()
     if not value:
         raise ModelLoadError(f"the {role} model is empty: give a Hugging Face id (owner/name) or a local directory")
     if len(value) > 300:
         raise ModelLoadError(f"the {role} model id is too long")
-    if value in ("default-target", "default-draft") or os.path.isdir(os.path.expanduser(value)):
-        return os.path.expanduser(value) if os.path.isdir(os.path.expanduser(value)) else value
+    if value in ("default-target", "default-draft"):
+        return value
+    if models_dir is not None:
+        root = Path(models_dir).expanduser().resolve()
+        candidate = (root / Path(value).expanduser()).resolve()  # an absolute value replaces root here
+        if candidate.is_dir():
+            if root not in candidate.parents:
+                raise ModelLoadError(f"'{value}' is outside the models folder {root}: the app loads local "
+                                     f"models only from there (launch.py --models-dir)")
+            return str(candidate)
     if not _HUB_ID.match(value) or ".." in value:
-        raise ModelLoadError(f"'{value}' is neither a local directory nor a Hugging Face id like "
-                             f"Qwen/Qwen2.5-0.5B-Instruct")
+        where = f"a folder under {models_dir}" if models_dir is not None else "a local folder (none configured)"
+        raise ModelLoadError(f"'{value}' is neither {where} nor a Hugging Face id like Qwen/Qwen2.5-0.5B-Instruct")
     return value
 
 
@@ -193,8 +207,13 @@ class Worker:
     """Owns the engine on one daemon thread; serves jobs first come, first served."""
 
     def __init__(self, engine, tokenizer, info: dict | None = None,
-                 loader: Callable | None = None, tuner=None, name: str = "sequoia-engine") -> None:
+                 loader: Callable | None = None, tuner=None, name: str = "sequoia-engine",
+                 models_dir: Path | None = None, allow_remote_code: bool = False) -> None:
+        """``models_dir``: the only folder local models may be loaded from by UI requests;
+        ``allow_remote_code``: whether a request may ask for ``trust_remote_code``."""
         self.engine = engine
+        self.models_dir = models_dir
+        self.allow_remote_code = allow_remote_code
         self.tokenizer = tokenizer
         self.info = dict(info or {})
         self.tuner = tuner if tuner is not None else getattr(engine, "tuner", None)
@@ -210,9 +229,10 @@ class Worker:
 
     @classmethod
     def from_models(cls, target, draft, tokenizer, target_name: str = "target", draft_name: str = "draft",
-                    tuner=None, loader: Callable | None = None) -> "Worker":
+                    tuner=None, loader: Callable | None = None, **options) -> "Worker":
+        """``options``: ``models_dir``, ``allow_remote_code`` (see ``__init__``)."""
         engine = make_engine(target, draft, tokenizer, tuner)
-        return cls(engine, tokenizer, describe_pair(target, draft, target_name, draft_name), loader, tuner)
+        return cls(engine, tokenizer, describe_pair(target, draft, target_name, draft_name), loader, tuner, **options)
 
     def set_tuner(self, tuner) -> None:
         """Enable ``tree="auto"`` (an :class:`engine.optimizer.AutoTuner` for the current pair) or disable it."""
@@ -383,8 +403,11 @@ class Worker:
         if device != "cpu" and not (re.fullmatch(r"cuda(:\d+)?", device) and torch.cuda.is_available()):
             raise ModelLoadError(f"device '{device}' is not available here: use cpu"
                                  + (" or cuda" if torch.cuda.is_available() else ""))
-        target_id = validate_model_id(request.target, "target")
-        draft_id = validate_model_id(request.draft, "draft")
+        if request.trust_remote_code and not self.allow_remote_code:
+            raise ModelLoadError("running a repository's own code is disabled: start the app with "
+                                 "--trust-remote-code to allow it")
+        target_id = validate_model_id(request.target, "target", self.models_dir)
+        draft_id = validate_model_id(request.draft, "draft", self.models_dir)
         dtype = DTYPES[request.dtype]
         job._emit("progress", f"loading target {target_id} …")
         target, tokenizer = self.loader(target_id, dtype, device, request.trust_remote_code)

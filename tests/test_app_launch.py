@@ -9,6 +9,7 @@ def test_defaults_are_local_and_private():
     assert args.host == "127.0.0.1" and args.share is False and args.inbrowser is False
     assert (args.target, args.draft, args.device, args.dtype) == ("default-target", "default-draft", "cpu", "float32")
     assert args.offline is False and args.trust_remote_code is False
+    assert args.models_dir and args.offload is False
     args = launch.parse_args(["--port", "8000", "--share", "--offline", "--tree-size", "16", "--depth", "5"])
     assert (args.port, args.share, args.offline, args.tree_size, args.depth) == (8000, True, True, 16, 5)
 
@@ -19,3 +20,9 @@ def test_a_missing_model_exits_2_with_one_line(monkeypatch, capsys):
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "sequoia-test-org/missing" in err and len(err.splitlines()) == 1
+
+
+def test_ui_policy_follows_the_flags(tmp_path):
+    policy = launch.worker_policy(launch.parse_args(["--models-dir", str(tmp_path)]))
+    assert policy == {"models_dir": tmp_path, "allow_remote_code": False}
+    assert launch.worker_policy(launch.parse_args(["--trust-remote-code"]))["allow_remote_code"] is True

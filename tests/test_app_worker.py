@@ -137,7 +137,7 @@ def test_failed_model_load_keeps_the_previous_pair(worker, pair, monkeypatch):
     assert "no-such-model-anywhere" in events[-1].data
     assert any(e.kind == "progress" for e in events)
     bad = worker.load_models("not a model id!", "x").wait(10)
-    assert bad[-1].kind == "error" and "neither a local directory nor a Hugging Face id" in bad[-1].data
+    assert bad[-1].kind == "error" and "nor a Hugging Face id" in bad[-1].data
     assert (worker.engine, worker.info) == before and worker.pair_version == 0
     ids = prompt(pair)
     events = worker.submit(GenerationRequest(ids, max_new_tokens=8, tree=TREE)).wait(60)
@@ -164,13 +164,47 @@ def test_model_load_swaps_the_pair_with_an_injected_loader(pair):
 
 @pytest.mark.parametrize("value, ok", [("Qwen/Qwen2.5-0.5B-Instruct", True), ("gpt2", True),
                                        ("default-target", True), ("", False), ("a b", False),
-                                       ("../no/such/dir", False), ("x" * 400, False)])
+                                       ("../no/such/dir", False), ("x" * 400, False), ("../../etc", False),
+                                       ("/etc", False), ("~/.ssh", False), ("https://example.com/m", False),
+                                       ("file:///etc/passwd", False), ("org/../../etc", False)])
 def test_validate_model_id(value, ok):
     if ok:
         assert validate_model_id(value, "target") == value
     else:
         with pytest.raises(ModelLoadError):
             validate_model_id(value, "target")
+
+
+def test_local_models_only_from_the_models_folder(tmp_path):
+    """Folders under the configured models folder load (by name or full path); folders elsewhere,
+    ``..`` escapes and symlinks pointing out of it are refused."""
+    models, outside = tmp_path / "models", tmp_path / "outside"
+    (models / "org" / "mine").mkdir(parents=True)
+    outside.mkdir()
+    (models / "escape").symlink_to(outside, target_is_directory=True)
+    assert validate_model_id("org/mine", "target", models) == str((models / "org" / "mine").resolve())
+    assert validate_model_id(str(models / "org" / "mine"), "target", models) == str((models / "org" / "mine").resolve())
+    for value in (str(outside), "../outside", "escape", "org/mine/../../../outside", str(models)):
+        with pytest.raises(ModelLoadError, match="outside the models folder|neither"):
+            validate_model_id(value, "target", models)
+    assert validate_model_id("Qwen/Qwen2.5-0.5B-Instruct", "target", models) == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_remote_code_requests_are_refused_unless_the_app_allows_them(pair):
+    target, draft, tokenizer = pair
+    calls = []
+
+    def loader(*args):
+        calls.append(args)
+        raise AssertionError("must not load")
+
+    w = Worker.from_models(target, draft, tokenizer, "a", "b", loader=loader)
+    try:
+        events = w.load_models("org/target", "org/draft", trust_remote_code=True).wait(30)
+        assert events[-1].kind == "error" and "--trust-remote-code" in str(events[-1].data)
+        assert calls == [] and w.info["target"] == "a"
+    finally:
+        w.close()
 
 
 def fake_tuner():
