@@ -23,10 +23,16 @@ class ContextTooLong(ValueError):
     """Even the newest message alone does not fit the model's context."""
 
 
+def clean_text(text: str) -> str:
+    """``text`` with lone UTF-16 surrogates (which JSON can carry but UTF-8 cannot encode, so the
+    tokenizer would fail on them) replaced by U+FFFD; everything else is kept as typed."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def chat_messages(system: str | None, history: Sequence[dict]) -> list[dict]:
     """Template input: the system prompt (when given) then the turns, role and content only."""
-    out = [{"role": "system", "content": system.strip()}] if system and system.strip() else []
-    return out + [{"role": m["role"], "content": m["content"]} for m in history]
+    out = [{"role": "system", "content": clean_text(system.strip())}] if system and system.strip() else []
+    return out + [{"role": m["role"], "content": clean_text(m["content"])} for m in history]
 
 
 def fit_context(tokenizer, system: str | None, history: Sequence[dict], limit: int | None) -> tuple[list[int], int]:
@@ -198,5 +204,5 @@ def import_conversation(data: bytes | str) -> tuple[str, list[dict]]:
             raise ValueError(f"message {i + 1}: content must be text")
         if len(content) > MAX_MESSAGE_CHARS:
             raise ValueError(f"message {i + 1} is longer than {MAX_MESSAGE_CHARS} characters")
-        history.append({"role": role, "content": content})
-    return system, history
+        history.append({"role": role, "content": clean_text(content)})
+    return clean_text(system), history

@@ -24,8 +24,8 @@ from engine.speculative import METHODS
 from engine.tree import Tree
 
 from . import figures
-from .conversation import (ContextTooLong, display_messages, export_conversation, fit_context, highlight_html,
-                           import_conversation, MAX_IMPORT_BYTES)
+from .conversation import (MAX_IMPORT_BYTES, ContextTooLong, clean_text, display_messages, export_conversation,
+                           fit_context, highlight_html, import_conversation)
 from .worker import GenerationRequest, Job, Worker
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -193,7 +193,7 @@ class ChatApp:
     # ----- chat ------------------------------------------------------------------------------
     def respond(self, message, history, run, system, temperature, top_p, max_new, seed, method, size, depth,
                 auto, compare, highlight, request: gr.Request | None = None):
-        message = (message or "").strip()
+        message = clean_text(message or "").strip()
         if not message:
             gr.Info("Type a message first: empty messages are not sent.")
             yield {self.c.status: status_html("Empty message ignored: type something first.", "warn")}

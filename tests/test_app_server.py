@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from app.conversation import safe_markdown
-from app.worker import Worker, make_engine
+from app.worker import make_engine
 from engine.generate import build_tree
 
 import test_app_support as support
@@ -38,15 +38,7 @@ def answer_text(chatbot) -> str:
 
 @pytest.fixture(scope="module")
 def server():
-    tokenizer = support.tokenizer()
-    target, draft = support.tiny_pair()
-    engine = support.SlowEngine(make_engine(target, draft, tokenizer))
-    worker = Worker(engine, tokenizer, {"target": "tiny-target", "draft": "tiny-draft", "device": "cpu",
-                                        "dtype": "float32"})
-    demo, url = support.start_server(worker)
-    yield worker, url
-    demo.close()
-    worker.close()
+    yield from support.tiny_server()
 
 
 def client(url) -> Client:

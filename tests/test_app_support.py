@@ -96,6 +96,20 @@ def start_server(worker, options: dict | None = None):
     return demo, url.rstrip("/") + "/"
 
 
+def tiny_server(delay: float = 0.0):
+    """A generator for module fixtures: yields ``(worker, url)`` of the app serving the tiny pair
+    (wrapped in :class:`SlowEngine`), and shuts both down afterwards."""
+    from app.worker import Worker, make_engine
+    tok = tokenizer()
+    target, draft = tiny_pair()
+    engine = SlowEngine(make_engine(target, draft, tok), delay)
+    worker = Worker(engine, tok, {"target": "tiny-target", "draft": "tiny-draft", "device": "cpu", "dtype": "float32"})
+    demo, url = start_server(worker)
+    yield worker, url
+    demo.close()
+    worker.close()
+
+
 def reference_text(engine, tokenizer, messages: list[dict], **kwargs) -> tuple[str, list[int]]:
     """What the engine alone answers (text with special tokens skipped, and the tokens)."""
     from engine.prompts import encode_chat

@@ -127,3 +127,28 @@ def test_split_or_streamed_models_run_without_cuda_graphs():
     del model.hf_device_map
     model._layer_streamer = object()
     assert not graphable(model)
+
+
+def test_disk_full_while_caching_weights_leaves_no_half_written_cache(tmp_path, monkeypatch):
+    """The dequantised cache is written to a temporary folder and renamed: when the disk fills up
+    half-way, nothing appears under the cache's name (so nothing half-written is ever loaded)."""
+    import errno
+
+    from engine import models
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model, tokenizer = Qwen2ForCausalLM(config), _tokenizer([f"w{i}" for i in range(31)])
+
+    def disk_full(module, path):
+        Path(path).write_bytes(b"\0" * 1024)  # a partial file, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(models, "save_model", disk_full)
+    target = tmp_path / "cache" / "tiny-float32-v1"
+    models._save_dequantised(model, tokenizer, target)
+    assert not target.exists() and list((tmp_path / "cache").iterdir()) == []
+    monkeypatch.undo()
+    models._save_dequantised(model, tokenizer, target)  # with space, the cache is written whole
+    assert (target / "model.safetensors").exists() and (target / "config.json").exists()
