@@ -72,3 +72,30 @@ def test_browser_screenshot_on_the_real_pair(server):
         page.screenshot(path=str(ARTIFACTS / "real-pair-chat.png"), full_page=True)
         assert "def" in page.content()
         browser.close()
+
+
+def test_forty_turns_in_one_conversation_keep_memory_flat(server):
+    """A long session on the real pair: 40 turns in one conversation. RSS after turn 40 stays within
+    10% of RSS after turn 5, and no KV cache outlives its request. Every fifth turn speculates (the
+    others use the target alone, which keeps the test to a few minutes: every turn prefills the
+    whole conversation on this CPU)."""
+    import gc
+
+    from transformers import DynamicCache
+
+    from test_hardening import rss_bytes
+
+    _, url = server
+    client = gradio_client.Client(url, verbose=False, download_files=False)
+    rss = {}
+    for turn in range(1, 41):
+        size = 4 if turn % 5 == 0 else 1
+        final = client.predict(*chat_args(f"{turn}", max_new=2, size=size, depth=min(3, size)), api_name="/chat")
+        assert "Done" in final[STATUS], (turn, final[STATUS])
+        if turn in (5, 40):
+            gc.collect()
+            rss[turn] = rss_bytes()
+            assert not [o for o in gc.get_objects() if type(o) is DynamicCache], "a KV cache outlived its request"
+    assert len(final[CHATBOT]) == 80
+    assert rss[40] < 1.10 * rss[5], f"RSS {rss[5] / 2**30:.2f} GiB after turn 5, {rss[40] / 2**30:.2f} GiB after 40"
+    print(f"RSS after turn 5: {rss[5] / 2**30:.2f} GiB, after turn 40: {rss[40] / 2**30:.2f} GiB")
