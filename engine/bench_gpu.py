@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from .optimizer import choose_tree
-from .profile import HardwareProfile, device_name, measure_forward, powers_of_two, synchronize
-from .runner import DynamicRunner, StaticRunner
+from .profile import HardwareProfile, device_name, measure_forward, powers_of_two
+from .runner import DynamicRunner, StaticRunner, synchronize
 from .synthetic import synthetic_model
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from .runner import make_runner
+from .runner import make_runner, synchronize
 from .sampling import choose_level_children, logits_to_probs
 from .tree import Tree
 
@@ -100,12 +100,6 @@ def _level_bookkeeping(logits: torch.Tensor) -> None:
     probs[rows, [c[0] for c in children]].tolist()
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (for wall-clock timing); nothing on CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_profile(target, draft, prefix: list[int], sizes: list[int], widths: list[int], pair: str,
                     repeats: int = 3, progress: bool = True, runners: dict | None = None) -> HardwareProfile:
     """Profile ``target`` at each size and ``draft`` at each width; ``runners`` maps "target" /
@@ -144,6 +138,7 @@ def powers_of_two(limit: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from .generate import DTYPES
     from .kernels import use_small_batch_linear
     from .models import cache_dir, load_pair
     from .prompts import encode_chat, load_prompt_set
@@ -155,9 +150,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-width", type=int, default=32, help="largest draft level width measured")
     parser.add_argument("--prefix", type=int, default=128, help="prefix length before the tree")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (CUDA profiles use static caches and graphs)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: the user cache)")
     args = parser.parse_args(argv)
-    target, draft, tokenizer = load_pair(args.target, args.draft)
+    target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device)
     if draft is not None:
         use_small_batch_linear(draft)  # the draft runs this way in the engine (fast_draft_linear)
     text = " ".join(m["content"] for p in load_prompt_set("chat") for m in p["messages"])

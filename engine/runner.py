@@ -224,6 +224,12 @@ def make_runner(model: torch.nn.Module, static: bool, max_len: int, cuda_graphs:
     return StaticRunner(model, max_len, cuda_graphs) if static else DynamicRunner(model)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (for wall-clock timing); nothing on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _ids(token_ids: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor([token_ids], dtype=torch.long, device=device)
 

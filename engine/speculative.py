@@ -17,8 +17,7 @@ from .kernels import use_small_batch_linear
 from .records import GenerationResult, StepRecord, StepTimings
 from .sampling import choose_level_children, logits_to_probs
 from .tree import Tree
-from .profile import synchronize
-from .runner import DynamicRunner, StaticRunner, run_model
+from .runner import DynamicRunner, StaticRunner, run_model, synchronize
 from .verify import verify_greedy, verify_stochastic, verify_topk
 
 ROOT_ONLY = Tree.chain(0)
