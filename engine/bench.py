@@ -1,8 +1,11 @@
-"""Benchmark: target-only decoding vs greedy tree speculative decoding, side by side in one process.
+"""Benchmark: target-only decoding, Hugging Face's ``generate`` and assisted generation, and tree
+speculative decoding, side by side in one process.
 
 ``python -m engine.bench --quick`` prints a table (tokens/s, ratio to target-only, tokens/step,
-draft/verify split) and writes the raw figures to ``results/bench-*.json``. Runs are
-interleaved per prompt so machine noise hits every configuration alike; figures are medians.
+draft share) and writes the raw figures to ``results/bench-*.json``. Runs are interleaved per
+prompt so machine noise hits every configuration alike; figures are medians. ``--temperature``
+samples (outputs are compared with target-only decoding at temperature 0 only). With
+``--device cuda`` it runs the GPU benchmark (:mod:`engine.bench_gpu`).
 """
 from __future__ import annotations
 
@@ -23,10 +26,12 @@ from .tree import Tree
 
 @dataclass
 class ConfigRuns:
-    """Per-prompt measurements of one configuration."""
+    """Per-prompt measurements of one configuration: our engine with ``tree``, or Hugging Face's
+    ``generate`` with ``hf`` keyword arguments (``{}``: target only; ``assistant_model``: assisted)."""
 
     name: str
     tree: Tree | None
+    hf: dict | None = None
     tokens_per_s: list[float] = field(default_factory=list)
     tokens_per_step: list[float] = field(default_factory=list)
     draft_share: list[float] = field(default_factory=list)
@@ -36,13 +41,18 @@ class ConfigRuns:
         tps = statistics.median(self.tokens_per_s)
         return {"name": self.name, "tree": self.tree.to_dict() if self.tree else None,
                 "tokens_per_s": tps, "speedup": tps / baseline_tps,
-                "tokens_per_step": statistics.median(self.tokens_per_step),
-                "draft_share": statistics.median(self.draft_share),
+                "tokens_per_step": statistics.median(self.tokens_per_step) if self.tokens_per_step else None,
+                "draft_share": statistics.median(self.draft_share) if self.draft_share else None,
                 "runs_tokens_per_s": self.tokens_per_s}
 
 
-def configurations(quick: bool) -> list[ConfigRuns]:
-    configs = [ConfigRuns("target-only", None)]
+def configurations(quick: bool, draft=None) -> list[ConfigRuns]:
+    configs = [ConfigRuns("target-only", None), ConfigRuns("HF generate, target only", None, hf={})]
+    if draft is not None:
+        configs.append(ConfigRuns("HF assisted generation (default schedule)", None, hf={"assistant_model": draft}))
+        configs += [ConfigRuns(f"HF assisted generation, {k} draft tokens", None,
+                               hf={"assistant_model": draft, "num_assistant_tokens": k,
+                                   "num_assistant_tokens_schedule": "constant"}) for k in ((3,) if quick else (2, 3, 4))]
     configs += [ConfigRuns(f"chain d={d}", Tree.chain(d)) for d in range(2, 7)]
     if not quick:
         configs += [ConfigRuns(f"sequoia n={n} d={d}", Tree.optimal(DEFAULT_ACCEPTANCE, n, d))
@@ -50,31 +60,47 @@ def configurations(quick: bool) -> list[ConfigRuns]:
     return configs
 
 
-def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path) -> dict:
+def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple | None = None,
+        temperature: float = 0.0, top_p: float = 1.0) -> dict:
+    """The benchmark on ``pair`` = (target, draft, tokenizer), by default the embedded pair.
+    Outputs are compared with target-only decoding at temperature 0 only."""
     from .models import load_default_pair
     from .prompts import encode_chat, load_prompt_set
     from .speculative import SpeculativeEngine
 
-    target, draft, tokenizer = load_default_pair()
+    target, draft, tokenizer = pair or load_default_pair()
     engine = SpeculativeEngine(target, draft)
     prompt_ids = [encode_chat(tokenizer, p["messages"]) for p in load_prompt_set("chat")[:prompts]]
-    configs = configurations(quick)
+    configs = configurations(quick, draft)
     engine.generate(prompt_ids[0], max_new_tokens=4, tree=Tree.chain(2))  # warm-up
     for i, ids in enumerate(prompt_ids):
+        prefill_s = 0.0
         for config in configs:
-            result = engine.generate(ids, max_new_tokens=new_tokens, tree=config.tree)
+            if config.hf is not None:
+                tokens, seconds = hf_generate(target, tokenizer, ids, new_tokens, config.hf, temperature, top_p)
+                # decode rate: HF's time minus the target prefill our target-only run measured on this prompt
+                config.tokens_per_s.append(len(tokens) / max(seconds - prefill_s, 1e-9))
+                config.outputs.append(tokens)
+                print(f"prompt {i}: {config.name:<42} {config.tokens_per_s[-1]:6.2f} tok/s", flush=True)
+                continue
+            result = engine.generate(ids, max_new_tokens=new_tokens, tree=config.tree, temperature=temperature,
+                                     top_p=top_p, seed=i)
+            prefill_s = result.prefill_s if config.tree is None else prefill_s
             config.tokens_per_s.append(result.tokens_per_second)
             config.tokens_per_step.append(result.tokens_per_step)
             config.draft_share.append(sum(s.timings.draft_s for s in result.steps) / result.decode_s)
             config.outputs.append(result.tokens)
-            print(f"prompt {i}: {config.name:<22} {result.tokens_per_second:6.2f} tok/s "
+            print(f"prompt {i}: {config.name:<42} {result.tokens_per_second:6.2f} tok/s "
                   f"{result.tokens_per_step:5.2f} tok/step", flush=True)
     baseline = statistics.median(configs[0].tokens_per_s)
-    identical = all(c.outputs == configs[0].outputs for c in configs)
+    greedy = temperature == 0
+    identical = greedy and all(c.outputs == configs[0].outputs for c in configs if c.hf is None)
+    hf_identical = greedy and all(c.outputs == configs[0].outputs for c in configs if c.hf is not None)
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "prompts": prompts,
-        "new_tokens": new_tokens, "temperature": 0.0, "outputs_identical_to_target_only": identical,
+        "new_tokens": new_tokens, "temperature": temperature, "top_p": top_p, "outputs_identical_to_target_only": identical,
+        "hf_outputs_identical_to_target_only": hf_identical,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "results": [c.summary(baseline) for c in configs],
     }
@@ -83,15 +109,29 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path) -> dict:
     path.write_text(json.dumps(report, indent=2))
     print()
     print(markdown_table(report))
-    print(f"\noutputs identical to target-only: {identical}; peak RSS {report['peak_rss_gib']:.1f} GiB; saved {path}")
+    print(f"\noutputs identical to target-only: {identical} (HF generate and assisted: {hf_identical}); peak RSS {report['peak_rss_gib']:.1f} GiB; saved {path}")
     return report
+
+
+def hf_generate(target, tokenizer, ids: list[int], new_tokens: int, options: dict, temperature: float = 0.0,
+                top_p: float = 1.0) -> tuple[list[int], float]:
+    """Hugging Face's own ``generate`` (target only, or assisted): new tokens and seconds."""
+    inputs = torch.tensor([ids])
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else \
+        {"do_sample": False}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = target.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens,
+                              pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling, **options)
+    return out[0, len(ids):].tolist(), time.perf_counter() - start
 
 
 def markdown_table(report: dict) -> str:
     rows = ["| configuration | tokens/s | vs target-only | tokens/step | draft share |", "|---|---|---|---|---|"]
     for r in report["results"]:
-        rows.append(f"| {r['name']} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}× | "
-                    f"{r['tokens_per_step']:.2f} | {r['draft_share']:.0%} |")
+        per_step = "" if r["tokens_per_step"] is None else f"{r['tokens_per_step']:.2f}"
+        share = "" if r["draft_share"] is None else f"{r['draft_share']:.0%}"
+        rows.append(f"| {r['name']} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}× | {per_step} | {share} |")
     return "\n".join(rows)
 
 
@@ -101,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=None, help="number of bundled prompts (default 2 quick, 6 full)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per run (default 64 quick, 128 full)")
     parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are then compared)")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--device", default="cpu", help="cpu (the default pair) or cuda (see --synthetic)")
     parser.add_argument("--synthetic", default=None, metavar="TARGET+DRAFT",
                         help="GPU benchmark on random-weight models of these shapes, e.g. llama2-7b+llama-68m "
@@ -113,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     prompts = args.prompts or (2 if args.quick else 6)
     new_tokens = args.new_tokens or (64 if args.quick else 128)
-    run(prompts, new_tokens, args.quick, args.out)
+    run(prompts, new_tokens, args.quick, args.out, temperature=args.temperature, top_p=args.top_p)
 
 
 if __name__ == "__main__":
