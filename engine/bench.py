@@ -10,6 +10,8 @@ samples (outputs are compared with target-only decoding at temperature 0 only). 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import json
 import platform
 import resource
@@ -73,25 +75,24 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     prompt_ids = [encode_chat(tokenizer, p["messages"]) for p in load_prompt_set("chat")[:prompts]]
     configs = configurations(quick, draft)
     engine.generate(prompt_ids[0], max_new_tokens=4, tree=Tree.chain(2))  # warm-up
+    ours, theirs = [c for c in configs if c.hf is None], [c for c in configs if c.hf is not None]
     for i, ids in enumerate(prompt_ids):
-        prefill_s = 0.0
-        for config in configs:
-            if config.hf is not None:
-                tokens, seconds = hf_generate(target, tokenizer, ids, new_tokens, config.hf, temperature, top_p)
-                # decode rate: HF's time minus the target prefill our target-only run measured on this prompt
-                config.tokens_per_s.append(len(tokens) / max(seconds - prefill_s, 1e-9))
-                config.outputs.append(tokens)
-                print(f"prompt {i}: {config.name:<42} {config.tokens_per_s[-1]:6.2f} tok/s", flush=True)
-                continue
+        for config in ours:
             result = engine.generate(ids, max_new_tokens=new_tokens, tree=config.tree, temperature=temperature,
                                      top_p=top_p, seed=i)
-            prefill_s = result.prefill_s if config.tree is None else prefill_s
             config.tokens_per_s.append(result.tokens_per_second)
             config.tokens_per_step.append(result.tokens_per_step)
             config.draft_share.append(sum(s.timings.draft_s for s in result.steps) / result.decode_s)
             config.outputs.append(result.tokens)
             print(f"prompt {i}: {config.name:<42} {result.tokens_per_second:6.2f} tok/s "
                   f"{result.tokens_per_step:5.2f} tok/step", flush=True)
+        with stock_weights(target):  # Hugging Face as its users run it: torch's own linear layers
+            prefill_s = timed_prefill(target, ids)
+            for config in theirs:
+                tokens, seconds = hf_generate(target, tokenizer, ids, new_tokens, config.hf, temperature, top_p)
+                config.tokens_per_s.append(len(tokens) / max(seconds - prefill_s, 1e-9))  # decode rate
+                config.outputs.append(tokens)
+                print(f"prompt {i}: {config.name:<42} {config.tokens_per_s[-1]:6.2f} tok/s", flush=True)
     baseline = statistics.median(configs[0].tokens_per_s)
     greedy = temperature == 0
     identical = greedy and all(c.outputs == configs[0].outputs for c in configs if c.hf is None)
@@ -115,15 +116,52 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
 
 def hf_generate(target, tokenizer, ids: list[int], new_tokens: int, options: dict, temperature: float = 0.0,
                 top_p: float = 1.0) -> tuple[list[int], float]:
-    """Hugging Face's own ``generate`` (target only, or assisted): new tokens and seconds."""
+    """Hugging Face's own ``generate`` (target only, or assisted): new tokens and seconds.
+
+    Assisted generation reads its schedule from the assistant's ``generation_config`` (and its
+    default "heuristic" schedule carries over between calls): each run starts from the
+    assistant's original config, with ``num_assistant_tokens*`` options applied there."""
+    options = dict(options)
+    assistant = options.get("assistant_model")
+    schedule = {k: options.pop(k) for k in ("num_assistant_tokens", "num_assistant_tokens_schedule") if k in options}
     inputs = torch.tensor([ids])
     sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else \
         {"do_sample": False}
+    saved = copy.deepcopy(assistant.generation_config) if assistant is not None else None
+    try:
+        if assistant is not None:
+            for key, value in schedule.items():
+                setattr(assistant.generation_config, key, value)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = target.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens,
+                                  pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling, **options)
+        seconds = time.perf_counter() - start
+    finally:
+        if assistant is not None:
+            assistant.generation_config = saved
+    return out[0, len(ids):].tolist(), seconds
+
+
+def timed_prefill(model, ids: list[int]) -> float:
+    """Seconds of one forward over the whole prompt (what ``generate`` does first)."""
     start = time.perf_counter()
     with torch.inference_mode():
-        out = target.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens,
-                              pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling, **options)
-    return out[0, len(ids):].tolist(), time.perf_counter() - start
+        model(torch.tensor([ids]))
+    return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def stock_weights(model):
+    """``model`` with torch's own linear layers inside the block, packed again after it."""
+    from .kernels import pack_linears, unpack_linears
+
+    packed = unpack_linears(model)
+    try:
+        yield model
+    finally:
+        if packed:
+            pack_linears(model)
 
 
 def markdown_table(report: dict) -> str:

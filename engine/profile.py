@@ -139,7 +139,7 @@ def powers_of_two(limit: int) -> list[int]:
 
 def main(argv: list[str] | None = None) -> None:
     from .generate import DTYPES
-    from .kernels import use_small_batch_linear
+    from .kernels import use_fast_linear_paths
     from .models import cache_dir, load_pair
     from .prompts import encode_chat, load_prompt_set
 
@@ -155,8 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: the user cache)")
     args = parser.parse_args(argv)
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device)
-    if draft is not None:
-        use_small_batch_linear(draft)  # the draft runs this way in the engine (fast_draft_linear)
+    use_fast_linear_paths(target, draft)  # both models run this way in the engine (its defaults)
     text = " ".join(m["content"] for p in load_prompt_set("chat") for m in p["messages"])
     prefix = (encode_chat(tokenizer, [{"role": "user", "content": text}]) * 4)[: args.prefix]
     pair = f"{args.target}+{args.draft}"

@@ -1,29 +1,70 @@
-"""The small-batch linear kernel computes the same product as F.linear (to rounding)."""
+"""The packed linear path computes the same float32 product as F.linear (to rounding), can be undone
+exactly, and is what the engine uses for CPU float32 models by default."""
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import small_batch_linear, use_small_batch_linear
+import tiny_models as tm
+from engine import SpeculativeEngine, Tree
+from engine.kernels import is_packed, pack_linears, packing_available, unpack_linears, use_fast_linear_paths
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 32, 33, 64])
-@pytest.mark.parametrize("bias", [False, True])
-def test_same_product_as_f_linear(rows, bias):
-    torch.manual_seed(rows)
-    layer = torch.nn.Linear(48, 80, bias=bias)
-    x = torch.randn(1, rows, 48)
-    torch.testing.assert_close(small_batch_linear(layer, x), F.linear(x, layer.weight, layer.bias),
-                               atol=1e-5, rtol=1e-5)
-    assert small_batch_linear(layer, x).shape == (1, rows, 80)
-
-
-def test_patching_is_idempotent_and_keeps_outputs():
+@pytest.mark.parametrize("shape", [(1, 96), (3, 96), (2, 5, 96), (17, 96), (64, 96)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_matches_f_linear(shape, bias):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
-    x = torch.randn(4, 16)
-    before = model(x)
-    assert use_small_batch_linear(model) == 2
-    assert use_small_batch_linear(model) == 0
-    torch.testing.assert_close(model(x), before, atol=1e-5, rtol=1e-5)
+    layer = torch.nn.Linear(96, 80, bias=bias)
+    weight, x = layer.weight.detach().clone(), torch.randn(*shape)
+    expected = F.linear(x, weight, layer.bias)
+    assert pack_linears(torch.nn.Sequential(layer)) == 1 and is_packed(layer)
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.shape == (*shape[:-1], 80)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_packing_is_idempotent_and_undone_exactly():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    dense = copy.deepcopy(model)
+    x = torch.randn(4, 64)
+    assert pack_linears(model) == 2 and pack_linears(model) == 0
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), dense(x), atol=1e-5, rtol=1e-5)
+    assert unpack_linears(model) == 2 and unpack_linears(model) == 0
+    for a, b in zip(model.parameters(), dense.parameters()):
+        assert not a.is_mkldnn and torch.equal(a, b)
+    assert torch.equal(model(x), dense(x))  # torch's own forward again
+    copy.deepcopy(model)  # dense models copy again
+
+
+def test_non_float32_and_non_linear_layers_are_left_alone():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32).to(torch.bfloat16), torch.nn.Embedding(10, 32))
+    assert pack_linears(model) == 0
+
+
+def test_fast_paths_cover_cpu_fp32_models_by_default_and_can_be_turned_off():
+    target, draft = tm.qwen2(seed=1), tm.qwen2(seed=2)
+    use_fast_linear_paths(target, draft, fast_target_linear=False)
+    assert not any(is_packed(m) for m in target.modules())
+    assert is_packed(draft.lm_head)
+    use_fast_linear_paths(target, draft)
+    assert is_packed(target.lm_head) and is_packed(target.model.layers[0].mlp.up_proj)
+
+
+@pytest.mark.parametrize("tree", [Tree.chain(4), Tree.k_ary(2, 3), Tree.from_parents([-1, 0, 1, 0, 2, 3, 3])],
+                         ids=["chain4", "2ary3", "irregular"])
+def test_packed_engine_stays_token_identical_to_stock_greedy_decoding(tree):
+    """The reference is Hugging Face's greedy decoding on the stock (unpacked) weights."""
+    target = tm.qwen2(seed=5)
+    prompt = [5, 17, 3, 42, 9, 11]
+    reference = tm.hf_greedy(target, prompt, 32)
+    engine = SpeculativeEngine(target, tm.perturbed(target, 0.003), stop_token_ids=[])
+    assert is_packed(target.lm_head)
+    assert engine.generate(prompt, max_new_tokens=32, tree=tree).tokens == reference
+    assert engine.generate(prompt, max_new_tokens=32, tree=None).tokens == reference
