@@ -10,7 +10,7 @@ import os
 import sys
 
 from engine.errors import EngineError
-from engine.generate import DTYPES
+from engine.generate import DTYPES, add_draft_format_argument
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -25,6 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--offload", action="store_true",
                         help="keep the target's layers in pinned CPU memory and stream them to the GPU (needs --device cuda)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    add_draft_format_argument(parser)
     parser.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub (HF_HUB_OFFLINE=1)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model repos to run their own code")
     parser.add_argument("--models-dir", default=os.environ.get("SEQUOIA_MODELS_DIR", "~/models"),
@@ -38,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_worker(args: argparse.Namespace):
-    from app.pair import load_tuner
+    from engine.optimizer import load_tuner
     from app.worker import Worker
 
     if args.tiny:
@@ -51,11 +52,12 @@ def build_worker(args: argparse.Namespace):
         return Worker.from_models(target, draft, tokenizer, "tiny-random-qwen2 (dev)",
                                   "tiny-random-qwen2-perturbed (dev)", **worker_policy(args))
 
-    from engine.models import load_pair
+    from engine.models import load_pair, pair_name
     print("loading models (the first start assembles and dequantises the weights: a few minutes)...", flush=True)
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
-                                         args.trust_remote_code, offload=args.offload)
-    tuner = load_tuner(f"{args.target}+{args.draft}", target)
+                                         args.trust_remote_code, offload=args.offload,
+                                         draft_format=args.draft_format)
+    tuner = load_tuner(pair_name(args.target, args.draft, draft), target)
     return Worker.from_models(target, draft, tokenizer, args.target, args.draft, tuner=tuner, **worker_policy(args))
 
 
@@ -83,9 +85,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.calibrate import find_acceptance
     from engine.generate import acceptance_for
+    from engine.models import pair_name
 
-    pair = f"{args.target}+{args.draft}"
-    measured = (args.target, args.draft) == ("default-target", "default-draft") or bool(find_acceptance(pair))
+    pair = pair_name(args.target, args.draft, worker.engine.draft)
+    measured = bool(find_acceptance(pair))
     demo = ui.build_demo(worker, worker.tokenizer, {
         "tree_size": max(1, args.tree_size), "depth": max(1, args.depth),
         "max_new_tokens": max(1, args.max_new_tokens), "acceptance": acceptance_for(pair),

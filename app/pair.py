@@ -1,49 +1,10 @@
-"""Model pairs for the app: the auto-tuner from cached calibration files, and a tiny random pair
-(with the real Qwen tokenizer) for trying the UI without the real weights."""
+"""Model pairs for the app: a tiny random pair (with the real Qwen tokenizer) for trying the UI
+without the real weights. The auto-tuner comes from :func:`engine.optimizer.load_tuner`."""
 from __future__ import annotations
 
-import json
-import logging
 import os
-from pathlib import Path
 
 import torch
-
-log = logging.getLogger(__name__)
-
-
-def load_tuner(pair: str, target, cache: Path | None = None):
-    """An :class:`engine.optimizer.AutoTuner` for ``pair`` ("target+draft" as the engine CLIs name
-    it) from a hardware profile for this device/dtype and at least one acceptance vector, as
-    written by ``python -m engine.profile`` and ``python -m engine.calibrate``. The user cache is
-    searched first, then the measurements bundled in ``assets/`` for the embedded pair; None when
-    either is missing."""
-    from engine.models import cache_dir
-    from engine.prompts import ASSETS
-
-    for directory in (cache or cache_dir(), ASSETS):
-        tuner = _tuner_from(directory, pair, target)
-        if tuner is not None:
-            return tuner
-    return None
-
-
-def _tuner_from(directory: Path, pair: str, target):
-    from engine.calibrate import find_acceptance
-    from engine.optimizer import AutoTuner
-    from engine.profile import HardwareProfile, device_name, profile_path
-
-    param = next(target.parameters())
-    dtype = str(param.dtype).removeprefix("torch.")
-    path = profile_path(directory / "profiles", device_name(param.device), pair, dtype)
-    acceptance = find_acceptance(pair, [directory / "acceptance"])
-    if not path.exists() or not acceptance:
-        return None
-    try:
-        return AutoTuner(HardwareProfile.from_json(path.read_text()), acceptance)
-    except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError) as exc:
-        log.warning("ignoring the hardware profile %s: %s", path, exc)
-        return None
 
 
 def load_tokenizer(path: str | os.PathLike | None = None):

@@ -28,37 +28,53 @@ from .tree import Tree
 
 @dataclass
 class ConfigRuns:
-    """Per-prompt measurements of one configuration: our engine with ``tree``, or Hugging Face's
-    ``generate`` with ``hf`` keyword arguments (``{}``: target only; ``assistant_model``: assisted)."""
+    """Per-prompt measurements of one configuration: our engine with ``tree`` (a Tree, ``"auto"``
+    for the hardware-aware optimizer's, None for the target alone) and ``method``, or Hugging
+    Face's ``generate`` with ``hf`` keyword arguments (``{}``: target only; ``assistant_model``:
+    assisted)."""
 
     name: str
-    tree: Tree | None
+    tree: Tree | str | None
     hf: dict | None = None
+    method: str = "sequoia"
     tokens_per_s: list[float] = field(default_factory=list)
     tokens_per_step: list[float] = field(default_factory=list)
     draft_share: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
+    predicted_speedup: float | None = None  # the optimizer's, for tree="auto"
+    chosen: Tree | None = None               # the tree "auto" resolved to
 
     def summary(self, baseline_tps: float) -> dict:
         tps = statistics.median(self.tokens_per_s)
-        return {"name": self.name, "tree": self.tree.to_dict() if self.tree else None,
-                "tokens_per_s": tps, "speedup": tps / baseline_tps,
+        tree = self.chosen or (self.tree if isinstance(self.tree, Tree) else None)
+        return {"name": self.name, "method": self.method, "tree": tree.to_dict() if tree else None,
+                "tree_size": tree.size if tree else None, "tree_depth": tree.depth if tree else None,
+                "tokens_per_s": tps, "speedup": tps / baseline_tps, "predicted_speedup": self.predicted_speedup,
                 "tokens_per_step": statistics.median(self.tokens_per_step) if self.tokens_per_step else None,
                 "draft_share": statistics.median(self.draft_share) if self.draft_share else None,
                 "runs_tokens_per_s": self.tokens_per_s}
 
 
-def configurations(quick: bool, draft=None) -> list[ConfigRuns]:
+def configurations(quick: bool, draft=None, acceptance: list[float] | None = None, auto: bool = False,
+                   greedy: bool = True) -> list[ConfigRuns]:
+    """Baselines first (target-only is the reference of every ratio), then ours."""
+    acceptance = acceptance or DEFAULT_ACCEPTANCE
     configs = [ConfigRuns("target-only", None), ConfigRuns("HF generate, target only", None, hf={})]
     if draft is not None:
         configs.append(ConfigRuns("HF assisted generation (default schedule)", None, hf={"assistant_model": draft}))
         configs += [ConfigRuns(f"HF assisted generation, {k} draft tokens", None,
                                hf={"assistant_model": draft, "num_assistant_tokens": k,
-                                   "num_assistant_tokens_schedule": "constant"}) for k in ((3,) if quick else (2, 3, 4))]
-    configs += [ConfigRuns(f"chain d={d}", Tree.chain(d)) for d in range(2, 7)]
-    if not quick:
-        configs += [ConfigRuns(f"sequoia n={n} d={d}", Tree.optimal(DEFAULT_ACCEPTANCE, n, d))
-                    for n, d in ((8, 4), (16, 5), (32, 6))]
+                                   "num_assistant_tokens_schedule": "constant"}) for k in ((4,) if quick else (2, 4, 6))]
+        if auto:
+            configs.append(ConfigRuns("sequoia, optimizer's tree", "auto"))
+        sizes = ((16, 6),) if quick else ((8, 5), (16, 6), (32, 8))
+        configs += [ConfigRuns(f"sequoia n={n} d={d}", Tree.optimal(acceptance, n, d)) for n, d in sizes]
+        if not greedy:
+            configs += [ConfigRuns(f"specinfer n={n} d={d}", Tree.optimal(acceptance, n, d), method="specinfer")
+                        for n, d in sizes[-1:]]
+        depths = (3, 5) if quick else (2, 3, 4, 5, 6)
+        configs += [ConfigRuns(f"chain d={d}", Tree.chain(d), method="chain" if not greedy else "sequoia")
+                    for d in depths]
     return configs
 
 
@@ -66,20 +82,28 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
         temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """The benchmark on ``pair`` = (target, draft, tokenizer), by default the embedded pair.
     Outputs are compared with target-only decoding at temperature 0 only."""
-    from .models import load_default_pair
+    from .generate import acceptance_for
+    from .models import load_default_pair, pair_name
+    from .optimizer import load_tuner
     from .prompts import encode_chat, load_prompt_set
     from .speculative import SpeculativeEngine
 
     target, draft, tokenizer = pair or load_default_pair()
-    engine = SpeculativeEngine(target, draft)
+    name = pair_name("default-target", "default-draft", draft) if pair is None else None
+    tuner = load_tuner(name, target) if name else None
+    engine = SpeculativeEngine(target, draft, tuner=tuner)
     prompt_ids = [encode_chat(tokenizer, p["messages"]) for p in load_prompt_set("chat")[:prompts]]
-    configs = configurations(quick, draft)
+    configs = configurations(quick, draft, acceptance_for(name, temperature, top_p) if name else None,
+                             auto=tuner is not None, greedy=temperature == 0)
     engine.generate(prompt_ids[0], max_new_tokens=4, tree=Tree.chain(2))  # warm-up
     ours, theirs = [c for c in configs if c.hf is None], [c for c in configs if c.hf is not None]
     for i, ids in enumerate(prompt_ids):
         for config in ours:
             result = engine.generate(ids, max_new_tokens=new_tokens, tree=config.tree, temperature=temperature,
-                                     top_p=top_p, seed=i)
+                                     top_p=top_p, seed=i, method=config.method)
+            if config.tree == "auto":
+                config.chosen = engine.last_tree_choice.tree
+                config.predicted_speedup = engine.last_tree_choice.predicted_speedup
             config.tokens_per_s.append(result.tokens_per_second)
             config.tokens_per_step.append(result.tokens_per_step)
             config.draft_share.append(sum(s.timings.draft_s for s in result.steps) / result.decode_s)
@@ -165,11 +189,15 @@ def stock_weights(model):
 
 
 def markdown_table(report: dict) -> str:
-    rows = ["| configuration | tokens/s | vs target-only | tokens/step | draft share |", "|---|---|---|---|---|"]
+    rows = ["| configuration | tree (n, d) | tokens/s | vs target-only | predicted | tokens/step | draft share |",
+            "|---|---|---|---|---|---|---|"]
     for r in report["results"]:
+        tree = "" if r.get("tree_size") is None else f"{r['tree_size']}, {r['tree_depth']}"
+        predicted = "" if r.get("predicted_speedup") is None else f"{r['predicted_speedup']:.2f}×"
         per_step = "" if r["tokens_per_step"] is None else f"{r['tokens_per_step']:.2f}"
         share = "" if r["draft_share"] is None else f"{r['draft_share']:.0%}"
-        rows.append(f"| {r['name']} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}× | {per_step} | {share} |")
+        rows.append(f"| {r['name']} | {tree} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}× | {predicted} | "
+                    f"{per_step} | {share} |")
     return "\n".join(rows)
 
 

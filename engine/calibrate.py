@@ -93,7 +93,8 @@ def _greedy_calibration(engine: SpeculativeEngine, prompts: list[list[int]], k: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .models import cache_dir, load_pair
+    from .models import cache_dir, load_pair, pair_name
+    from .quantize import DRAFT_FORMATS
     from .prompts import encode_chat, load_prompt_set
 
     parser = argparse.ArgumentParser(prog="python -m engine.calibrate", description=__doc__)
@@ -105,11 +106,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--positions", type=int, default=300)
     parser.add_argument("--tokens-per-prompt", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--draft-format", choices=DRAFT_FORMATS, default="auto", help="draft quantisation (auto)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: the user cache)")
     args = parser.parse_args(argv)
-    target, draft, tokenizer = load_pair(args.target, args.draft)
+    target, draft, tokenizer = load_pair(args.target, args.draft, draft_format=args.draft_format)
     prompts = [encode_chat(tokenizer, p["messages"]) for p in load_prompt_set("chat")]
-    pair = f"{args.target}+{args.draft}"
+    pair = pair_name(args.target, args.draft, draft)
     result = calibrate(SpeculativeEngine(target, draft), prompts, args.temperature, args.top_p, args.k,
                        args.positions, args.tokens_per_prompt, args.seed, pair)
     path = args.out or acceptance_path(cache_dir() / "acceptance", pair, args.temperature, args.top_p)

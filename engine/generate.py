@@ -44,6 +44,14 @@ def build_tree(size: int, depth: int | None, acceptance: list[float] | None = No
     return optimal_tree(acceptance if acceptance is not None else DEFAULT_ACCEPTANCE, size, depth)
 
 
+def add_draft_format_argument(parser: argparse.ArgumentParser) -> None:
+    from .quantize import DRAFT_FORMATS
+
+    parser.add_argument("--draft-format", choices=DRAFT_FORMATS, default="auto",
+                        help="draft weights: int4, int8 or none (float); auto takes the fastest that keeps "
+                             "acceptance on this CPU (see engine/quantize.py)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m engine.generate", description=__doc__)
     parser.add_argument("--prompt", required=True, help="the user message (the chat template is applied)")
@@ -59,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=None, help="max draft tokens on a path (default: size - 1)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--device", default="cpu")
+    add_draft_format_argument(parser)
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model repos to run their own code")
     parser.add_argument("--json", action="store_true", help="print the full result (tokens, steps) as JSON")
     return parser.parse_args(argv)
@@ -74,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .models import load_pair
+    from .models import load_pair, pair_name
     from .prompts import encode_chat
     from .speculative import SpeculativeEngine, check_params
 
@@ -83,14 +92,16 @@ def _run(args: argparse.Namespace) -> int:
     check_params(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.method)
     if args.tree_size < 1:
         raise EngineError(f"--tree-size must be >= 1, got {args.tree_size}")
-    tree = build_tree(args.tree_size, args.depth,
-                      acceptance_for(f"{args.target}+{args.draft}", args.temperature, args.top_p))
+    tree = build_tree(args.tree_size, args.depth)  # checks size and depth before the models load
     if args.method == "autoregressive":
         tree = None
     elif args.method == "chain" and tree is not None and tree.size != tree.depth + 1:
         raise EngineError("--method chain needs a chain: leave --depth unset or set it to --tree-size - 1")
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
-                                         args.trust_remote_code)
+                                         args.trust_remote_code, draft_format=args.draft_format)
+    if tree is not None and tree.size != tree.depth + 1:  # Sequoia's tree for this pair's calibration
+        tree = build_tree(args.tree_size, args.depth,
+                          acceptance_for(pair_name(args.target, args.draft, draft), args.temperature, args.top_p))
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                [{"role": "user", "content": args.prompt}]
     input_ids = encode_chat(tokenizer, messages)

@@ -44,7 +44,20 @@ def pack_linears(model: torch.nn.Module) -> int:
                                                    requires_grad=False)
             module.forward = types.MethodType(packed_linear, module)
             count += 1
+    if count:
+        own_memory(model)
     return count
+
+
+def own_memory(model: torch.nn.Module) -> None:
+    """Give ``model``'s dense tensors storage of their own. Weights loaded from safetensors are
+    views of one memory map of the file, which stays mapped (and resident) while any view lives:
+    once the linear layers are repacked or quantised, copying the few tensors left (embeddings,
+    norms, biases) lets the whole file go."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.device.type == "cpu" and not tensor.is_mkldnn:
+                tensor.data = tensor.data.clone()
 
 
 def unpack_linears(model: torch.nn.Module) -> int:

@@ -272,6 +272,15 @@ def load_pair(target_id: str = "default-target", draft_id: str = "default-draft"
     return target, draft, tokenizer
 
 
+def pair_name(target_id: str, draft_id: str, draft: torch.nn.Module | None = None) -> str:
+    """How calibrations and profiles name a pair: ``target+draft``, plus ``@int4`` / ``@int8``
+    when the draft was quantised (its acceptance and cost are not the float draft's)."""
+    from .quantize import draft_format
+
+    fmt = "none" if draft is None else draft_format(draft)
+    return f"{target_id}+{draft_id}" + ("" if fmt == "none" else f"@{fmt}")
+
+
 def load_default_pair(dtype: torch.dtype = torch.float32, device: str = "cpu", draft_format: str = "auto"):
     """The embedded Qwen2.5-Coder 1.5B target and 0.5B draft: ``(target, draft, tokenizer)``."""
     return load_pair("default-target", "default-draft", dtype, device, draft_format=draft_format)

@@ -7,11 +7,16 @@ feeds the catch-up tokens) at the measured latency for that level's width.
 """
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import dp
 from .profile import HardwareProfile
 from .tree import Tree
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -94,3 +99,36 @@ class AutoTuner:
         if key not in self._chosen:
             self._chosen[key] = choose_tree(self.acceptance[key], self.profile, self.max_size, self.max_depth)
         return self._chosen[key]
+
+
+def load_tuner(pair: str, target, cache: Path | None = None):
+    """An :class:`engine.optimizer.AutoTuner` for ``pair`` ("target+draft" as the engine CLIs name
+    it) from a hardware profile for this device/dtype and at least one acceptance vector, as
+    written by ``python -m engine.profile`` and ``python -m engine.calibrate``. The user cache is
+    searched first, then the measurements bundled in ``assets/`` for the embedded pair; None when
+    either is missing."""
+    from .models import cache_dir
+    from .prompts import ASSETS
+
+    for directory in (cache or cache_dir(), ASSETS):
+        tuner = _tuner_from(directory, pair, target)
+        if tuner is not None:
+            return tuner
+    return None
+
+
+def _tuner_from(directory: Path, pair: str, target):
+    from .calibrate import find_acceptance
+    from .profile import device_name, profile_path
+
+    param = next(target.parameters())
+    dtype = str(param.dtype).removeprefix("torch.")
+    path = profile_path(directory / "profiles", device_name(param.device), pair, dtype)
+    acceptance = find_acceptance(pair, [directory / "acceptance"])
+    if not path.exists() or not acceptance:
+        return None
+    try:
+        return AutoTuner(HardwareProfile.from_json(path.read_text()), acceptance)
+    except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError) as exc:
+        log.warning("ignoring the hardware profile %s: %s", path, exc)
+        return None

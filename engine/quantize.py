@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from .kernels import on_cpu_fp32, pack_linears, unpack_linears
+from .kernels import on_cpu_fp32, own_memory, pack_linears, unpack_linears
 
 DRAFT_FORMATS = ("auto", "int4", "int8", "none")
 INT4_GROUP = 32
@@ -73,38 +73,41 @@ def pack_int4(weight: torch.Tensor, group_size: int = INT4_GROUP) -> tuple[torch
 
 def int4_draft(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of the CPU float32 ``model`` whose ``nn.Linear`` layers (the output head included)
-    are :class:`Int4Linear`; embeddings and norms are shared with ``model``, which stays intact."""
-    quantized = _copy_sharing_all_but_linears(model)
+    are :class:`Int4Linear`; ``model`` stays intact."""
+    quantized = _copy_all_but_linears(model)
     for parent in list(quantized.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear and child.in_features % INT4_GROUP == 0:
                 setattr(parent, name, Int4Linear(child))
+    own_memory(quantized)
     return quantized.eval()
 
 
 def int8_draft(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of the CPU float32 ``model`` whose ``nn.Linear`` layers are torch's dynamic int8
-    linear; everything else (embeddings, norms) is shared with ``model``, which stays intact.
+    linear; ``model`` stays intact.
 
     The int8 product depends on the other rows of the batch, so logits of a tree pass and a
     causal pass differ slightly; a draft's logits only change acceptance.
     """
     from torch.ao.quantization import quantize_dynamic
 
-    quantized = _copy_sharing_all_but_linears(model)
+    quantized = _copy_all_but_linears(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's deprecation notice: the op itself is supported
         quantize_dynamic(quantized, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    own_memory(quantized)
     return quantized.eval()
 
 
-def _copy_sharing_all_but_linears(model: torch.nn.Module) -> torch.nn.Module:
+def _copy_all_but_linears(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model``'s modules sharing all its tensors: the caller replaces the copy's linear
+    layers with quantised ones and gives the rest memory of its own, so ``model`` stays intact
+    and no float32 weight is ever duplicated."""
     if not on_cpu_fp32(model):
         raise ValueError("draft quantisation runs on the CPU in float32; this model is elsewhere")
     unpack_linears(model)  # an engine may have packed it; packed weights cannot be copied
-    # Tensors any non-linear module holds (embeddings, norms, a tied head's weight) are shared.
-    shared = {id(t): t for m in model.modules() if not isinstance(m, torch.nn.Linear)
-              for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
+    shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     return copy.deepcopy(model, memo=shared)
 
 

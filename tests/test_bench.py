@@ -11,15 +11,19 @@ import test_app_support as support
 
 def test_bench_runs_ours_and_hugging_face_side_by_side(tmp_path, capsys):
     target, draft = support.tiny_pair()
+    schedule = (draft.generation_config.num_assistant_tokens, draft.generation_config.num_assistant_tokens_schedule)
     report = bench.run(prompts=1, new_tokens=6, quick=True, out_dir=tmp_path,
                        pair=(target, draft, support.tokenizer()))
     names = [r["name"] for r in report["results"]]
     assert names[:2] == ["target-only", "HF generate, target only"]
-    assert "HF assisted generation (default schedule)" in names and "chain d=4" in names
+    assert "HF assisted generation (default schedule)" in names and "chain d=5" in names
+    assert "sequoia n=16 d=6" in names
+    # the constant schedule was set where HF reads it (the assistant's config) and undone after
+    assert (draft.generation_config.num_assistant_tokens, draft.generation_config.num_assistant_tokens_schedule) == schedule
     assert report["outputs_identical_to_target_only"] and report["hf_outputs_identical_to_target_only"]
     assert all(r["tokens_per_s"] > 0 for r in report["results"])
     assert json.loads(next(tmp_path.glob("bench-*.json")).read_text())["results"][0]["speedup"] == 1.0
-    assert "| HF assisted generation, 3 draft tokens |" in capsys.readouterr().out
+    assert "| HF assisted generation, 4 draft tokens |" in capsys.readouterr().out
 
 
 def test_bench_samples_at_a_temperature(tmp_path):
@@ -28,4 +32,6 @@ def test_bench_samples_at_a_temperature(tmp_path):
                        pair=(target, draft, support.tokenizer()), temperature=0.6, top_p=0.9)
     assert (report["temperature"], report["top_p"]) == (0.6, 0.9)
     assert report["outputs_identical_to_target_only"] is False  # not compared when sampling
+    methods = {r["name"]: r["method"] for r in report["results"]}
+    assert methods["specinfer n=16 d=6"] == "specinfer" and methods["chain d=3"] == "chain"
     assert all(r["tokens_per_s"] > 0 for r in report["results"])

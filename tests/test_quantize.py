@@ -55,16 +55,19 @@ def test_int4_refuses_inputs_not_a_multiple_of_the_group():
 
 
 @pytest.mark.parametrize("fmt", list(QUANTIZERS))
-def test_quantised_draft_is_a_copy_sharing_embeddings(fmt):
+def test_quantised_draft_is_a_copy_with_memory_of_its_own(fmt):
     model = tm.qwen2(seed=3)
     model.lm_head.weight = model.get_input_embeddings().weight  # tied, as in many small drafts
     weights = {name: p.clone() for name, p in model.named_parameters()}
+    loaded_storage = model.get_input_embeddings().weight.untyped_storage().data_ptr()
     draft = QUANTIZERS[fmt](model)
     assert draft_format(draft) == fmt and draft_format(model) == "none"
     assert not any(type(m) is torch.nn.Linear for m in draft.modules())
     for name, p in model.named_parameters():  # the original is untouched
         assert torch.equal(p, weights[name]), name
-    assert draft.get_input_embeddings().weight is model.get_input_embeddings().weight
+    embedding = draft.get_input_embeddings().weight  # same values, moved off the memory it was loaded in
+    assert torch.equal(embedding, weights["model.embed_tokens.weight"])
+    assert embedding.untyped_storage().data_ptr() != loaded_storage
     ids = torch.tensor([[5, 17, 3, 42, 9, 11, 30, 2]])
     with torch.inference_mode():
         exact, approx = model(ids).logits, draft(ids).logits
