@@ -69,6 +69,10 @@ def calibrate(engine: SpeculativeEngine, prompts: list[list[int]], temperature: 
                       vector=[c / seen for c in counts])
 
 
+def safe_name(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
 def acceptance_path(directory: Path, pair: str, temperature: float, top_p: float) -> Path:
     return directory / f"{safe_name(pair)}__T{temperature:g}__p{top_p:g}.json"
 
@@ -124,14 +128,6 @@ def main(argv: list[str] | None = None) -> None:
     print(f"none accepted: {result.none_accepted:.3f} over {result.positions} positions; saved {path}")
 
 
-if __name__ == "__main__":
-    main()
-
-
-def safe_name(text: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
-
-
 def find_acceptance(pair: str, directories: list[Path] | None = None) -> dict[tuple[float, float], list[float]]:
     """Calibrated vectors of ``pair`` keyed by (temperature, top_p): the user cache first, then the
     measurements bundled in ``assets/acceptance`` (the embedded pair's); unreadable files are skipped."""
@@ -148,3 +144,7 @@ def find_acceptance(pair: str, directories: list[Path] | None = None) -> dict[tu
                 continue
             found[(float(measured.temperature), float(measured.top_p))] = list(measured.vector)
     return found
+
+
+if __name__ == "__main__":
+    main()
