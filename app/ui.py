@@ -143,9 +143,14 @@ def pair_markdown(info: dict) -> str:
     if not info:
         return "No models loaded."
     return (f"- **target** `{info.get('target', '?')}` ({_params(info.get('target_params', 0))} parameters)\n"
-            f"- **draft** `{info.get('draft', '?')}` ({_params(info.get('draft_params', 0))} parameters)\n"
+            f"- **draft** `{info.get('draft', '?')}` ({_params(info.get('draft_params', 0))} parameters"
+            f"{_weights(info.get('draft_format', 'none'))})\n"
             f"- **device** `{info.get('device', '?')}` · **dtype** `{info.get('dtype', '?')}` · "
             f"**context** {info.get('max_context', 0) or '?'} tokens")
+
+
+def _weights(fmt: str) -> str:
+    return "" if fmt == "none" else f", {fmt} weights"
 
 
 def header_html(title: str, info: dict) -> str:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from engine.errors import EngineError, ModelLoadError
+from engine.quantize import draft_format
 from engine.speculative import SpeculativeEngine
 from engine.tree import Tree
 
@@ -154,7 +155,12 @@ def make_engine(target, draft, tokenizer, tuner=None) -> SpeculativeEngine:
 
 
 def _count(model) -> int:
-    return sum(p.numel() for p in model.parameters()) if model is not None else 0
+    """Parameters, the weights of quantised linear layers (held as packed buffers) included."""
+    if model is None:
+        return 0
+    quantised = sum(m.in_features * m.out_features for m in model.modules()
+                    if hasattr(m, "in_features") and not isinstance(m, torch.nn.Linear))
+    return sum(p.numel() for p in model.parameters()) + quantised
 
 
 def describe_pair(target, draft, target_name: str, draft_name: str) -> dict:
@@ -162,7 +168,7 @@ def describe_pair(target, draft, target_name: str, draft_name: str) -> dict:
     param = next(target.parameters())
     return {"target": target_name, "draft": draft_name, "device": str(param.device),
             "dtype": str(param.dtype).removeprefix("torch."), "target_params": _count(target),
-            "draft_params": _count(draft),
+            "draft_params": _count(draft), "draft_format": draft_format(draft) if draft is not None else "none",
             "max_context": int(getattr(target.config, "max_position_embeddings", 0) or 0)}
 
 

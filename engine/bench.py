@@ -132,9 +132,10 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(report, indent=2))
+    plot(report, path.with_suffix(".html"))
     print()
     print(markdown_table(report))
-    print(f"\noutputs identical to target-only: {identical} (HF generate and assisted: {hf_identical}); peak RSS {report['peak_rss_gib']:.1f} GiB; saved {path}")
+    print(f"\noutputs identical to target-only: {identical} (HF generate and assisted: {hf_identical}); peak RSS {report['peak_rss_gib']:.1f} GiB; saved {path} and .html")
     return report
 
 
@@ -186,6 +187,22 @@ def stock_weights(model):
     finally:
         if packed:
             pack_linears(model)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Tokens/s of every configuration (ours and Hugging Face's), target-only as the reference line."""
+    import plotly.graph_objects as go
+
+    results = report["results"]
+    colours = ["#9aa5b1" if r["name"].startswith("HF") else "#2f6fdf" if r["name"].startswith("sequoia")
+               else "#7a7f87" if r["name"] == "target-only" else "#5fa8d3" for r in results]
+    fig = go.Figure(go.Bar(x=[r["name"] for r in results], y=[r["tokens_per_s"] for r in results], marker_color=colours,
+                           text=[f"{r['speedup']:.2f}×" for r in results], textposition="outside"))
+    fig.add_hline(y=results[0]["tokens_per_s"], line_dash="dot", annotation_text="target-only")
+    fig.update_layout(title=f"Decoding speed, T = {report['temperature']:g}, top-p {report['top_p']:g} "
+                            f"({report['prompts']} prompts x {report['new_tokens']} tokens, medians; {report['date']})",
+                      yaxis_title="tokens/s", template="plotly_white", height=520)
+    fig.write_html(path)
 
 
 def markdown_table(report: dict) -> str:

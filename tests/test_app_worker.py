@@ -230,3 +230,18 @@ def test_auto_tree_reports_the_optimizer_choice(worker, pair):
         assert all(e.data.tree_size == choice.size for e in events if e.kind == "step")
     finally:
         worker.set_tuner(None)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_models_panel_counts_and_names_a_quantised_draft(fmt):
+    from app.ui import pair_markdown
+    from app.worker import describe_pair
+    from engine.quantize import quantize_draft
+
+    target, draft = support.tiny_pair()
+    floats = sum(p.numel() for p in draft.parameters())
+    info = describe_pair(target, quantize_draft(draft, fmt), "t", "d")
+    assert info["draft_format"] == fmt
+    assert abs(info["draft_params"] - floats) <= 1e-3 * floats  # packed weights count (int8 hides its biases)
+    assert f"{fmt} weights" in pair_markdown(info)
+    assert "weights" not in pair_markdown(describe_pair(target, draft, "t", "d")).split("**draft**")[1].split("\n")[0]

@@ -23,6 +23,7 @@ def test_bench_runs_ours_and_hugging_face_side_by_side(tmp_path, capsys):
     assert report["outputs_identical_to_target_only"] and report["hf_outputs_identical_to_target_only"]
     assert all(r["tokens_per_s"] > 0 for r in report["results"])
     assert json.loads(next(tmp_path.glob("bench-*.json")).read_text())["results"][0]["speedup"] == 1.0
+    assert "plotly" in next(tmp_path.glob("bench-*.html")).read_text()
     assert "| HF assisted generation, 4 draft tokens |" in capsys.readouterr().out
 
 
