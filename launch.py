@@ -66,7 +66,8 @@ def worker_policy(args: argparse.Namespace) -> dict:
     --trust-remote-code."""
     from pathlib import Path
 
-    return {"models_dir": Path(args.models_dir).expanduser(), "allow_remote_code": args.trust_remote_code}
+    return {"models_dir": Path(args.models_dir).expanduser(), "allow_remote_code": args.trust_remote_code,
+            "draft_format": args.draft_format}
 
 
 def main(argv: list[str] | None = None) -> int:

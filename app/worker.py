@@ -203,9 +203,10 @@ def validate_model_id(value: str, role: str, models_dir: Path | None = None) -> 
     return value
 
 
-def _default_loader(model_id: str, dtype: torch.dtype, device: str, trust_remote_code: bool):
+def _default_loader(model_id: str, dtype: torch.dtype, device: str, trust_remote_code: bool,
+                    draft_format: str = "none"):
     from engine.models import load_model
-    return load_model(model_id, dtype, device, trust_remote_code)
+    return load_model(model_id, dtype, device, trust_remote_code, draft_format)
 
 
 # ----- the worker --------------------------------------------------------------------------
@@ -214,10 +215,13 @@ class Worker:
 
     def __init__(self, engine, tokenizer, info: dict | None = None,
                  loader: Callable | None = None, tuner=None, name: str = "sequoia-engine",
-                 models_dir: Path | None = None, allow_remote_code: bool = False) -> None:
+                 models_dir: Path | None = None, allow_remote_code: bool = False,
+                 draft_format: str = "auto") -> None:
         """``models_dir``: the only folder local models may be loaded from by UI requests;
-        ``allow_remote_code``: whether a request may ask for ``trust_remote_code``."""
+        ``allow_remote_code``: whether a request may ask for ``trust_remote_code``;
+        ``draft_format``: how drafts loaded from the UI are quantised (``loader(..., draft_format=)``)."""
         self.engine = engine
+        self.draft_format = draft_format
         self.models_dir = models_dir
         self.allow_remote_code = allow_remote_code
         self.tokenizer = tokenizer
@@ -236,7 +240,7 @@ class Worker:
     @classmethod
     def from_models(cls, target, draft, tokenizer, target_name: str = "target", draft_name: str = "draft",
                     tuner=None, loader: Callable | None = None, **options) -> "Worker":
-        """``options``: ``models_dir``, ``allow_remote_code`` (see ``__init__``)."""
+        """``options``: ``models_dir``, ``allow_remote_code``, ``draft_format`` (see ``__init__``)."""
         engine = make_engine(target, draft, tokenizer, tuner)
         return cls(engine, tokenizer, describe_pair(target, draft, target_name, draft_name), loader, tuner, **options)
 
@@ -421,7 +425,8 @@ class Worker:
             job._emit("cancelled")
             return
         job._emit("progress", f"loading draft {draft_id} …")
-        draft, draft_tokenizer = self.loader(draft_id, dtype, device, request.trust_remote_code)
+        draft, draft_tokenizer = self.loader(draft_id, dtype, device, request.trust_remote_code,
+                                             draft_format=self.draft_format)
         from engine.models import check_same_vocabulary
         check_same_vocabulary(tokenizer, draft_tokenizer, target_id, draft_id)
         job._emit("progress", "building the engine …")

@@ -40,6 +40,7 @@ class ConfigRuns:
     tokens_per_s: list[float] = field(default_factory=list)
     tokens_per_step: list[float] = field(default_factory=list)
     draft_share: list[float] = field(default_factory=list)
+    step_ms: list[dict[str, float]] = field(default_factory=list)  # per prompt: mean ms per step by phase
     outputs: list[list[int]] = field(default_factory=list)
     predicted_speedup: float | None = None  # the optimizer's, for tree="auto"
     chosen: Tree | None = None               # the tree "auto" resolved to
@@ -52,6 +53,8 @@ class ConfigRuns:
                 "tokens_per_s": tps, "speedup": tps / baseline_tps, "predicted_speedup": self.predicted_speedup,
                 "tokens_per_step": statistics.median(self.tokens_per_step) if self.tokens_per_step else None,
                 "draft_share": statistics.median(self.draft_share) if self.draft_share else None,
+                "step_ms": {phase: statistics.median(run[phase] for run in self.step_ms)
+                            for phase in ("draft", "verify", "bookkeeping")} if self.step_ms else None,
                 "runs_tokens_per_s": self.tokens_per_s}
 
 
@@ -107,6 +110,8 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
             config.tokens_per_s.append(result.tokens_per_second)
             config.tokens_per_step.append(result.tokens_per_step)
             config.draft_share.append(sum(s.timings.draft_s for s in result.steps) / result.decode_s)
+            config.step_ms.append({phase: 1e3 * statistics.fmean(getattr(s.timings, f"{phase}_s") for s in result.steps)
+                                   for phase in ("draft", "verify", "bookkeeping")})
             config.outputs.append(result.tokens)
             print(f"prompt {i}: {config.name:<42} {result.tokens_per_second:6.2f} tok/s "
                   f"{result.tokens_per_step:5.2f} tok/step", flush=True)

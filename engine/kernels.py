@@ -43,6 +43,7 @@ def pack_linears(model: torch.nn.Module) -> int:
                 module.weight = torch.nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
                                                    requires_grad=False)
             module.forward = types.MethodType(packed_linear, module)
+            module.__deepcopy__ = types.MethodType(_copy_packed, module)  # packed tensors cannot be deep-copied
             count += 1
     if count:
         own_memory(model)
@@ -67,9 +68,20 @@ def unpack_linears(model: torch.nn.Module) -> int:
     for module in model.modules():
         if type(module) is torch.nn.Linear and is_packed(module):
             module.weight = torch.nn.Parameter(module.weight.detach().to_dense(), requires_grad=False)
-            del module.forward  # back to nn.Linear.forward
+            del module.forward, module.__deepcopy__  # back to nn.Linear's own
             count += 1
     return count
+
+
+def _copy_packed(module: torch.nn.Linear, memo: dict) -> torch.nn.Linear:
+    """``copy.deepcopy`` of a packed layer: a packed layer of its own with the same weights."""
+    twin = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+    twin.weight = torch.nn.Parameter(module.weight.detach().to_dense(), requires_grad=False)
+    if module.bias is not None:
+        twin.bias = torch.nn.Parameter(module.bias.detach().clone(), requires_grad=False)
+    pack_linears(twin)
+    memo[id(module)] = twin
+    return twin
 
 
 def is_packed(module: torch.nn.Module) -> bool:

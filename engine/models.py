@@ -180,18 +180,20 @@ def _save_dequantised(model, tokenizer, directory: Path) -> None:
 
 @functools.lru_cache(maxsize=2)
 def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               trust_remote_code: bool = False):
+               trust_remote_code: bool = False, draft_format: str = "none"):
     """Load ``(model, tokenizer)`` from an embedded name, an HF hub id or a local directory.
 
     Downloads show a progress bar; ``HF_HUB_OFFLINE=1`` is respected (a model that is not cached
-    then gives a clear error). The last two loads are memoised: asking again for a loaded model
-    returns the same objects instead of a second copy of the weights.
+    then gives a clear error). ``draft_format`` quantises the model for drafting
+    (:func:`engine.quantize.quantize_draft`; ``none`` leaves it as loaded). The last two loads are
+    memoised, quantised as asked: asking again for a loaded model returns the same objects
+    instead of a second copy of the weights, and a quantised draft's float original is let go.
     """
     if model_id in DEFAULT_IDS:
         model, tokenizer = _load_source(DEFAULT_IDS[model_id], dtype)
     else:
         model, tokenizer = _load_hub_model(model_id, dtype, trust_remote_code)
-    return place(model, device).eval(), tokenizer
+    return quantize_draft(place(model, device).eval(), draft_format), tokenizer
 
 
 def place(model: torch.nn.Module, device: str) -> torch.nn.Module:
@@ -266,9 +268,8 @@ def load_pair(target_id: str = "default-target", draft_id: str = "default-draft"
         from .offload import stream_layers
 
         stream_layers(target, device)
-    draft, draft_tokenizer = load_model(draft_id, dtype, device, trust_remote_code)
+    draft, draft_tokenizer = load_model(draft_id, dtype, device, trust_remote_code, draft_format)
     check_same_vocabulary(tokenizer, draft_tokenizer, target_id, draft_id)
-    draft = quantize_draft(draft, draft_format)
     return target, draft, tokenizer
 
 

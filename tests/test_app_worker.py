@@ -148,15 +148,15 @@ def test_model_load_swaps_the_pair_with_an_injected_loader(pair):
     target, draft, tokenizer = pair
     calls = []
 
-    def loader(model_id, dtype, device, trust_remote_code):
-        calls.append(model_id)
+    def loader(model_id, dtype, device, trust_remote_code, draft_format="none"):
+        calls.append((model_id, draft_format))
         return (target if model_id == "org/target" else draft), tokenizer
 
     w = Worker.from_models(target, draft, tokenizer, "a", "b", loader=loader)
     try:
         events = w.load_models("org/target", "org/draft").wait(30)
         assert events[-1].kind == "done", events[-1]
-        assert calls == ["org/target", "org/draft"]
+        assert calls == [("org/target", "none"), ("org/draft", "auto")]  # only the draft is quantised
         assert w.info["target"] == "org/target" and w.pair_version == 1
     finally:
         w.close()
@@ -194,7 +194,7 @@ def test_remote_code_requests_are_refused_unless_the_app_allows_them(pair):
     target, draft, tokenizer = pair
     calls = []
 
-    def loader(*args):
+    def loader(*args, **kwargs):
         calls.append(args)
         raise AssertionError("must not load")
 

@@ -18,6 +18,8 @@ def test_bench_runs_ours_and_hugging_face_side_by_side(tmp_path, capsys):
     assert names[:2] == ["target-only", "HF generate, target only"]
     assert "HF assisted generation (default schedule)" in names and "chain d=5" in names
     assert "sequoia n=16 d=6" in names
+    ours = [r for r in report["results"] if r["step_ms"] is not None]
+    assert ours and all(r["step_ms"]["verify"] > 0 for r in ours)
     # the constant schedule was set where HF reads it (the assistant's config) and undone after
     assert (draft.generation_config.num_assistant_tokens, draft.generation_config.num_assistant_tokens_schedule) == schedule
     assert report["outputs_identical_to_target_only"] and report["hf_outputs_identical_to_target_only"]
@@ -36,3 +38,15 @@ def test_bench_samples_at_a_temperature(tmp_path):
     methods = {r["name"]: r["method"] for r in report["results"]}
     assert methods["specinfer n=16 d=6"] == "specinfer" and methods["chain d=3"] == "chain"
     assert all(r["tokens_per_s"] > 0 for r in report["results"])
+
+
+def test_step_profile_lists_the_operators_of_real_steps():
+    import tiny_models as tm
+    from engine import SpeculativeEngine, Tree
+    from engine.step_profile import profile_steps
+
+    target = tm.qwen2(seed=1)
+    engine = SpeculativeEngine(target, tm.perturbed(target, 0.01), stop_token_ids=[])
+    table = profile_steps(engine, [3, 9, 27], Tree.chain(2), tokens=6, temperature=0.0, top_p=1.0)
+    assert "tokens/step" in table and "verify" in table
+    assert "aten::" in table  # the profiler's operator rows

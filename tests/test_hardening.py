@@ -131,7 +131,7 @@ def test_stop_at_random_moments_100_times(server):
             if i % 25 == 12:  # cancel a model load half-way: the pair stays
                 before = worker.info.copy()
                 gate = threading.Event()
-                worker.loader = lambda *a, gate=gate: (gate.wait(5), (worker.engine.target, tokenizer))[1]
+                worker.loader = lambda *a, gate=gate, **kw: (gate.wait(5), (worker.engine.target, tokenizer))[1]
                 job = worker.load_models("org/target", "org/draft")
                 time.sleep(rng.uniform(0, 0.02))
                 job.cancel()

@@ -36,6 +36,10 @@ def test_packing_is_idempotent_and_undone_exactly():
     assert pack_linears(model) == 2 and pack_linears(model) == 0
     with torch.inference_mode():
         torch.testing.assert_close(model(x), dense(x), atol=1e-5, rtol=1e-5)
+    twin = copy.deepcopy(model)  # a packed model copies into an independent packed model
+    assert is_packed(twin[0]) and twin[0].weight is not model[0].weight
+    with torch.inference_mode():
+        assert torch.equal(twin(x), model(x))
     assert unpack_linears(model) == 2 and unpack_linears(model) == 0
     for a, b in zip(model.parameters(), dense.parameters()):
         assert not a.is_mkldnn and torch.equal(a, b)
