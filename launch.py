@@ -9,8 +9,13 @@ import argparse
 import os
 import sys
 
-from engine.errors import EngineError
-from engine.generate import DTYPES, add_draft_format_argument
+from engine.hugepages import restart_with_huge_pages
+
+if __name__ == "__main__":  # before torch loads: glibc reads its tunables when a process starts
+    restart_with_huge_pages()
+
+from engine.errors import EngineError  # noqa: E402
+from engine.generate import DTYPES, add_draft_format_argument  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

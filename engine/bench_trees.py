@@ -228,4 +228,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from .hugepages import restart_with_huge_pages
+
+    restart_with_huge_pages()
     main()

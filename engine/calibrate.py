@@ -147,4 +147,7 @@ def find_acceptance(pair: str, directories: list[Path] | None = None) -> dict[tu
 
 
 if __name__ == "__main__":
+    from .hugepages import restart_with_huge_pages
+
+    restart_with_huge_pages()
     main()

@@ -124,4 +124,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    from .hugepages import restart_with_huge_pages
+
+    restart_with_huge_pages()
     sys.exit(main())

@@ -18,6 +18,8 @@ import types
 
 import torch
 
+from .mapped import file_mappings, own_copy, returning_freed_memory
+
 
 def packing_available() -> bool:
     """True when this torch build has oneDNN's packed linear (x86 CPU builds do)."""
@@ -34,14 +36,21 @@ def pack_linears(model: torch.nn.Module) -> int:
     returns how many were packed (0 when oneDNN is unavailable). Idempotent."""
     if not packing_available():
         return 0
-    count = 0
+    with returning_freed_memory():
+        return _pack_linears(model)
+
+
+def _pack_linears(model: torch.nn.Module) -> int:
+    count, mappings = 0, file_mappings()
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if type(module) is torch.nn.Linear and not is_packed(module) and weight.device.type == "cpu" \
                 and weight.dtype == torch.float32:
             with torch.no_grad():
-                module.weight = torch.nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
+                dense = own_copy(weight, mappings)  # read off the file: its map never becomes resident
+                module.weight = torch.nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(dense, None),
                                                    requires_grad=False)
+                del dense
             module.forward = types.MethodType(packed_linear, module)
             module.__deepcopy__ = types.MethodType(_copy_packed, module)  # packed tensors cannot be deep-copied
             count += 1
@@ -54,11 +63,13 @@ def own_memory(model: torch.nn.Module) -> None:
     """Give ``model``'s dense tensors storage of their own. Weights loaded from safetensors are
     views of one memory map of the file, which stays mapped (and resident) while any view lives:
     once the linear layers are repacked or quantised, copying the few tensors left (embeddings,
-    norms, biases) lets the whole file go."""
+    norms, biases) lets the whole file go. Mapped tensors are read from the file
+    (:func:`engine.mapped.own_copy`), so the map itself never becomes resident."""
+    mappings = file_mappings()
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             if tensor.device.type == "cpu" and not tensor.is_mkldnn:
-                tensor.data = tensor.data.clone()
+                tensor.data = own_copy(tensor.data, mappings)
 
 
 def unpack_linears(model: torch.nn.Module) -> int:

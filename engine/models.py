@@ -22,6 +22,7 @@ from safetensors.torch import save_model
 from tqdm.auto import tqdm
 
 from .errors import ModelLoadError, VocabularyMismatchError
+from .mapped import returning_freed_memory
 from .quantize import quantize_draft
 
 log = logging.getLogger(__name__)
@@ -189,11 +190,14 @@ def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = 
     memoised, quantised as asked: asking again for a loaded model returns the same objects
     instead of a second copy of the weights, and a quantised draft's float original is let go.
     """
-    if model_id in DEFAULT_IDS:
-        model, tokenizer = _load_source(DEFAULT_IDS[model_id], dtype)
-    else:
-        model, tokenizer = _load_hub_model(model_id, dtype, trust_remote_code)
-    return quantize_draft(place(model, device).eval(), draft_format), tokenizer
+    quantized_cache = None
+    with returning_freed_memory():
+        if model_id in DEFAULT_IDS:
+            model, tokenizer = _load_source(DEFAULT_IDS[model_id], dtype)
+            quantized_cache = _dequantised_dir(DEFAULT_IDS[model_id], dtype)  # pinned weights: safe to key on
+        else:
+            model, tokenizer = _load_hub_model(model_id, dtype, trust_remote_code)
+        return quantize_draft(place(model, device).eval(), draft_format, quantized_cache), tokenizer
 
 
 def place(model: torch.nn.Module, device: str) -> torch.nn.Module:

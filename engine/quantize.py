@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 
 from .kernels import on_cpu_fp32, own_memory, unpack_linears
+from .mapped import FileMapping, file_mappings, own_copy
 
 DRAFT_FORMATS = ("auto", "int4", "int8", "none")
 INT4_GROUP = 32
+INT4_CACHE_FORMAT = 1  # bump when pack_int4's layout or rounding changes
 
 
 class Int4Linear(torch.nn.Module):
@@ -33,10 +35,13 @@ class Int4Linear(torch.nn.Module):
     ``forward``: ``x [..., in]`` (any float dtype) -> ``[..., out]`` in ``x``'s dtype.
     """
 
-    def __init__(self, linear: torch.nn.Linear, group_size: int = INT4_GROUP) -> None:
+    def __init__(self, linear: torch.nn.Linear, group_size: int = INT4_GROUP,
+                 mappings: list[FileMapping] | None = None,
+                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """``quantized``: ``linear``'s weight as :func:`pack_int4` returned it earlier (from a cache)."""
         super().__init__()
         self.in_features, self.out_features, self.group_size = linear.in_features, linear.out_features, group_size
-        packed, scales_zeros = pack_int4(linear.weight.detach().float(), group_size)
+        packed, scales_zeros = quantized or pack_int4(own_copy(linear.weight, mappings).float(), group_size)
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", scales_zeros)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
@@ -69,16 +74,66 @@ def pack_int4(weight: torch.Tensor, group_size: int = INT4_GROUP) -> tuple[torch
     return packed, scales_zeros
 
 
-def int4_draft(model: torch.nn.Module) -> torch.nn.Module:
+def int4_draft(model: torch.nn.Module, cache_file: Path | None = None) -> torch.nn.Module:
     """A copy of the CPU float32 ``model`` whose ``nn.Linear`` layers (the output head included)
-    are :class:`Int4Linear`; ``model`` stays intact."""
-    quantized = _copy_all_but_linears(model)
-    for parent in list(quantized.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear and child.in_features % INT4_GROUP == 0:
-                setattr(parent, name, Int4Linear(child))
+    are :class:`Int4Linear`; ``model`` stays intact.
+
+    ``cache_file``: where the quantised weights of *these exact* float weights are kept (the
+    caller names the file after the weights): read from it when it matches the model's layers,
+    written to it otherwise, so later starts skip the quantisation."""
+    quantized, mappings = _copy_all_but_linears(model), file_mappings()
+    layers = {name: module for name, module in quantized.named_modules()
+              if type(module) is torch.nn.Linear and module.in_features % INT4_GROUP == 0}
+    cached = _read_int4_cache(cache_file, layers) if cache_file else None
+    for name, linear in layers.items():
+        parent, _, attribute = name.rpartition(".")
+        setattr(quantized.get_submodule(parent), attribute,
+                Int4Linear(linear, mappings=mappings, quantized=cached and cached[name]))
     own_memory(quantized)
+    if cache_file and cached is None:
+        _write_int4_cache(cache_file, {name: quantized.get_submodule(name) for name in layers})
     return quantized.eval()
+
+
+def _read_int4_cache(path: Path, layers: dict[str, torch.nn.Linear]
+                     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+    """The cached ``(packed, scales_zeros)`` per layer name, or None when the file is missing or
+    does not fit ``layers`` (another model, another layout)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(path)
+    except (OSError, SafetensorError):
+        return None
+    cached = {}
+    for name, linear in layers.items():
+        packed, scales_zeros = tensors.get(f"{name}.packed"), tensors.get(f"{name}.scales_zeros")
+        if packed is None or scales_zeros is None or \
+                tuple(scales_zeros.shape) != (linear.in_features // INT4_GROUP, linear.out_features, 2):
+            return None
+        cached[name] = (packed, scales_zeros)
+    return cached
+
+
+def _write_int4_cache(path: Path, layers: dict[str, Int4Linear]) -> None:
+    """Write the layers' packed weights atomically (a half-written cache is never read)."""
+    import logging
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    tensors = {f"{name}.{key}": getattr(layer, key) for name, layer in layers.items()
+               for key in ("packed", "scales_zeros")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".partial")
+        os.close(fd)
+        save_file(tensors, tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        logging.getLogger(__name__).warning("could not cache the int4 draft (%s); it is quantised at every start", exc)
 
 
 def int8_draft(model: torch.nn.Module) -> torch.nn.Module:
@@ -117,16 +172,19 @@ def draft_format(model: torch.nn.Module) -> str:
     return "int4" if Int4Linear in kinds else "int8" if DynamicInt8Linear in kinds else "none"
 
 
-def quantize_draft(model: torch.nn.Module, fmt: str = "auto") -> torch.nn.Module:
+def quantize_draft(model: torch.nn.Module, fmt: str = "auto", cache_dir: Path | None = None) -> torch.nn.Module:
     """The draft in format ``fmt`` (one of :data:`DRAFT_FORMATS`). Only CPU float32 drafts are
-    quantised; others are returned as they are (``auto``) or refused (an explicit format)."""
+    quantised; others are returned as they are (``auto``) or refused (an explicit format).
+    ``cache_dir``: a folder for the quantised weights of these exact float weights (int4 only)."""
     if fmt not in DRAFT_FORMATS:
         raise ValueError(f"draft format must be one of {', '.join(DRAFT_FORMATS)}, got {fmt!r}")
     if fmt == "none" or (fmt == "auto" and not on_cpu_fp32(model)):
         return model
     if fmt == "auto":
         fmt = fastest_format()
-    return {"int4": int4_draft, "int8": int8_draft, "none": lambda m: m}[fmt](model)
+    if fmt == "int4":
+        return int4_draft(model, cache_dir and cache_dir / f"int4-g{INT4_GROUP}-v{INT4_CACHE_FORMAT}.safetensors")
+    return int8_draft(model)
 
 
 def fastest_format() -> str:

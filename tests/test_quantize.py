@@ -105,3 +105,28 @@ def test_greedy_stays_exact_with_a_quantised_draft_and_the_fast_target_path(fmt,
     result = engine.generate([5, 17, 3, 42, 9, 11], max_new_tokens=24, tree=tree)
     assert result.tokens == reference
     assert result.tokens_per_step > 1.5  # the quantised draft still agrees often
+
+
+def test_int4_cache_round_trips_and_refuses_another_model(tmp_path):
+    """The first quantisation writes the cache, the next reads it back bit for bit (no
+    recomputation: the cache's own bytes are used); a cache of another shape is ignored."""
+    cache = tmp_path / "int4.safetensors"
+    model = tm.qwen2(seed=5)
+    fresh = int4_draft(model, cache)
+    assert cache.exists()
+    cached = int4_draft(model, cache)
+    for (name, a), (_, b) in zip(fresh.named_buffers(), cached.named_buffers()):
+        assert torch.equal(a, b), name
+    ids = torch.randint(0, model.config.vocab_size, (1, 7))
+    assert torch.equal(fresh(ids).logits, cached(ids).logits)
+
+    from safetensors.torch import load_file, save_file
+    tampered = {k: (v.clone().fill_(0) if k.endswith("packed") else v) for k, v in load_file(cache).items()}
+    save_file(tampered, cache)
+    assert all((layer.packed == 0).all() for layer in int4_draft(model, cache).modules()
+               if isinstance(layer, Int4Linear))  # proof that a matching cache is what gets used
+    other = tm.qwen2(seed=5, hidden_size=64)
+    rebuilt = int4_draft(other, cache)  # shapes differ: quantised afresh, cache rewritten
+    expected = int4_draft(other)
+    assert all(torch.equal(a, b) for a, b in zip(rebuilt.buffers(), expected.buffers()))
+    assert load_file(cache)["model.layers.0.mlp.up_proj.scales_zeros"].shape == (2, 128, 2)
