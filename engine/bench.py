@@ -43,19 +43,26 @@ class ConfigRuns:
     step_ms: list[dict[str, float]] = field(default_factory=list)  # per prompt: mean ms per step by phase
     outputs: list[list[int]] = field(default_factory=list)
     predicted_speedup: float | None = None  # the optimizer's, for tree="auto"
+    predicted_tokens_per_step: float | None = None
+    predicted_step_ms: float | None = None
     chosen: Tree | None = None               # the tree "auto" resolved to
 
     def summary(self, baseline_tps: float) -> dict:
         tps = statistics.median(self.tokens_per_s)
         tree = self.chosen or (self.tree if isinstance(self.tree, Tree) else None)
+        step_ms = {phase: statistics.median(run[phase] for run in self.step_ms)
+                   for phase in ("draft", "verify", "bookkeeping")} if self.step_ms else None
         return {"name": self.name, "method": self.method, "tree": tree.to_dict() if tree else None,
                 "tree_size": tree.size if tree else None, "tree_depth": tree.depth if tree else None,
-                "tokens_per_s": tps, "speedup": tps / baseline_tps, "predicted_speedup": self.predicted_speedup,
+                "tokens_per_s": tps, "ms_per_token": 1e3 / tps, "speedup": tps / baseline_tps,
+                "predicted_speedup": self.predicted_speedup,
+                "measured_over_predicted": tps / baseline_tps / self.predicted_speedup if self.predicted_speedup else None,
+                "predicted_tokens_per_step": self.predicted_tokens_per_step,
+                "predicted_step_ms": self.predicted_step_ms,
+                "step_ms_total": sum(step_ms.values()) if step_ms else None,
                 "tokens_per_step": statistics.median(self.tokens_per_step) if self.tokens_per_step else None,
                 "draft_share": statistics.median(self.draft_share) if self.draft_share else None,
-                "step_ms": {phase: statistics.median(run[phase] for run in self.step_ms)
-                            for phase in ("draft", "verify", "bookkeeping")} if self.step_ms else None,
-                "runs_tokens_per_s": self.tokens_per_s}
+                "step_ms": step_ms, "runs_tokens_per_s": self.tokens_per_s}
 
 
 def configurations(quick: bool, draft=None, acceptance: list[float] | None = None, auto: bool = False,
@@ -82,9 +89,11 @@ def configurations(quick: bool, draft=None, acceptance: list[float] | None = Non
 
 
 def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple | None = None,
-        temperature: float = 0.0, top_p: float = 1.0) -> dict:
-    """The benchmark on ``pair`` = (target, draft, tokenizer), by default the embedded pair.
-    Outputs are compared with target-only decoding at temperature 0 only."""
+        temperature: float = 0.0, top_p: float = 1.0, repeats: int = 1) -> dict:
+    """The benchmark on ``pair`` = (target, draft, tokenizer), by default the embedded pair:
+    ``repeats`` rounds over the prompts (each round runs every configuration on a prompt before
+    the next prompt); medians over all runs. Outputs are compared with target-only decoding at
+    temperature 0 only."""
     from .generate import acceptance_for
     from .models import load_default_pair, pair_name
     from .optimizer import load_tuner
@@ -100,13 +109,15 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
                              auto=tuner is not None, greedy=temperature == 0)
     engine.generate(prompt_ids[0], max_new_tokens=4, tree=Tree.chain(2))  # warm-up
     ours, theirs = [c for c in configs if c.hf is None], [c for c in configs if c.hf is not None]
-    for i, ids in enumerate(prompt_ids):
+    runs = [(round_, i, ids) for round_ in range(repeats) for i, ids in enumerate(prompt_ids)]
+    for round_, i, ids in runs:
         for config in ours:
             result = engine.generate(ids, max_new_tokens=new_tokens, tree=config.tree, temperature=temperature,
-                                     top_p=top_p, seed=i, method=config.method)
+                                     top_p=top_p, seed=i + 1000 * round_, method=config.method)
             if config.tree == "auto":
-                config.chosen = engine.last_tree_choice.tree
-                config.predicted_speedup = engine.last_tree_choice.predicted_speedup
+                choice = engine.last_tree_choice
+                config.chosen, config.predicted_speedup = choice.tree, choice.predicted_speedup
+                config.predicted_tokens_per_step, config.predicted_step_ms = choice.expected_tokens, 1e3 * choice.step_time_s
             config.tokens_per_s.append(result.tokens_per_second)
             config.tokens_per_step.append(result.tokens_per_step)
             config.draft_share.append(sum(s.timings.draft_s for s in result.steps) / result.decode_s)
@@ -128,7 +139,7 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     hf_identical = greedy and all(c.outputs == configs[0].outputs for c in configs if c.hf is not None)
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "prompts": prompts,
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "prompts": prompts, "repeats": repeats,
         "new_tokens": new_tokens, "temperature": temperature, "top_p": top_p, "outputs_identical_to_target_only": identical,
         "hf_outputs_identical_to_target_only": hf_identical,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -205,20 +216,21 @@ def plot(report: dict, path: Path) -> None:
                            text=[f"{r['speedup']:.2f}×" for r in results], textposition="outside"))
     fig.add_hline(y=results[0]["tokens_per_s"], line_dash="dot", annotation_text="target-only")
     fig.update_layout(title=f"Decoding speed, T = {report['temperature']:g}, top-p {report['top_p']:g} "
-                            f"({report['prompts']} prompts x {report['new_tokens']} tokens, medians; {report['date']})",
+                            f"({report['prompts']} prompts x {report['new_tokens']} tokens x {report.get('repeats', 1)} "
+                            f"rounds, medians; {report['date']})",
                       yaxis_title="tokens/s", template="plotly_white", height=520)
     fig.write_html(path)
 
 
 def markdown_table(report: dict) -> str:
-    rows = ["| configuration | tree (n, d) | tokens/s | vs target-only | predicted | tokens/step | draft share |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| configuration | tree (n, d) | tokens/s | ms/token | vs target-only | predicted | tokens/step | draft share |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         tree = "" if r.get("tree_size") is None else f"{r['tree_size']}, {r['tree_depth']}"
         predicted = "" if r.get("predicted_speedup") is None else f"{r['predicted_speedup']:.2f}×"
         per_step = "" if r["tokens_per_step"] is None else f"{r['tokens_per_step']:.2f}"
         share = "" if r["draft_share"] is None else f"{r['draft_share']:.0%}"
-        rows.append(f"| {r['name']} | {tree} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}× | {predicted} | "
+        rows.append(f"| {r['name']} | {tree} | {r['tokens_per_s']:.2f} | {1e3 / r['tokens_per_s']:.0f} | {r['speedup']:.2f}× | {predicted} | "
                     f"{per_step} | {share} |")
     return "\n".join(rows)
 
@@ -228,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="2 prompts x 64 tokens, chains only")
     parser.add_argument("--prompts", type=int, default=None, help="number of bundled prompts (default 2 quick, 6 full)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per run (default 64 quick, 128 full)")
+    parser.add_argument("--repeats", type=int, default=None, help="rounds over the prompts (default 1 quick, 2 full)")
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are then compared)")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -243,7 +256,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     prompts = args.prompts or (2 if args.quick else 6)
     new_tokens = args.new_tokens or (64 if args.quick else 128)
-    run(prompts, new_tokens, args.quick, args.out, temperature=args.temperature, top_p=args.top_p)
+    repeats = args.repeats or (1 if args.quick else 2)
+    if min(prompts, new_tokens, repeats) < 1:
+        parser.error("--prompts, --new-tokens and --repeats must be at least 1")
+    run(prompts, new_tokens, args.quick, args.out, temperature=args.temperature, top_p=args.top_p, repeats=repeats)
 
 
 if __name__ == "__main__":

@@ -103,18 +103,44 @@ def _level_bookkeeping(logits: torch.Tensor) -> None:
 def measure_profile(target, draft, prefix: list[int], sizes: list[int], widths: list[int], pair: str,
                     repeats: int = 3, progress: bool = True, runners: dict | None = None) -> HardwareProfile:
     """Profile ``target`` at each size and ``draft`` at each width; ``runners`` maps "target" /
-    "draft" to the runner to time (default: see :func:`measure_forward`)."""
+    "draft" to the runner to time (default: see :func:`measure_forward`).
+
+    The sizes are timed round-robin, ``repeats`` rounds, and each keeps its median: a slow
+    spell of a shared machine then lands on every size alike instead of on a few. A forward over
+    more tokens never costs less, so each curve is finally made non-decreasing
+    (:func:`nondecreasing`): left raw, one lucky small reading (n = 4 below n = 1) makes the
+    optimizer promise speedups the engine cannot deliver."""
     from tqdm.auto import tqdm
 
     device = next(target.parameters()).device
     profile = HardwareProfile(device=device_name(device), pair=pair, dtype=str(target.dtype).removeprefix("torch."),
                               prefix_len=len(prefix))
     jobs = [("target", n) for n in sizes] + ([("draft", w) for w in widths] if draft is not None else [])
-    for kind, n in tqdm(jobs, desc="profiling", disable=not progress):
-        model = target if kind == "target" else draft
-        getattr(profile, kind)[n] = measure_forward(model, prefix, n, repeats, (runners or {}).get(kind),
-                                                    draft_level=kind == "draft")
+    readings: dict[tuple[str, int], list[float]] = {job: [] for job in jobs}
+    with tqdm(total=len(jobs) * repeats, desc="profiling", disable=not progress) as bar:
+        for _ in range(repeats):
+            for kind, n in jobs:
+                model = target if kind == "target" else draft
+                readings[kind, n].append(measure_forward(model, prefix, n, 1, (runners or {}).get(kind),
+                                                         draft_level=kind == "draft"))
+                bar.update()
+    for (kind, n), times in readings.items():
+        getattr(profile, kind)[n] = statistics.median(times)
+    profile.target, profile.draft = nondecreasing(profile.target), nondecreasing(profile.draft)
     return profile
+
+
+def nondecreasing(points: dict[int, float]) -> dict[int, float]:
+    """The closest non-decreasing curve through ``points`` (least squares, pool-adjacent-violators):
+    a reading below an earlier one is averaged with it."""
+    blocks: list[list[float]] = []  # [mean, count] per pooled run of sizes
+    for x in sorted(points):
+        blocks.append([points[x], 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    values = [mean for mean, count in blocks for _ in range(int(count))]
+    return dict(zip(sorted(points), values))
 
 
 def device_name(device: torch.device) -> str:
@@ -150,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=256, help="largest n measured (powers of two)")
     parser.add_argument("--max-width", type=int, default=32, help="largest draft level width measured")
     parser.add_argument("--prefix", type=int, default=128, help="prefix length before the tree")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds over all sizes (medians)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (CUDA profiles use static caches and graphs)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--draft-format", choices=DRAFT_FORMATS, default="auto", help="draft quantisation (auto)")

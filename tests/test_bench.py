@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from engine import bench
 
 import test_app_support as support
@@ -32,8 +34,10 @@ def test_bench_runs_ours_and_hugging_face_side_by_side(tmp_path, capsys):
 def test_bench_samples_at_a_temperature(tmp_path):
     target, draft = support.tiny_pair()
     report = bench.run(prompts=1, new_tokens=4, quick=True, out_dir=tmp_path,
-                       pair=(target, draft, support.tokenizer()), temperature=0.6, top_p=0.9)
-    assert (report["temperature"], report["top_p"]) == (0.6, 0.9)
+                       pair=(target, draft, support.tokenizer()), temperature=0.6, top_p=0.9, repeats=2)
+    assert (report["temperature"], report["top_p"], report["repeats"]) == (0.6, 0.9, 2)
+    assert all(len(r["runs_tokens_per_s"]) == 2 for r in report["results"])  # one run per round
+    assert all(r["ms_per_token"] == pytest.approx(1e3 / r["tokens_per_s"]) for r in report["results"])
     assert report["outputs_identical_to_target_only"] is False  # not compared when sampling
     methods = {r["name"]: r["method"] for r in report["results"]}
     assert methods["specinfer n=16 d=6"] == "specinfer" and methods["chain d=3"] == "chain"
