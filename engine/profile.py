@@ -106,10 +106,10 @@ def measure_profile(target, draft, prefix: list[int], sizes: list[int], widths: 
     "draft" to the runner to time (default: see :func:`measure_forward`).
 
     The sizes are timed round-robin, ``repeats`` rounds, and each keeps its median: a slow
-    spell of a shared machine then lands on every size alike instead of on a few. A forward over
-    more tokens never costs less, so each curve is finally made non-decreasing
-    (:func:`nondecreasing`): left raw, one lucky small reading (n = 4 below n = 1) makes the
-    optimizer promise speedups the engine cannot deliver."""
+    spell of a shared machine then lands on every size alike instead of on a few (timed one
+    size after another, a lucky spell once put n = 4 at 60% of n = 1). Curves are kept as
+    measured, not forced to grow with n: oneDNN's one-row kernel really is slower than its
+    four-row one here."""
     from tqdm.auto import tqdm
 
     device = next(target.parameters()).device
@@ -126,21 +126,7 @@ def measure_profile(target, draft, prefix: list[int], sizes: list[int], widths: 
                 bar.update()
     for (kind, n), times in readings.items():
         getattr(profile, kind)[n] = statistics.median(times)
-    profile.target, profile.draft = nondecreasing(profile.target), nondecreasing(profile.draft)
     return profile
-
-
-def nondecreasing(points: dict[int, float]) -> dict[int, float]:
-    """The closest non-decreasing curve through ``points`` (least squares, pool-adjacent-violators):
-    a reading below an earlier one is averaged with it."""
-    blocks: list[list[float]] = []  # [mean, count] per pooled run of sizes
-    for x in sorted(points):
-        blocks.append([points[x], 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
-    values = [mean for mean, count in blocks for _ in range(int(count))]
-    return dict(zip(sorted(points), values))
 
 
 def device_name(device: torch.device) -> str:
