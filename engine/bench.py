@@ -230,7 +230,7 @@ def markdown_table(report: dict) -> str:
         predicted = "" if r.get("predicted_speedup") is None else f"{r['predicted_speedup']:.2f}×"
         per_step = "" if r["tokens_per_step"] is None else f"{r['tokens_per_step']:.2f}"
         share = "" if r["draft_share"] is None else f"{r['draft_share']:.0%}"
-        rows.append(f"| {r['name']} | {tree} | {r['tokens_per_s']:.2f} | {1e3 / r['tokens_per_s']:.0f} | {r['speedup']:.2f}× | {predicted} | "
+        rows.append(f"| {r['name']} | {tree} | {r['tokens_per_s']:.2f} | {r['ms_per_token']:.0f} | {r['speedup']:.2f}× | {predicted} | "
                     f"{per_step} | {share} |")
     return "\n".join(rows)
 

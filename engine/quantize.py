@@ -16,6 +16,9 @@ The target is never quantised: its numerics define the output.
 from __future__ import annotations
 
 import copy
+import logging
+import os
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -110,6 +113,7 @@ def _read_int4_cache(path: Path, layers: dict[str, torch.nn.Linear]
     for name, linear in layers.items():
         packed, scales_zeros = tensors.get(f"{name}.packed"), tensors.get(f"{name}.scales_zeros")
         if packed is None or scales_zeros is None or \
+                tuple(packed.shape) != (linear.out_features, linear.in_features // 2) or \
                 tuple(scales_zeros.shape) != (linear.in_features // INT4_GROUP, linear.out_features, 2):
             return None
         cached[name] = (packed, scales_zeros)
@@ -117,15 +121,12 @@ def _read_int4_cache(path: Path, layers: dict[str, torch.nn.Linear]
 
 
 def _write_int4_cache(path: Path, layers: dict[str, Int4Linear]) -> None:
-    """Write the layers' packed weights atomically (a half-written cache is never read)."""
-    import logging
-    import os
-    import tempfile
-
+    """Write the layers' packed weights atomically (a half-written cache is never read, nor left)."""
     from safetensors.torch import save_file
 
     tensors = {f"{name}.{key}": getattr(layer, key) for name, layer in layers.items()
                for key in ("packed", "scales_zeros")}
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".partial")
@@ -134,6 +135,9 @@ def _write_int4_cache(path: Path, layers: dict[str, Int4Linear]) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         logging.getLogger(__name__).warning("could not cache the int4 draft (%s); it is quantised at every start", exc)
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def int8_draft(model: torch.nn.Module) -> torch.nn.Module:
