@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from engine.errors import EngineError, ModelLoadError
+from engine.kernels import prepare
 from engine.quantize import draft_format
 from engine.speculative import SpeculativeEngine
 from engine.tree import Tree
@@ -150,7 +151,10 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 
 
 def make_engine(target, draft, tokenizer, tuner=None) -> SpeculativeEngine:
-    """The engine the app uses for a pair: stops on the tokenizer's end-of-turn tokens too."""
+    """The engine the app uses for a pair it loaded: the models are prepared for the CPU fast path
+    first (:func:`engine.kernels.prepare`), and the engine stops on the tokenizer's end-of-turn
+    tokens too."""
+    prepare(target, draft)
     return SpeculativeEngine(target, draft, stop_token_ids=stop_token_ids(target, tokenizer), tuner=tuner)
 
 

@@ -9,7 +9,7 @@ import importlib
 _HOMES = {"SpeculativeEngine": "speculative", "Tree": "tree", "GenerationResult": "records",
           "StepRecord": "records", "StepTimings": "records", "EngineError": "errors",
           "InvalidTreeError": "errors", "InvalidParameterError": "errors", "ModelLoadError": "errors",
-          "VocabularyMismatchError": "errors", "ContextOverflowError": "errors"}
+          "VocabularyMismatchError": "errors", "ContextOverflowError": "errors", "prepare": "kernels"}
 __all__ = list(_HOMES)
 
 

@@ -106,13 +106,12 @@ def on_cpu_fp32(model: torch.nn.Module) -> bool:
     return param is not None and param.device.type == "cpu" and param.dtype == torch.float32
 
 
-def use_fast_linear_paths(target: torch.nn.Module, draft: torch.nn.Module | None,
-                          fast_target_linear: bool | None = None, fast_draft_linear: bool = True) -> None:
-    """Pack the engine's models as the engine runs them (:func:`pack_linears`);
-    ``fast_target_linear=None`` means "on for a CPU float32 target". A quantised draft
-    (:mod:`engine.quantize`) has no float32 ``nn.Linear`` left and is untouched."""
-    if on_cpu_fp32(target) if fast_target_linear is None else fast_target_linear:
-        pack_linears(target)
-    if fast_draft_linear and draft is not None and draft is not target:
-        pack_linears(draft)
-
+def prepare(*models: torch.nn.Module | None) -> None:
+    """Ready models for the engine's CPU fast path, in place: every CPU float32 ``nn.Linear``
+    is repacked for oneDNN (:func:`pack_linears`); other models, and a quantised draft (no float32
+    ``nn.Linear`` left, see :mod:`engine.quantize`), are untouched. An explicit step, taken by the
+    loaders (:func:`engine.models.load_pair`) and never by building an engine: a caller's model
+    stays as it was unless the caller prepares it. :func:`unpack_linears` undoes it."""
+    for model in models:
+        if model is not None and on_cpu_fp32(model):
+            pack_linears(model)

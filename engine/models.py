@@ -255,8 +255,11 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str = 
 
 def load_pair(target_id: str = "default-target", draft_id: str = "default-draft",
               dtype: torch.dtype = torch.float32, device: str = "cpu", trust_remote_code: bool = False,
-              offload: bool = False, draft_format: str = "auto"):
+              offload: bool = False, draft_format: str = "auto", prepare: bool = True):
     """Load ``(target, draft, tokenizer)``; the draft is refused unless it shares the target's vocabulary.
+
+    ``prepare`` readies both for the engine's CPU fast path (:func:`engine.kernels.prepare`:
+    float32 linears repacked for oneDNN, in place); ``prepare=False`` returns them as loaded.
 
     ``draft_format`` (:func:`engine.quantize.quantize_draft`): ``auto`` quantises a CPU float32
     draft to whichever of int4/int8/fp32 runs fastest on this machine; levels get several times
@@ -274,6 +277,10 @@ def load_pair(target_id: str = "default-target", draft_id: str = "default-draft"
         stream_layers(target, device)
     draft, draft_tokenizer = load_model(draft_id, dtype, device, trust_remote_code, draft_format)
     check_same_vocabulary(tokenizer, draft_tokenizer, target_id, draft_id)
+    if prepare:
+        from .kernels import prepare as prepare_models
+
+        prepare_models(target, draft)
     return target, draft, tokenizer
 
 
@@ -286,6 +293,7 @@ def pair_name(target_id: str, draft_id: str, draft: torch.nn.Module | None = Non
     return f"{target_id}+{draft_id}" + ("" if fmt == "none" else f"@{fmt}")
 
 
-def load_default_pair(dtype: torch.dtype = torch.float32, device: str = "cpu", draft_format: str = "auto"):
+def load_default_pair(dtype: torch.dtype = torch.float32, device: str = "cpu", draft_format: str = "auto",
+                      prepare: bool = True):
     """The embedded Qwen2.5-Coder 1.5B target and 0.5B draft: ``(target, draft, tokenizer)``."""
-    return load_pair("default-target", "default-draft", dtype, device, draft_format=draft_format)
+    return load_pair("default-target", "default-draft", dtype, device, draft_format=draft_format, prepare=prepare)

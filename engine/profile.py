@@ -151,7 +151,6 @@ def powers_of_two(limit: int) -> list[int]:
 
 def main(argv: list[str] | None = None) -> None:
     from .generate import DTYPES
-    from .kernels import use_fast_linear_paths
     from .models import cache_dir, load_pair, pair_name
     from .prompts import encode_chat, load_prompt_set
     from .quantize import DRAFT_FORMATS
@@ -170,7 +169,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
                                          draft_format=args.draft_format)
-    use_fast_linear_paths(target, draft)  # both models run this way in the engine (its defaults)
     text = " ".join(m["content"] for p in load_prompt_set("chat") for m in p["messages"])
     prefix = (encode_chat(tokenizer, [{"role": "user", "content": text}]) * 4)[: args.prefix]
     pair = pair_name(args.target, args.draft, draft)

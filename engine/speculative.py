@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ContextOverflowError, InvalidParameterError, VocabularyMismatchError
-from .kernels import use_fast_linear_paths
 from .records import GenerationResult, StepRecord, StepTimings
 from .sampling import choose_level_children, logits_to_probs
 from .tree import Tree
@@ -45,8 +44,7 @@ class SpeculativeEngine:
     """Tree speculative decoding for a target/draft pair of HF causal LMs sharing a vocabulary."""
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None = None,
-                 stop_token_ids: list[int] | None = None, tuner=None, fast_draft_linear: bool = True,
-                 fast_target_linear: bool | None = None, static_cache: bool | None = None,
+                 stop_token_ids: list[int] | None = None, tuner=None, static_cache: bool | None = None,
                  cuda_graphs: bool | None = None, max_cache_len: int | None = None) -> None:
         """``tuner``: an :class:`engine.optimizer.AutoTuner`, needed for ``tree="auto"``.
 
@@ -54,13 +52,9 @@ class SpeculativeEngine:
         target's context capped at 8192) and reuses them for every generation; ``cuda_graphs``
         replays one CUDA graph per forward width. Both default to on for CUDA models, off on CPU.
 
-        ``fast_target_linear`` / ``fast_draft_linear`` repack that model's float32 linear layers
-        for oneDNN (:mod:`engine.kernels`): on CPU, 1-16 token forwards at both cores' memory
-        bandwidth instead of one core's, so verifying a small tree costs about one token. On by
-        default for CPU float32 models. The logits differ from torch's own ``F.linear`` path at
-        rounding level (another summation order of the same float32 product); greedy outputs stay
-        token-identical to the target's ``generate`` on the real pair (tested). The draft may come
-        quantised (:func:`engine.models.load_pair` does so on CPU)."""
+        The engine never changes the models it is given: their weights and forward stay as
+        they were. The CPU fast path (oneDNN-packed linears, :func:`engine.kernels.prepare`) is a
+        step the caller takes before, as :func:`engine.models.load_pair` does."""
         for model in (target, draft):
             if model is not None:
                 _refuse_sliding_window(model)
@@ -73,7 +67,6 @@ class SpeculativeEngine:
             raise VocabularyMismatchError(
                 f"the draft predicts {_output_vocab(draft)} tokens but the target {self.vocab_size}: "
                 f"choose a draft from the same model family as the target")
-        use_fast_linear_paths(target, draft, fast_target_linear, fast_draft_linear)
         self.stop_token_ids = _stop_set(stop_token_ids) if stop_token_ids is not None else \
             frozenset(_default_stop_ids(target))
         self.max_context = int(getattr(target.config, "max_position_embeddings", 0) or 0)

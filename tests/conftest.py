@@ -1,4 +1,8 @@
-"""Shared fixtures. The real default pair is loaded once per test session."""
+"""Shared fixtures. The real default pair is loaded once per test session.
+
+Greedy references come from the target as loaded, before anything prepares it for the engine
+(:func:`engine.kernels.prepare`) or builds an engine on it: Hugging Face's own ``generate`` on
+stock weights through torch's own ``nn.Linear``."""
 from __future__ import annotations
 
 import pytest
@@ -6,16 +10,47 @@ import torch
 
 from engine.prompts import encode_chat, load_prompt_set
 
+REFERENCE_TOKENS = 64   # new tokens of each greedy reference
+REFERENCE_PROMPTS = 5   # the first five bundled prompts; the fifth ends with EOS well before the budget
+
 
 @pytest.fixture(scope="session")
-def real_pair():
-    """``(target, draft, tokenizer)`` of the embedded Qwen2.5-Coder pair, float32 on CPU."""
+def _stock_pair():
+    """``(target, draft, tokenizer)`` as loaded, not yet prepared for the engine."""
     from engine.models import load_default_pair
-    return load_default_pair(dtype=torch.float32)
+    return load_default_pair(dtype=torch.float32, prepare=False)
 
 
 @pytest.fixture(scope="session")
-def chat_prompts(real_pair) -> list[list[int]]:
+def chat_prompts(_stock_pair) -> list[list[int]]:
     """Token ids of the bundled chat prompts (chat template applied)."""
-    tokenizer = real_pair[2]
+    tokenizer = _stock_pair[2]
     return [encode_chat(tokenizer, p["messages"]) for p in load_prompt_set("chat")]
+
+
+@pytest.fixture(scope="session")
+def greedy_references(_stock_pair, chat_prompts) -> list[list[int]]:
+    """The target's own greedy continuation (``generate(do_sample=False)``) of the first prompts,
+    computed on the untouched target (checked: no layer is packed, no method patched)."""
+    from engine.kernels import is_packed
+
+    target = _stock_pair[0]
+    assert not any(is_packed(m) or "forward" in vars(m) for m in target.modules()), \
+        "the reference target was already changed"
+    refs = []
+    for ids in chat_prompts[:REFERENCE_PROMPTS]:
+        with torch.inference_mode():
+            out = target.generate(torch.tensor([ids]), max_new_tokens=REFERENCE_TOKENS, do_sample=False)
+        refs.append(out[0, len(ids):].tolist())
+    return refs
+
+
+@pytest.fixture(scope="session")
+def real_pair(_stock_pair, greedy_references):
+    """``(target, draft, tokenizer)`` of the embedded Qwen2.5-Coder pair, float32 on CPU, prepared
+    for the engine as the app and CLIs load it (after the greedy references were taken)."""
+    from engine.kernels import prepare
+
+    target, draft, tokenizer = _stock_pair
+    prepare(target, draft)
+    return target, draft, tokenizer

@@ -12,7 +12,6 @@ from engine.generate import build_tree
 
 import test_app_support as support
 
-pytest.importorskip("gradio_client")
 from gradio_client import Client  # noqa: E402
 
 # outputs of the /chat endpoint (gr.State outputs are not part of the API)

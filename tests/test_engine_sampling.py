@@ -84,3 +84,70 @@ def test_same_seed_same_sample(pair):
     other = engine.generate(PROMPT, max_new_tokens=12, temperature=1.0, tree=Tree.k_ary(2, 2), seed=8).tokens
     assert runs[0] == runs[1]
     assert other != runs[0]
+
+
+PIT_TOKENS, PIT_SAMPLES = 6, 600
+
+
+def pit_values(target: torch.nn.Module, tokens: list[int], temperature: float, top_p: float,
+               generator: torch.Generator) -> list[float]:
+    """Randomised probability integral transform of each new token under the target's own law given
+    everything before it: ``F(x - 1) + V p(x)`` with V uniform. For an exact sampler these are
+    independent uniforms on [0, 1], whatever the step boundaries were."""
+    with torch.inference_mode():
+        logits = target(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1:-1]
+    probs = logits_to_probs(logits, temperature, top_p).double()
+    below = torch.cumsum(probs, dim=-1) - probs
+    rows = torch.arange(len(tokens))
+    chosen = torch.tensor(tokens)
+    v = torch.rand(len(tokens), generator=generator, dtype=torch.float64)
+    return (below[rows, chosen] + v * probs[rows, chosen]).tolist()
+
+
+@pytest.mark.parametrize("method,tree,temperature,top_p,static", [
+    ("sequoia", Tree.k_ary(2, 2), 0.7, 0.8, False),
+    ("sequoia", Tree.optimal([0.6, 0.2, 0.1], 8, 3), 1.0, 1.0, True),
+    ("specinfer", Tree.k_independent(2, 2), 0.7, 0.8, True),
+    ("specinfer", Tree.k_ary(2, 2), 1.0, 1.0, False),
+    ("chain", Tree.chain(3), 0.7, 0.8, False),
+    ("chain", Tree.chain(2), 1.0, 1.0, True),
+    ("topk", Tree.k_ary(3, 2), 0.7, 0.8, True),
+    ("topk", Tree.k_ary(2, 2), 1.0, 1.0, False),
+    ("autoregressive", None, 0.7, 0.8, True),
+], ids=lambda v: "static" if v is True else "dynamic" if v is False else None)
+def test_six_token_answers_follow_the_targets_law(pair, method, tree, temperature, top_p, static):
+    """Every method, top-p < 1 and 1, the dynamic and the static runner: 600 answers of 6 tokens
+    (so tokens after a sampled step, and steps after a rejection, count). Kolmogorov-Smirnov test
+    of the 3,600 transformed values against the uniform law: p-value > 1e-3."""
+    from scipy.stats import kstest
+
+    target, draft = pair
+    engine = SpeculativeEngine(target, draft, stop_token_ids=[], static_cache=static)
+    generator = torch.Generator().manual_seed(123)
+    values, steps, accepted = [], 0, 0
+    for seed in range(PIT_SAMPLES):
+        result = engine.generate(PROMPT, max_new_tokens=PIT_TOKENS, temperature=temperature, top_p=top_p,
+                                 tree=tree, seed=seed, method=method)
+        assert len(result.tokens) == PIT_TOKENS
+        values += pit_values(target, result.tokens, temperature, top_p, generator)
+        steps += len(result.steps)
+        accepted += sum(step.accepted_draft_tokens for step in result.steps)
+    p_value = kstest(values, "uniform").pvalue
+    assert p_value > P_MIN, f"KS p-value {p_value:.2e}"
+    if method != "autoregressive":
+        assert accepted > PIT_SAMPLES // 2 and steps < PIT_SAMPLES * PIT_TOKENS, "the verifier was barely exercised"
+
+
+def test_the_six_token_test_catches_a_biased_sampler(pair):
+    """The same transform on answers drawn at the wrong temperature fails the same threshold."""
+    from scipy.stats import kstest
+
+    target, draft = pair
+    engine = SpeculativeEngine(target, draft, stop_token_ids=[])
+    generator = torch.Generator().manual_seed(5)
+    values = []
+    for seed in range(PIT_SAMPLES):
+        tokens = engine.generate(PROMPT, max_new_tokens=PIT_TOKENS, temperature=0.9, tree=Tree.k_ary(2, 2),
+                                 seed=seed).tokens
+        values += pit_values(target, tokens, 0.7, 1.0, generator)
+    assert kstest(values, "uniform").pvalue < P_MIN

@@ -23,7 +23,6 @@ from engine.prompts import encode_chat
 
 import test_app_support as support
 
-pytest.importorskip("gradio_client")
 from gradio_client import Client  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The packed linear path computes the same float32 product as F.linear (to rounding), can be undone
-exactly, and is what the engine uses for CPU float32 models by default."""
+exactly, and is what the loaders prepare CPU float32 models with (never the engine itself)."""
 from __future__ import annotations
 
 import copy
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import tiny_models as tm
 from engine import SpeculativeEngine, Tree
-from engine.kernels import is_packed, pack_linears, packing_available, unpack_linears, use_fast_linear_paths
+from engine.kernels import is_packed, pack_linears, packing_available, prepare, unpack_linears
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 
@@ -52,13 +52,30 @@ def test_non_float32_and_non_linear_layers_are_left_alone():
     assert pack_linears(model) == 0
 
 
-def test_fast_paths_cover_cpu_fp32_models_by_default_and_can_be_turned_off():
-    target, draft = tm.qwen2(seed=1), tm.qwen2(seed=2)
-    use_fast_linear_paths(target, draft, fast_target_linear=False)
-    assert not any(is_packed(m) for m in target.modules())
-    assert is_packed(draft.lm_head)
-    use_fast_linear_paths(target, draft)
+def test_prepare_packs_cpu_fp32_models_and_skips_the_rest():
+    target, draft = tm.qwen2(seed=1), tm.qwen2(seed=2).to(torch.bfloat16)
+    prepare(target, draft, None)
     assert is_packed(target.lm_head) and is_packed(target.model.layers[0].mlp.up_proj)
+    assert not any(is_packed(m) for m in draft.modules())
+
+
+def _snapshot(model: torch.nn.Module) -> dict:
+    """What an engine could change on a model: every tensor (value and layout) and every patched method."""
+    return {"tensors": {k: (v.is_mkldnn, v.clone()) for k, v in model.state_dict(keep_vars=True).items()},
+            "patched": sorted(n for n, m in model.named_modules() if "forward" in vars(m))}
+
+
+def test_building_and_running_an_engine_leaves_the_callers_models_as_they_were():
+    target, draft = tm.qwen2(seed=5), tm.perturbed(tm.qwen2(seed=5), 0.003)
+    before = {role: _snapshot(model) for role, model in (("target", target), ("draft", draft))}
+    engine = SpeculativeEngine(target, draft, stop_token_ids=[])
+    engine.generate([5, 17, 3, 42], max_new_tokens=8, tree=Tree.k_ary(2, 2))
+    for role, model in (("target", target), ("draft", draft)):
+        after = _snapshot(model)
+        assert after["patched"] == before[role]["patched"] == [], role
+        for name, (mkldnn, value) in before[role]["tensors"].items():
+            assert after["tensors"][name][0] == mkldnn is False, (role, name)
+            assert torch.equal(after["tensors"][name][1], value), (role, name)
 
 
 @pytest.mark.parametrize("tree", [Tree.chain(4), Tree.k_ary(2, 3), Tree.from_parents([-1, 0, 1, 0, 2, 3, 3])],
@@ -68,7 +85,9 @@ def test_packed_engine_stays_token_identical_to_stock_greedy_decoding(tree):
     target = tm.qwen2(seed=5)
     prompt = [5, 17, 3, 42, 9, 11]
     reference = tm.hf_greedy(target, prompt, 32)
-    engine = SpeculativeEngine(target, tm.perturbed(target, 0.003), stop_token_ids=[])
+    draft = tm.perturbed(target, 0.003)
+    prepare(target, draft)
+    engine = SpeculativeEngine(target, draft, stop_token_ids=[])
     assert is_packed(target.lm_head)
     assert engine.generate(prompt, max_new_tokens=32, tree=tree).tokens == reference
     assert engine.generate(prompt, max_new_tokens=32, tree=None).tokens == reference

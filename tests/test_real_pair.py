@@ -7,14 +7,15 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from conftest import REFERENCE_PROMPTS, REFERENCE_TOKENS
 from engine import SpeculativeEngine, Tree
 from engine.quantize import draft_format
 from engine.speculative import _DecodeState, forward
 
 pytestmark = pytest.mark.real_pair
 
-NEW_TOKENS = 64
-GREEDY_PROMPTS = 5  # the first five bundled prompts; the fifth ends with EOS well before the budget
+NEW_TOKENS = REFERENCE_TOKENS
+GREEDY_PROMPTS = REFERENCE_PROMPTS
 TREES = {
     **{f"chain{d}": Tree.chain(d) for d in range(1, 7)},
     "binary3": Tree.k_ary(2, 3),
@@ -27,18 +28,6 @@ TREES = {
 def engine(real_pair) -> SpeculativeEngine:
     target, draft, _ = real_pair
     return SpeculativeEngine(target, draft)
-
-
-@pytest.fixture(scope="module")
-def greedy_references(real_pair, chat_prompts) -> list[list[int]]:
-    """The target's own greedy continuation of each prompt (``generate(do_sample=False)``)."""
-    target = real_pair[0]
-    refs = []
-    for ids in chat_prompts[:GREEDY_PROMPTS]:
-        with torch.inference_mode():
-            out = target.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        refs.append(out[0, len(ids):].tolist())
-    return refs
 
 
 def test_references_cover_an_early_eos(greedy_references, engine):

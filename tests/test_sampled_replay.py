@@ -37,7 +37,7 @@ def engine_counts(pair, setting: Setting) -> np.ndarray:
     """Tokens committed by the engine's first step, histogram over ``SEEDS`` seeds (memoised)."""
     if id(setting) in _ENGINE_COUNTS:
         return _ENGINE_COUNTS[id(setting)]
-    engine = SpeculativeEngine(*pair, stop_token_ids=[], fast_draft_linear=False)
+    engine = SpeculativeEngine(*pair, stop_token_ids=[])
     counts = np.zeros(setting.tree.depth + 2, dtype=int)
     for seed in range(SEEDS):
         step = next(engine.stream(PROMPT, max_new_tokens=setting.tree.depth + 1, temperature=setting.temperature,

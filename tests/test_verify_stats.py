@@ -6,7 +6,9 @@ verification functions step by step until two tokens are committed; the empirica
 those two tokens is compared with the target's exact law ``p(x1) * p(x2 | x1)``.
 
 Thresholds: chi-square p-value > 1e-3 and total variation < 0.02, with 20,000 samples; cells
-with expected count < 5 are pooled for the chi-square. A wrong verifier must fail them.
+with expected count < 5 are pooled for the chi-square. A wrong verifier must fail them. sequoia,
+specinfer and topk run on two branching trees (binary and a DP tree) at every temperature and
+top-p; the law of three tokens is checked on the DP tree too.
 """
 from __future__ import annotations
 
@@ -115,10 +117,20 @@ def exactness_stats(counts: np.ndarray, exact: np.ndarray) -> tuple[float, float
 
 
 TREES = {"chain3": Tree.chain(3), "binary2": Tree.k_ary(2, 2), "dp8": Tree.optimal(ACCEPTANCE, 8, 3)}
+SETTINGS = [(t, p) for t in (0.3, 0.7, 1.0) for p in (1.0, 0.8)]
+# sequoia and specinfer, the verifiers that differ on branching trees, run on both branching trees at
+# every setting; chain is defined on chains only; topk's matching runs on both branching trees too.
 GRID = [(method, temperature, top_p, tree_name)
-        for i, (method, temperature, top_p) in enumerate(
-            (m, t, p) for m in ("sequoia", "specinfer", "chain", "topk") for t in (0.3, 0.7, 1.0) for p in (1.0, 0.8))
-        for tree_name in [("chain3" if method == "chain" else list(TREES)[i % 3])]]
+        for method, tree_names in (("sequoia", ("binary2", "dp8")), ("specinfer", ("binary2", "dp8")),
+                                   ("chain", ("chain3",)), ("topk", ("binary2", "dp8")))
+        for temperature, top_p in SETTINGS for tree_name in tree_names]
+
+
+def test_the_grid_covers_every_branching_case():
+    for method in ("sequoia", "specinfer", "topk"):
+        for setting in SETTINGS:
+            assert {name for m, t, p, name in GRID if m == method and (t, p) == setting} == {"binary2", "dp8"}
+    assert all(TREES[name].size > TREES[name].depth + 1 for m, *_, name in GRID if m != "chain")
 
 
 @pytest.mark.parametrize("method,temperature,top_p,tree_name", GRID)
@@ -128,6 +140,28 @@ def test_output_follows_the_target_distribution(method, temperature, top_p, tree
     counts = empirical_joint(pair, TREES[tree_name], method, seed=GRID.index((method, temperature, top_p, tree_name)))
     p_value, tv = exactness_stats(counts, pair.exact_joint())
     assert p_value > P_MIN and tv < TV_MAX, f"p-value {p_value:.2e}, TV {tv:.4f}"
+
+
+DEEP_SAMPLES, DEEP_TV_MAX = 30_000, 0.05  # 216 cells: sampling noise alone gives TV ~0.03 at this count
+
+
+def test_the_law_of_three_tokens_on_a_dp_tree(method="sequoia"):
+    """Three committed tokens (so a step after an accepted path and its bonus counts) on the DP
+    tree at T = 0.7, top-p 0.8, against p(x1) p(x2 | x1) p(x3 | x1 x2): chi-square p-value > 1e-3
+    (cells of expected count < 5 pooled) and TV < 0.05 over 30,000 samples."""
+    pair = LookupPair(0.7, 0.8)
+    generator = torch.Generator().manual_seed(7)
+    counts = np.zeros((VOCAB,) * 3)
+    for _ in range(DEEP_SAMPLES):
+        out: list[int] = []
+        while len(out) < 3:
+            out += run_step(pair, TREES["dp8"], tuple(out), method, generator)
+        counts[tuple(out[:3])] += 1
+    exact = np.einsum("a,ab,abc->abc", pair.target(()).numpy(),
+                      np.array([pair.target((a,)).numpy() for a in range(VOCAB)]),
+                      np.array([[pair.target((a, b)).numpy() for b in range(VOCAB)] for a in range(VOCAB)]))
+    p_value, tv = exactness_stats(counts, exact)
+    assert p_value > P_MIN and tv < DEEP_TV_MAX, f"p-value {p_value:.2e}, TV {tv:.4f}"
 
 
 def _accept_when_p_ge_q(tree, tokens, target_probs, draft_probs, generator):
