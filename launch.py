@@ -90,14 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     from app import ui
 
     from engine.calibrate import find_acceptance
-    from engine.generate import acceptance_for
     from engine.models import pair_name
 
     pair = pair_name(args.target, args.draft, worker.engine.draft)
     measured = bool(find_acceptance(pair))
     demo = ui.build_demo(worker, worker.tokenizer, {
         "tree_size": max(1, args.tree_size), "depth": max(1, args.depth),
-        "max_new_tokens": max(1, args.max_new_tokens), "acceptance": acceptance_for(pair),
+        "max_new_tokens": max(1, args.max_new_tokens), "pair": pair,
         "predict": measured and not args.tiny})
     _, local_url, share_url = ui.launch(demo, server_name=args.host, server_port=args.port, share=args.share,
                                         inbrowser=args.inbrowser, prevent_thread_lock=True, quiet=True)

@@ -93,9 +93,7 @@ def node_statuses(step: StepRecord) -> list[str]:
 
 def bonus_token(step: StepRecord) -> int | None:
     """The target's own token after the accepted path, or None when a stop or the budget cut the step short."""
-    if len(step.committed) == len(step.accepted):
-        return step.committed[-1]
-    return None
+    return step.committed[-1] if step.used_bonus else None
 
 
 def tree_layout(parents: Sequence[int], extra_child_of: int | None = None) -> tuple[list[float], list[float]]:
@@ -144,6 +142,26 @@ def acceptance_probability(p: float, q: float) -> float:
     return min(1.0, p / q)
 
 
+def verifier_rule(step: StepRecord, node: int, status: str) -> str:
+    """How the verifier judged ``node`` (not the root), with the probabilities it actually used."""
+    if step.greedy:
+        if status == ACCEPTED:
+            return "greedy (T = 0): argmax match, the target's most likely token"
+        if status == REJECTED:
+            return "greedy (T = 0): not the target's argmax"
+        return "greedy (T = 0): never reached"
+    p = step.verifier_p[node] if node < len(step.verifier_p) else None
+    q = step.verifier_q[node] if node < len(step.verifier_q) else None
+    if p is None:
+        return "not tried: an earlier sibling was accepted, or the walk never got here"
+    if step.method == "topk":
+        return f"top-k: kept if the target's own sample is this token, p = {_fmt_prob(p)}"
+    first = step.ranks[node] == 1
+    return (f"judged on {'p' if first else 'residual p'} = {_fmt_prob(p)}, "
+            f"{'q' if first or step.method == 'specinfer' else 'renormalised q'} = {_fmt_prob(q)}"
+            f"<br>accept prob min(1, p/q) = {acceptance_probability(p, q):.2f}")
+
+
 def _node_hover(step: StepRecord, node: int, status: str, text: str) -> str:
     shown = html.escape(visible_token(text, 40), quote=False)
     token = step.tokens[node]
@@ -156,8 +174,8 @@ def _node_hover(step: StepRecord, node: int, status: str, text: str) -> str:
         depth += 1
         parent = step.parents[parent]
     return (f"<b>{shown}</b>  (id {token})<br>{STATUS_NAMES[status]} · depth {depth} · rank {step.ranks[node]}"
-            f"<br>draft q = {_fmt_prob(q)}<br>target p = {_fmt_prob(p)}"
-            f"<br>accept prob min(1, p/q) = {acceptance_probability(p, q):.2f}")
+            f"<br>draft q = {_fmt_prob(q)} · target p = {_fmt_prob(p)}"
+            f"<br>{verifier_rule(step, node, status)}")
 
 
 def _edge_style(rank: int) -> tuple[str, float]:
@@ -174,7 +192,8 @@ def tree_figure(step: StepRecord, token_texts: Mapping[int, str] | Callable[[int
 
     Nodes are labelled with their (escaped, whitespace-visible) token text and coloured by
     status; edges are solid for rank-1 children, dashed for rank 2, dotted beyond, and green
-    along the accepted path. Hover shows q, p, min(1, p/q) and the rank. The node traces carry
+    along the accepted path. Hover shows q, p, the rank and how the verifier judged the node
+    (:func:`verifier_rule`: the residual p and renormalised q it used, or the argmax match). The node traces carry
     ``meta={"kind": "nodes", "status": ...}`` and ``customdata`` = node index.
     """
     statuses = node_statuses(step)
@@ -308,7 +327,7 @@ def steps_figure(steps: Sequence[StepRecord], baseline_tokens_per_s: float | Non
     ``highlight``: step index to outline (the one the tree shows)."""
     fig = go.Figure()
     xs = [s.index + 1 for s in steps]
-    accepted = [min(s.accepted_draft_tokens, len(s.committed)) for s in steps]
+    accepted = [s.accepted_draft_tokens for s in steps]
     bonus = [len(s.committed) - a for s, a in zip(steps, accepted)]
     hover = [f"step {x}: {a} accepted + {b} bonus = {a + b} tokens<br>draft {s.timings.draft_s * 1e3:.0f} ms · "
              f"verify {s.timings.verify_s * 1e3:.0f} ms" for x, a, b, s in zip(xs, accepted, bonus, steps)]

@@ -18,10 +18,12 @@ from pathlib import Path
 
 import gradio as gr
 
-from engine.generate import DEFAULT_ACCEPTANCE, build_tree
+from engine.acceptance import EMBEDDED_PAIR, Calibration, calibration_for
 from engine.errors import EngineError
+from engine.models import pair_name
 from engine.speculative import METHODS
 from engine.tree import Tree
+from engine.tree_store import build_tree
 
 from . import figures
 from .conversation import (MAX_IMPORT_BYTES, ContextTooLong, clean_text, display_messages, export_conversation,
@@ -46,9 +48,9 @@ DEFAULTS = {
     "max_depth": 16,
     "compare": False,
     "highlight": False,
-    # positional acceptance used to build DP trees and predict tokens/step (the default pair's)
-    "acceptance": DEFAULT_ACCEPTANCE,
-    # show predicted tokens/step from ``acceptance``; off for pairs it was not measured on
+    # the pair (as calibrations name it) whose acceptance calibrations shape DP trees and predictions
+    "pair": EMBEDDED_PAIR,
+    # show predicted tokens/step; also off whenever the pair in use has no calibration of its own
     "predict": True,
     "plot_interval": 0.2,   # seconds between live tree redraws (<= 5 per second)
     "text_interval": 0.05,  # seconds between text updates
@@ -102,6 +104,11 @@ class TokenTexts:
                 if t not in cache:
                     cache[t] = tokenizer.decode([t], skip_special_tokens=False)
             return {t: cache[t] for t in tokens}
+
+
+@lru_cache(maxsize=64)
+def _calibration(pair: str, temperature: float, top_p: float) -> Calibration:
+    return calibration_for(pair, temperature, top_p)
 
 
 @lru_cache(maxsize=256)
@@ -195,6 +202,15 @@ class ChatApp:
         self.lock = threading.Lock()
         self.export_dir = Path(tempfile.mkdtemp(prefix="sequoia-chat-export-"))
 
+    def calibration(self, temperature: float, top_p: float) -> Calibration:
+        """The acceptance calibration of the pair in use nearest to (temperature, top_p): what trees
+        are built for and predictions use (:func:`engine.acceptance.calibration_for`)."""
+        pair = self.options["pair"]
+        if self.worker.pair_version:  # swapped in the Models panel since launch
+            info = self.worker.info
+            pair = pair_name(str(info.get("target")), str(info.get("draft")), self.worker.engine.draft)
+        return _calibration(pair, round(float(temperature), 3), round(float(top_p), 3))
+
     # ----- chat ------------------------------------------------------------------------------
     def respond(self, message, history, run, system, temperature, top_p, max_new, seed, method, size, depth,
                 auto, compare, highlight, request: gr.Request | None = None):
@@ -237,11 +253,11 @@ class ChatApp:
         choice = None
         try:
             if auto and worker.tuner is not None and method != "autoregressive":
-                choice = worker.tuner.choose(temperature, top_p)
+                choice = worker.tuner.choose(temperature, top_p, method)
                 tree, tree_desc = "auto", f"auto: {choice.size} nodes, depth {choice.depth}"
                 tree_size = choice.size
             else:
-                tree, tree_desc = resolve_tree(method, size, depth, o["acceptance"])
+                tree, tree_desc = resolve_tree(method, size, depth, self.calibration(temperature, top_p).vector)
                 tree_size = tree.size if tree is not None else 1
                 if method == "chain" and tree is None:
                     method = "sequoia"
@@ -285,7 +301,8 @@ class ChatApp:
         tokens: list[int] = []
         compare_tokens: list[int] = []
         tokenizer = self.worker.tokenizer
-        predict = o["predict"] and self.worker.pair_version == 0
+        calibration = self.calibration(settings["temperature"], settings["top_p"])
+        predict = o["predict"] and not calibration.borrowed
         notice = " ".join(notices)
         phase = "main"
         last_text = last_plot = 0.0
@@ -332,7 +349,7 @@ class ChatApp:
                             run.expected = tc.expected_tokens
                             run.tree_desc = "auto: " + describe_choice(tc)
                         elif predict and isinstance(data.get("tree"), Tree):
-                            run.expected = data["tree"].expected_tokens(o["acceptance"])
+                            run.expected = data["tree"].expected_tokens(calibration.vector)
                 elif kind == "step" and event.phase == "main":
                     run.steps.append(data)
                     tokens.extend(data.committed)
@@ -495,20 +512,25 @@ class ChatApp:
         return gr.update(value=highlight_html(self.worker.tokenizer, steps), visible=bool(highlight))
 
     def tree_info(self, method, size, depth, auto, temperature, top_p):
+        temperature, top_p = _clamp(temperature, 0.0, 2.0), _clamp(top_p, 0.01, 1.0)
         if auto and self.worker.tuner is not None and method != "autoregressive":
-            choice = self.worker.tuner.choose(_clamp(temperature, 0.0, 2.0), _clamp(top_p, 0.01, 1.0))
-            return f"<div class='sc-tree-info'>auto (hardware-aware optimizer): {describe_choice(choice, markup=True)}</div>"
+            choice = self.worker.tuner.choose(temperature, top_p, method)
+            label = self.worker.tuner.calibration(temperature, top_p).label()
+            return (f"<div class='sc-tree-info'>auto (hardware-aware optimizer): {describe_choice(choice, markup=True)}"
+                    f"<br><span class='sc-calibration'>{html.escape(label)}</span></div>")
+        calibration = self.calibration(temperature, top_p)
         try:
-            tree, desc = resolve_tree(method, size, depth, self.options["acceptance"])
+            tree, desc = resolve_tree(method, size, depth, calibration.vector)
         except EngineError as exc:
             return f"<div class='sc-tree-info sc-error'>{html.escape(str(exc))}</div>"
         extra = ""
-        if tree is not None and self.options["predict"] and self.worker.pair_version == 0:
-            extra = f" · expected {tree.expected_tokens(self.options['acceptance']):.2f} tokens/step"
+        if tree is not None and self.options["predict"] and not calibration.borrowed:
+            extra = f" · expected {tree.expected_tokens(calibration.vector):.2f} tokens/step"
         note = ""
         if method != "chain" and method != "autoregressive" and int(depth) > int(size) - 1 and int(size) > 1:
             note = f" (depth capped at size − 1 = {int(size) - 1})"
-        return f"<div class='sc-tree-info'>{html.escape(desc)}{note}{extra}</div>"
+        label = f"<br><span class='sc-calibration'>{html.escape(calibration.label())}</span>" if tree is not None else ""
+        return f"<div class='sc-tree-info'>{html.escape(desc)}{note}{extra}{label}</div>"
 
     def export_settings(self, system, history):
         return self._export_file(system, history)

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from .generate import DEFAULT_ACCEPTANCE
 from .tree import Tree
 
 
@@ -67,8 +66,12 @@ class ConfigRuns:
 
 def configurations(quick: bool, draft=None, acceptance: list[float] | None = None, auto: bool = False,
                    greedy: bool = True) -> list[ConfigRuns]:
-    """Baselines first (target-only is the reference of every ratio), then ours."""
-    acceptance = acceptance or DEFAULT_ACCEPTANCE
+    """Baselines first (target-only is the reference of every ratio), then ours. ``acceptance``
+    shapes the fixed-size Sequoia trees (default: the embedded pair's greedy calibration)."""
+    if acceptance is None:
+        from .acceptance import EMBEDDED_PAIR, acceptance_for
+
+        acceptance = acceptance_for(EMBEDDED_PAIR)
     configs = [ConfigRuns("target-only", None), ConfigRuns("HF generate, target only", None, hf={})]
     if draft is not None:
         configs.append(ConfigRuns("HF assisted generation (default schedule)", None, hf={"assistant_model": draft}))
@@ -94,7 +97,7 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     ``repeats`` rounds over the prompts (each round runs every configuration on a prompt before
     the next prompt); medians over all runs. Outputs are compared with target-only decoding at
     temperature 0 only."""
-    from .generate import acceptance_for
+    from .acceptance import acceptance_for
     from .models import load_default_pair, pair_name
     from .optimizer import load_tuner
     from .prompts import encode_chat, load_prompt_set

@@ -10,38 +10,7 @@ import torch
 from .errors import EngineError
 from .tree import Tree
 
-# Positional greedy acceptance of the default pair measured before calibration existed
-# (shared FACTS: target argmax in draft top-1 0.875, top-2 0.944, top-4 0.983, top-8 0.991).
-DEFAULT_ACCEPTANCE = [0.875, 0.069, 0.025, 0.014, 0.002, 0.002, 0.002, 0.002]
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def acceptance_for(pair: str, temperature: float = 0.0, top_p: float = 1.0) -> list[float]:
-    """The calibrated vector of ``pair`` nearest to (temperature, top_p), else the default pair's
-    greedy vector above."""
-    from .calibrate import find_acceptance
-
-    found = find_acceptance(pair)
-    if not found:
-        return DEFAULT_ACCEPTANCE
-    return found[min(found, key=lambda k: (abs(k[0] - temperature) + abs(k[1] - top_p), k))]
-
-
-def build_tree(size: int, depth: int | None, acceptance: list[float] | None = None) -> Tree | None:
-    """``size`` nodes (root included) and depth <= ``depth``: a chain when size == depth + 1,
-    otherwise Sequoia's DP tree for ``acceptance`` (cached); ``size == 1`` means autoregressive
-    (``None``)."""
-    from .tree_store import optimal_tree
-
-    if size == 1:
-        return None
-    depth = size - 1 if depth is None else depth
-    if depth < 1 or depth >= size:
-        raise EngineError(f"--depth must be between 1 and tree size - 1 ({size - 1}), got {depth}")
-    if size == depth + 1:
-        return Tree.chain(depth)
-    return optimal_tree(acceptance if acceptance is not None else DEFAULT_ACCEPTANCE, size, depth)
 
 
 def add_draft_format_argument(parser: argparse.ArgumentParser) -> None:
@@ -83,9 +52,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from .acceptance import acceptance_for
     from .models import load_pair, pair_name
     from .prompts import encode_chat
     from .speculative import SpeculativeEngine, check_params
+    from .tree_store import build_tree
 
     if not args.prompt.strip():
         raise EngineError("--prompt is empty: give the message to answer, e.g. --prompt \"Hello\"")

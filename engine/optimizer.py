@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import dp
+from .acceptance import nearest_calibration, nearest_setting
 from .profile import HardwareProfile
 from .tree import Tree
 
@@ -57,11 +58,18 @@ def predict(tree: Tree, acceptance, profile: HardwareProfile) -> TreeChoice:
 
 
 def choose_tree(acceptance, profile: HardwareProfile, max_size: int | None = None,
-                max_depth: int = 16) -> TreeChoice:
-    """The (n, d) maximising predicted speedup, with its DP tree. ``n = 1`` (no drafting) always competes."""
+                max_depth: int = 16, chains_only: bool = False) -> TreeChoice:
+    """The (n, d) maximising predicted speedup, with its DP tree (a chain of d = n - 1 when
+    ``chains_only``, for methods that verify chains only). ``n = 1`` (no drafting) always competes."""
     max_size = max_size or max(profile.target)
-    table = dp.solve(acceptance, max_size, max_depth)
     best = predict(Tree.chain(0), acceptance, profile)
+    if chains_only:
+        for d in range(1, min(max_depth, max_size - 1) + 1):
+            choice = predict(Tree.chain(d), acceptance, profile)
+            if choice.predicted_speedup > best.predicted_speedup:
+                best = choice
+        return best
+    table = dp.solve(acceptance, max_size, max_depth)
     for n in candidate_sizes(max_size)[1:]:
         for d in range(1, min(max_depth, n - 1) + 1):
             value = float(table.best[n, d + 1])
@@ -80,24 +88,31 @@ def choose_tree(acceptance, profile: HardwareProfile, max_size: int | None = Non
 class AutoTuner:
     """What ``tree="auto"`` needs: a hardware profile and calibrated acceptance vectors.
 
-    ``acceptance`` maps (temperature, top_p) to a vector; the nearest calibrated setting is used.
-    Choices are memoised per setting.
+    ``acceptance`` maps (temperature, top_p) to a vector; the nearest calibrated setting is used
+    (:func:`engine.acceptance.nearest_setting`). Choices are memoised per setting and constraint.
     """
 
     profile: HardwareProfile
     acceptance: dict[tuple[float, float], list[float]]
     max_size: int | None = None
     max_depth: int = 16
+    pair: str = ""
 
     def __post_init__(self) -> None:
         if not self.acceptance:
             raise ValueError("AutoTuner needs at least one calibrated acceptance vector")
-        self._chosen: dict[tuple[float, float], TreeChoice] = {}
+        self._chosen: dict[tuple[float, float, bool], TreeChoice] = {}
 
-    def choose(self, temperature: float, top_p: float) -> TreeChoice:
-        key = min(self.acceptance, key=lambda k: (abs(k[0] - temperature) + abs(k[1] - top_p), k))
+    def calibration(self, temperature: float, top_p: float):
+        """The :class:`engine.acceptance.Calibration` the optimizer uses at this setting."""
+        return nearest_calibration(self.acceptance, temperature, top_p, self.pair)
+
+    def choose(self, temperature: float, top_p: float, method: str = "sequoia") -> TreeChoice:
+        """The best tree for this setting that ``method`` can verify (a chain for ``chain``)."""
+        key = (*nearest_setting(self.acceptance, temperature, top_p), method == "chain")
         if key not in self._chosen:
-            self._chosen[key] = choose_tree(self.acceptance[key], self.profile, self.max_size, self.max_depth)
+            self._chosen[key] = choose_tree(self.acceptance[key[:2]], self.profile, self.max_size, self.max_depth,
+                                            chains_only=key[2])
         return self._chosen[key]
 
 
@@ -128,7 +143,7 @@ def _tuner_from(directory: Path, pair: str, target):
     if not path.exists() or not acceptance:
         return None
     try:
-        return AutoTuner(HardwareProfile.from_json(path.read_text()), acceptance)
+        return AutoTuner(HardwareProfile.from_json(path.read_text()), acceptance, pair=pair)
     except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError) as exc:
         log.warning("ignoring the hardware profile %s: %s", path, exc)
         return None

@@ -31,11 +31,26 @@ class StepRecord:
     committed: list[int]         # tokens committed this step: accepted draft tokens + bonus (truncated at stop)
     timings: StepTimings = field(default_factory=StepTimings)
     finish_reason: str | None = None  # "stop" (stop token), "length" (budget) on the last step
+    method: str = "sequoia"      # the verifier: sequoia, specinfer, chain, topk, autoregressive
+    greedy: bool = False         # temperature 0: a child is kept iff it is the target's argmax
+    # What the verifier judged each child it tried on (None: never tried, or greedy): the target's
+    # probability of the node's token after the residual updates of earlier siblings, and the
+    # draft's after renormalisation (sequoia removes rejected siblings; specinfer does not); the
+    # child was kept with probability min(1, p / q). For topk, q is None and p is the chance the
+    # target's sample equals the token.
+    verifier_p: list[float | None] = field(default_factory=list)
+    verifier_q: list[float | None] = field(default_factory=list)
 
     @property
     def accepted_draft_tokens(self) -> int:
-        """Draft tokens the target accepted (the bonus token not counted)."""
-        return len(self.accepted) - 1
+        """Accepted draft tokens that were committed (the bonus token not counted): a stop token
+        or the budget can end the answer inside the accepted path."""
+        return min(len(self.accepted) - 1, len(self.committed))
+
+    @property
+    def used_bonus(self) -> bool:
+        """Whether the target's bonus token was committed (not cut off by a stop token or the budget)."""
+        return len(self.committed) > len(self.accepted) - 1
 
     @property
     def tree_size(self) -> int:

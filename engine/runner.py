@@ -20,6 +20,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, StaticLayer
 
 from .kv_cache import compact
+from .tree import additive_mask
 
 log = logging.getLogger(__name__)
 
@@ -27,23 +28,6 @@ log = logging.getLogger(__name__)
 def causal_tail(q: int) -> torch.Tensor:
     """Bool ``[q, q]``: token i sees the new tokens 0..i."""
     return torch.ones(q, q, dtype=torch.bool).tril()
-
-
-def additive_mask(tail: torch.Tensor, start: int, width: int, dtype: torch.dtype,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """Additive mask ``[1, 1, q, width]`` for ``q`` new tokens written at slots ``start..start+q-1``.
-
-    Slots before ``start + q - c`` (``c = tail.shape[1]``) are visible, the next ``c`` follow
-    ``tail``, and the rest (up to ``width``) are hidden. Written into ``out`` when given.
-    """
-    q, c = tail.shape
-    visible = start + q - c
-    if out is None:
-        out = torch.empty(1, 1, q, width, dtype=dtype, device=tail.device)
-    out.fill_(torch.finfo(dtype).min)
-    out[0, 0, :, :visible] = 0
-    out[0, 0, :, visible:visible + c].masked_fill_(tail, 0)
-    return out
 
 
 class DynamicRunner:

@@ -20,8 +20,8 @@ import torch
 from .kv_cache import truncate
 from .sampling import choose_children, logits_to_probs
 from .speculative import forward
-from .tree import Tree
-from .verify import accept_child
+from .tree import Tree, additive_mask
+from .verify import accept_child, match_child
 
 Path = tuple[int, ...]
 
@@ -72,13 +72,13 @@ class ContextOracle:
             self.lineage.append(parent + [len(self.lineage)])
         first = len(self.lineage) - len(new)
         columns = self.root_pos + len(self.lineage)
-        mask = torch.full((len(new), columns), torch.finfo(torch.float32).min)
-        mask[:, :self.root_pos] = 0
+        tail = torch.zeros(len(new), len(self.lineage), dtype=torch.bool)  # slot j: the j-th evaluated path
         for row, path in enumerate(new):
-            mask[row, [self.root_pos + slot for slot in self.lineage[self.index[path]]]] = 0
+            tail[row, self.lineage[self.index[path]]] = True
+        mask = additive_mask(tail, self.root_pos + first, columns, torch.float32)
         positions = torch.tensor([[self.root_pos + len(p) for p in new]])
         tokens = [p[-1] if p else self.root_token for p in new]
-        outputs = [forward(model, cache, tokens, start=self.root_pos + first, mask=mask[None, None],
+        outputs = [forward(model, cache, tokens, start=self.root_pos + first, mask=mask,
                            positions=positions) for model, cache in zip(self.models, self.caches)]
         self.forwards += 1
         for row, path in enumerate(new):
@@ -97,8 +97,7 @@ def simulate_step(setting: Setting, generator: torch.Generator) -> Generator[Pat
         kids = tree.children[node]
         children = choose_children(q, len(kids), method, False, generator) if kids else []
         if method == "topk":
-            x = int(torch.multinomial(p, 1, generator=generator).item())
-            choice = children.index(x) if x in children else None
+            choice, _ = match_child(p, children, generator)
         else:
             choice, _ = accept_child(p, q, children, method != "specinfer", generator)
         if choice is None:

@@ -6,9 +6,8 @@ import torch
 from .errors import InvalidDistributionError
 
 
-def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
-                    top_k: int = 0) -> torch.Tensor:
-    """Softmax of ``logits [..., V] / temperature`` restricted to top-k and the top-p nucleus.
+def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
+    """Softmax of ``logits [..., V] / temperature`` restricted to the top-p nucleus.
 
     ``temperature == 0`` returns the plain softmax (greedy decisions use argmax, the softmax is
     only reported). Computed in float32; rows sum to 1. NaN or +inf logits (an overflowing dtype,
@@ -21,9 +20,6 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float
     if temperature > 0:  # shifted to max 0 first: a tiny temperature gives 0 or -inf, never inf - inf
         shifted = logits - logits.max(dim=-1, keepdim=True).values
         logits = torch.nan_to_num(shifted / temperature, nan=0.0, neginf=float("-inf"))  # 0 / tiny -> 0
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if top_p < 1.0:
         probs = _top_p_filter(probs, top_p)
@@ -59,12 +55,6 @@ def _keep_nucleus(probs: torch.Tensor, sorted_probs: torch.Tensor, order: torch.
     sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
     filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return filtered / filtered.sum(dim=-1, keepdim=True)
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of ``probs [..., V]`` (exponential race, same law as multinomial)."""
-    noise = torch.empty_like(probs).exponential_(1, generator=generator)
-    return torch.argmax(probs / noise, dim=-1)
 
 
 def sample_children(q: torch.Tensor, count: int, without_replacement: bool,

@@ -139,7 +139,7 @@ class SpeculativeEngine:
             raise InvalidParameterError(f"input_ids must be integers in [0, {self.vocab_size})")
         check_params(max_new_tokens, temperature, top_p, seed, method)
         if isinstance(tree, str) and tree == "auto":
-            tree = self._auto_tree(temperature, top_p)
+            tree = self._auto_tree(temperature, top_p, method)
         tree = tree if tree is not None and method != "autoregressive" else ROOT_ONLY
         if not isinstance(tree, Tree):
             raise InvalidParameterError(f"tree must be an engine.Tree or None, got {type(tree).__name__}")
@@ -157,12 +157,13 @@ class SpeculativeEngine:
         return DecodeParams(max_new_tokens, float(temperature), float(top_p), tree, seed, stops, method)
 
 
-    def _auto_tree(self, temperature: float, top_p: float) -> Tree:
-        """The hardware-aware optimizer's tree for this setting (kept in ``last_tree_choice``)."""
+    def _auto_tree(self, temperature: float, top_p: float, method: str) -> Tree:
+        """The hardware-aware optimizer's tree for this setting that ``method`` verifies (kept in
+        ``last_tree_choice``)."""
         if self.tuner is None:
             raise InvalidParameterError("tree='auto' needs a calibration and a hardware profile: build the engine "
                                         "with tuner=engine.optimizer.AutoTuner(...) (see python -m engine.profile)")
-        self.last_tree_choice = self.tuner.choose(temperature, top_p)
+        self.last_tree_choice = self.tuner.choose(temperature, top_p, method)
         return self.last_tree_choice.tree
 
 
@@ -214,7 +215,8 @@ class _DecodeState:
             synchronize(self.engine.device)  # so that verify_s is the forward's own time on a GPU
             t2 = time.perf_counter()
             target_dists = logits_to_probs(target_logits, self.params.temperature, self.params.top_p)
-            accepted, bonus = self._verify(tree, tokens, target_logits, target_dists, draft_dists)
+            used: dict[int, tuple[float, float | None]] = {}
+            accepted, bonus = self._verify(tree, tokens, target_logits, target_dists, draft_dists, used)
             target_probs = _child_probs(tree, tokens, target_dists)
             self._compact(tree, prefix, accepted)
             committed = self._commit([tokens[a] for a in accepted[1:]] + [bonus])
@@ -222,7 +224,10 @@ class _DecodeState:
         timings.draft_s, timings.verify_s, timings.bookkeeping_s = t1 - t0, t2 - t1, t3 - t2
         record = StepRecord(index=self.steps, tokens=tokens, parents=list(tree.parents), ranks=list(tree.ranks),
                             draft_probs=draft_probs, target_probs=target_probs, accepted=accepted,
-                            committed=committed, timings=timings, finish_reason=self.finish_reason)
+                            committed=committed, timings=timings, finish_reason=self.finish_reason,
+                            method=self.params.method, greedy=self.params.greedy,
+                            verifier_p=[used[n][0] if n in used else None for n in range(len(tokens))],
+                            verifier_q=[used[n][1] if n in used else None for n in range(len(tokens))])
         self.steps += 1
         return record
 
@@ -263,13 +268,15 @@ class _DecodeState:
         return tokens, probs, dists
 
     def _verify(self, tree: Tree, tokens: list[int], target_logits: torch.Tensor, target_dists: torch.Tensor,
-                draft_dists: dict[int, torch.Tensor]) -> tuple[list[int], int]:
+                draft_dists: dict[int, torch.Tensor], used: dict) -> tuple[list[int], int]:
+        """Accepted path and bonus token; ``used`` gets what each tried child was judged on."""
         if self.params.greedy:
             return verify_greedy(tree, tokens, target_logits.argmax(dim=-1))
         if self.params.method == "topk":
-            return verify_topk(tree, tokens, target_dists, self.generator)
+            return verify_topk(tree, tokens, target_dists, self.generator, used)
         return verify_stochastic(tree, tokens, target_dists, draft_dists,
-                                 without_replacement=self.params.method != "specinfer", generator=self.generator)
+                                 without_replacement=self.params.method != "specinfer", generator=self.generator,
+                                 used=used)
 
     # ----- bookkeeping --------------------------------------------------------------------
     def _compact(self, tree: Tree, prefix: int, accepted: list[int]) -> None:

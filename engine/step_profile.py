@@ -28,10 +28,12 @@ def profile_steps(engine, prompt: list[int], tree, tokens: int, temperature: flo
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .generate import acceptance_for, add_draft_format_argument, build_tree
+    from .acceptance import acceptance_for
+    from .generate import add_draft_format_argument
     from .models import load_pair, pair_name
     from .prompts import encode_chat, load_prompt_set
     from .speculative import SpeculativeEngine
+    from .tree_store import build_tree
 
     parser = argparse.ArgumentParser(prog="python -m engine.step_profile", description=__doc__)
     parser.add_argument("--tree-size", type=int, default=4)

@@ -165,13 +165,9 @@ class Tree:
         tree nodes in ``columns`` (default all). Each node sees the whole prefix plus itself and
         its ancestors: 0 where attention is allowed, ``finfo(dtype).min`` elsewhere.
         """
-        nodes = nodes or slice(0, self.size)
-        columns = columns or slice(0, self.size)
-        allowed = self.ancestor_matrix[nodes, columns]
-        mask = torch.full((allowed.shape[0], prefix_len + allowed.shape[1]), torch.finfo(dtype).min, dtype=dtype)
-        mask[:, :prefix_len] = 0
-        mask[:, prefix_len:].masked_fill_(allowed, 0)
-        return mask[None, None]
+        allowed = self.ancestor_matrix[nodes or slice(0, self.size), columns or slice(0, self.size)]
+        q, c = allowed.shape
+        return additive_mask(allowed, prefix_len + c - q, prefix_len + c, dtype)
 
     def position_ids(self, prefix_len: int, nodes: slice | None = None) -> torch.Tensor:
         """``[1, q]`` positions ``prefix_len + depth`` of the query nodes."""
@@ -197,3 +193,23 @@ def _validate_parents(parents: list[int] | tuple[int, ...]) -> None:
 def _check_count(name: str, value: int, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidTreeError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def additive_mask(tail: torch.Tensor, start: int, width: int, dtype: torch.dtype,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Additive mask ``[1, 1, q, width]`` for ``q`` new tokens written at slots ``start..start+q-1``:
+    the one way tree attention is masked (verification, draft levels, CUDA-graph buffers, replay).
+
+    ``tail [q, c]`` (bool) says which of the last ``c`` slots up to the new tokens each new token
+    sees: slots before ``start + q - c`` (the committed prefix) are visible, the next ``c`` follow
+    ``tail``, and the rest (up to ``width``) are hidden. 0 where visible, ``finfo(dtype).min``
+    elsewhere. Written into ``out`` when given.
+    """
+    q, c = tail.shape
+    visible = start + q - c
+    if out is None:
+        out = torch.empty(1, 1, q, width, dtype=dtype, device=tail.device)
+    out.fill_(torch.finfo(dtype).min)
+    out[0, 0, :, :visible] = 0
+    out[0, 0, :, visible:visible + c].masked_fill_(tail, 0)
+    return out

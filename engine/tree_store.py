@@ -29,20 +29,43 @@ def default_directories() -> list[Path]:
 
 def optimal_tree(acceptance, size: int, depth: int, directories: list[Path] | None = None) -> Tree:
     """``Tree.optimal(acceptance, size, depth)``, read from the first directory that has it, else
-    built and saved in the first directory."""
+    built and saved in the first directory. A cached tree of another size or too deep (a hand-edited
+    or corrupted file) is ignored and rebuilt."""
     directories = directories if directories is not None else default_directories()
     name = tree_key(acceptance, size, depth) + ".json"
     for directory in directories:
         path = directory / name
         if path.exists():
             try:
-                return Tree.from_parents(json.loads(path.read_text())["parents"])
-            except (OSError, ValueError, KeyError):
+                cached = Tree.from_parents(json.loads(path.read_text())["parents"])
+            except (OSError, ValueError, KeyError, TypeError):
                 continue  # unreadable: rebuild below
+            if cached.size == size and cached.depth <= depth:
+                return cached
     tree = Tree.optimal(acceptance, size, depth)
     if directories:
         save_tree(tree, acceptance, directories[0] / name)
     return tree
+
+
+def build_tree(size: int, depth: int | None, acceptance: list[float] | None = None) -> Tree | None:
+    """``size`` nodes (root included) and depth <= ``depth``: a chain when size == depth + 1,
+    otherwise Sequoia's DP tree for ``acceptance`` (cached; by default the embedded pair's greedy
+    calibration); ``size == 1`` means autoregressive (``None``)."""
+    from .errors import EngineError
+
+    if size == 1:
+        return None
+    depth = size - 1 if depth is None else depth
+    if depth < 1 or depth >= size:
+        raise EngineError(f"--depth must be between 1 and tree size - 1 ({size - 1}), got {depth}")
+    if size == depth + 1:
+        return Tree.chain(depth)
+    if acceptance is None:
+        from .acceptance import EMBEDDED_PAIR, acceptance_for
+
+        acceptance = acceptance_for(EMBEDDED_PAIR)
+    return optimal_tree(acceptance, size, depth)
 
 
 def save_tree(tree: Tree, acceptance, path: Path) -> None:

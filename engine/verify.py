@@ -2,7 +2,10 @@
 
 Each verifier takes the tree, the node tokens and the target's per-node outputs and returns
 ``(accepted_nodes, bonus_token)``: a root-to-node path (root first) and the token the target
-contributes after it. Pure functions, no model calls.
+contributes after it. Pure functions, no model calls. The sampling verifiers also fill ``used``,
+when given, with what each child they tried was judged on: ``used[node] = (p, q)``, the target's
+(residual) and the draft's (renormalised) probability of its token at that moment (q is None for
+top-k matching, where the child is kept when the target's sample equals it, probability p).
 """
 from __future__ import annotations
 
@@ -31,9 +34,12 @@ def verify_greedy(tree: Tree, tokens: list[int], target_argmax: torch.Tensor) ->
         path.append(node)
 
 
+Used = dict[int, tuple[float, float | None]]  # node -> (p, q) it was judged on
+
+
 def verify_stochastic(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
                       draft_probs: dict[int, torch.Tensor], without_replacement: bool,
-                      generator: torch.Generator | None = None) -> tuple[list[int], int]:
+                      generator: torch.Generator | None = None, used: Used | None = None) -> tuple[list[int], int]:
     """Multi-draft speculative sampling over a tree; the committed tokens follow the target exactly.
 
     ``target_probs [size, V]``: the target's distribution after each node (temperature/top-p
@@ -48,7 +54,11 @@ def verify_stochastic(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
     while True:
         kids = tree.children[node]
         q = draft_probs[node] if kids else None
-        choice, p = accept_child(target_probs[node], q, [tokens[c] for c in kids], without_replacement, generator)
+        tried: list[tuple[float, float]] = []
+        choice, p = accept_child(target_probs[node], q, [tokens[c] for c in kids], without_replacement, generator,
+                                 tried)
+        if used is not None:
+            used.update(zip(kids, tried))
         if choice is None:
             return path, int(torch.multinomial(p, 1, generator=generator).item())
         node = kids[choice]
@@ -56,11 +66,13 @@ def verify_stochastic(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
 
 
 def accept_child(p: torch.Tensor, q: torch.Tensor | None, child_tokens: list[int], without_replacement: bool,
-                 generator: torch.Generator | None = None) -> tuple[int | None, torch.Tensor]:
+                 generator: torch.Generator | None = None,
+                 tried: list[tuple[float, float]] | None = None) -> tuple[int | None, torch.Tensor]:
     """One node of :func:`verify_stochastic`: try the children (tokens in rank order) against the
     target distribution ``p [V]`` and the draft distribution ``q [V]`` they were drawn from.
 
     Returns ``(index of the accepted child, p)`` or ``(None, residual p)`` to draw the bonus from.
+    ``tried`` gets ``(p[x], q[x])`` of each child tried, as the acceptance test used them.
     """
     if not child_tokens:
         return None, p
@@ -70,7 +82,10 @@ def accept_child(p: torch.Tensor, q: torch.Tensor | None, child_tokens: list[int
         if q[x] <= 0:  # support of q exhausted: the remaining children carry no mass
             break
         u = torch.rand((), generator=generator, dtype=torch.float64, device=p.device).item()
-        if u * q[x].item() < p[x].item():  # u < p/q without dividing
+        px, qx = p[x].item(), q[x].item()
+        if tried is not None:
+            tried.append((px, qx))
+        if u * qx < px:  # u < p/q without dividing
             return index, p
         p = _residual(p, q)
         if without_replacement:
@@ -96,14 +111,24 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def verify_topk(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
-                generator: torch.Generator | None = None) -> tuple[list[int], int]:
+                generator: torch.Generator | None = None, used: Used | None = None) -> tuple[list[int], int]:
     """Top-k drafting baseline: the target samples its token; accept the child that matches it."""
     check_distributions(target_probs)
     node, path = 0, [0]
     while True:
-        x = int(torch.multinomial(target_probs[node], 1, generator=generator).item())
-        match = next((c for c in tree.children[node] if tokens[c] == x), None)
-        if match is None:
+        kids = tree.children[node]
+        choice, x = match_child(target_probs[node], [tokens[c] for c in kids], generator)
+        if used is not None:
+            used.update((c, (target_probs[node, tokens[c]].item(), None)) for c in kids)
+        if choice is None:
             return path, x
-        node = match
+        node = kids[choice]
         path.append(node)
+
+
+def match_child(p: torch.Tensor, child_tokens: list[int],
+                generator: torch.Generator | None = None) -> tuple[int | None, int]:
+    """One node of :func:`verify_topk`: the target samples ``x ~ p [V]``; returns (index of the
+    child whose token is x, or None, and x)."""
+    x = int(torch.multinomial(p, 1, generator=generator).item())
+    return (child_tokens.index(x) if x in child_tokens else None), x

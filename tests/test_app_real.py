@@ -9,7 +9,7 @@ import pytest
 
 from app.conversation import safe_markdown
 from app.worker import Worker, make_engine
-from engine.generate import build_tree
+from engine.tree_store import build_tree
 
 import test_app_support as support
 from test_app_server import CHATBOT, STATUS, TREE_PLOT, answer_text, chat_args

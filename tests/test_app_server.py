@@ -8,7 +8,7 @@ import pytest
 
 from app.conversation import safe_markdown
 from app.worker import make_engine
-from engine.generate import build_tree
+from engine.tree_store import build_tree
 
 import test_app_support as support
 

@@ -5,7 +5,7 @@ import pytest
 
 from app.worker import GenerationRequest, Worker, make_engine, validate_model_id
 from engine.errors import ModelLoadError
-from engine.generate import build_tree
+from engine.tree_store import build_tree
 from engine.prompts import encode_chat
 from engine.tree import Tree
 

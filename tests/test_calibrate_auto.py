@@ -7,7 +7,7 @@ import torch
 import tiny_models as tm
 from engine import SpeculativeEngine, Tree
 from engine.calibrate import Acceptance, calibrate
-from engine.optimizer import AutoTuner
+from engine.optimizer import AutoTuner, choose_tree, predict
 from engine.profile import HardwareProfile, measure_profile
 
 PROMPTS = [[5, 17, 3, 42, 9, 11], [7, 8, 9], [1, 2, 3, 4]]
@@ -72,3 +72,35 @@ def test_profile_times_sizes_round_robin_and_keeps_medians(models, monkeypatch):
                               progress=False)
     assert calls == [1, 2, 4] * 3
     assert profile.target == {1: 6, 2: 2, 4: 7}  # medians of (5, 9, 6), (1, 2, 3), (7, 8, 4)
+
+
+@pytest.mark.parametrize("method", ["chain", "sequoia", "specinfer", "topk"])
+def test_auto_honours_the_methods_constraint(models, method):
+    """On a profile where a branching tree wins, auto with method ``chain`` picks the best chain
+    (and runs, greedy-exact); the other methods keep the branching tree."""
+    target, noisy, _ = models
+    flat = HardwareProfile("synthetic", "tiny", "float32", 8, target={1: 0.01, 64: 0.011},
+                           draft={1: 0.001, 64: 0.001})
+    tuner = AutoTuner(flat, {(0.0, 1.0): [0.8, 0.1, 0.05]}, max_size=32, max_depth=8)
+    engine = SpeculativeEngine(target, noisy, stop_token_ids=[], tuner=tuner)
+    result = engine.generate(PROMPTS[0], max_new_tokens=16, tree="auto", method=method)
+    chosen = engine.last_tree_choice.tree
+    is_chain = chosen.size == chosen.depth + 1
+    assert is_chain == (method == "chain")
+    if method == "chain":
+        best = max((predict(Tree.chain(d), [0.8, 0.1, 0.05], flat) for d in range(1, 9)),
+                   key=lambda c: c.predicted_speedup)
+        assert chosen == best.tree and chosen.depth > 1
+    assert result.tokens == tm.hf_greedy(target, PROMPTS[0], 16)
+
+
+def test_auto_uses_the_calibration_nearest_to_the_setting(models):
+    target, noisy, _ = models
+    flat = HardwareProfile("synthetic", "tiny", "float32", 8, target={1: 0.01, 64: 0.011},
+                           draft={1: 0.001, 64: 0.001})
+    sharp, weak = [0.9, 0.05, 0.02], [0.3, 0.1, 0.05]
+    tuner = AutoTuner(flat, {(0.0, 1.0): sharp, (1.0, 0.9): weak}, max_size=32, max_depth=8)
+    assert tuner.calibration(0.1, 1.0).vector == tuple(sharp)
+    assert tuner.calibration(0.9, 0.9).vector == tuple(weak)
+    assert tuner.choose(0.1, 1.0).tree == choose_tree(sharp, flat, 32, 8).tree
+    assert tuner.choose(0.9, 0.9).tree == choose_tree(weak, flat, 32, 8).tree

@@ -523,3 +523,25 @@ def test_static_cache_crossing_a_window_boundary_stays_exact():
     engine = SpeculativeEngine(target, draft, stop_token_ids=[], static_cache=True)
     assert engine.generate(prompt, max_new_tokens=40, tree=Tree.k_ary(2, 3)).tokens == ref
     assert engine._static_runners["target"].window.slots == 512
+
+
+@pytest.mark.parametrize("method", ["sequoia", "specinfer", "topk"])
+def test_step_records_say_what_the_verifier_judged_each_node_on(qwen, method):
+    engine = engine_for(qwen, "close")
+    tried = 0
+    for step in engine.stream(PROMPT, max_new_tokens=24, temperature=0.8, tree=Tree.k_ary(2, 2), seed=3,
+                              method=method):
+        assert step.method == method and not step.greedy
+        assert len(step.verifier_p) == len(step.verifier_q) == step.tree_size
+        for node in step.accepted[1:]:
+            assert step.verifier_p[node] is not None, "an accepted node was never judged"
+        first = 1  # the root's rank-1 child (breadth-first order), always tried first
+        assert step.verifier_p[first] == pytest.approx(step.target_probs[first], rel=1e-6)
+        if method != "topk":
+            assert step.verifier_q[first] == pytest.approx(step.draft_probs[first], rel=1e-6)
+        else:
+            assert step.verifier_q[first] is None
+        tried += sum(p is not None for p in step.verifier_p)
+    assert tried > 0
+    greedy = engine.generate(PROMPT, max_new_tokens=8, tree=Tree.k_ary(2, 2)).steps[0]
+    assert greedy.greedy and all(p is None for p in greedy.verifier_p)

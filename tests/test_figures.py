@@ -23,13 +23,22 @@ TOKENS = [100, 101, 102, 103, 104, 105, 106]
 TEXTS = {100: "root", 101: " the", 102: "<b>&", 103: "\n  ", 104: "tree", 105: "x" * 40, 106: "\t", 107: "!"}
 
 
-def make_step(accepted=(0, 1, 4), committed=(101, 104, 107), index=2, finish_reason=None) -> StepRecord:
+# what a sequoia verifier judged on the default path 0 -> 1 -> 4: node 1 (p 0.7, q 0.6) kept; node 3
+# (p 0.2, q 0.5) rejected; node 4 judged on the residual p and renormalised q, kept; 2, 5, 6 never tried
+USED_P = [None, 0.7, None, 0.2, 0.55, None, None]
+USED_Q = [None, 0.6, None, 0.5, 0.4, None, None]
+
+
+def make_step(accepted=(0, 1, 4), committed=(101, 104, 107), index=2, finish_reason=None, method="sequoia",
+              greedy=False) -> StepRecord:
     return StepRecord(index=index, tokens=list(TOKENS), parents=list(PARENTS), ranks=list(RANKS),
                       draft_probs=[1.0, 0.6, 0.3, 0.5, 0.2, 0.9, 0.4],
                       target_probs=[1.0, 0.7, 0.1, 0.2, 0.6, 0.5, 0.0],
                       accepted=list(accepted), committed=list(committed),
                       timings=StepTimings(draft_s=0.02, verify_s=0.05, bookkeeping_s=0.01),
-                      finish_reason=finish_reason)
+                      finish_reason=finish_reason, method=method, greedy=greedy,
+                      verifier_p=[None] * 7 if greedy else list(USED_P),
+                      verifier_q=[None] * 7 if greedy else list(USED_Q))
 
 
 def traces(fig, kind):
@@ -104,13 +113,40 @@ def test_labels_are_escaped_and_whitespace_is_visible():
     assert not any("<b><b>" in h for h in hovers)
 
 
-def test_hover_shows_q_p_acceptance_probability_and_rank():
-    fig = figures.tree_figure(make_step(), TEXTS)
-    by_node = {int(n): h for t in traces(fig, "nodes") for n, h in zip(t.customdata, t.text)}
-    assert "draft q = 0.600" in by_node[1] and "target p = 0.700" in by_node[1]
-    assert "min(1, p/q) = 1.00" in by_node[1] and "rank 1" in by_node[1]
-    assert "min(1, p/q) = 0.33" in by_node[2] and "rank 2" in by_node[2]
+def hovers(step: StepRecord) -> dict[int, str]:
+    fig = figures.tree_figure(step, TEXTS)
+    return {int(n): h for t in traces(fig, "nodes") for n, h in zip(t.customdata, t.text)}
+
+
+def test_hover_shows_the_probabilities_the_verifier_used():
+    by_node = hovers(make_step())
+    assert "draft q = 0.600" in by_node[1] and "target p = 0.700" in by_node[1] and "rank 1" in by_node[1]
+    assert "judged on p = 0.700, q = 0.600" in by_node[1] and "min(1, p/q) = 1.00" in by_node[1]
+    assert "min(1, p/q) = 0.40" in by_node[3]
+    # a later sibling: the residual p and the renormalised q, not its raw p / q (0.6 / 0.2 -> 1.00)
+    assert "residual p = 0.550" in by_node[4] and "renormalised q = 0.400" in by_node[4]
+    assert "min(1, p/q) = 1.00" in by_node[4] and "rank 2" in by_node[4]
+    assert "not tried" in by_node[2] and "min(1, p/q)" not in by_node[2]
     assert "root" in by_node[0]
+
+
+def test_hover_names_each_methods_rule():
+    assert "renormalised" not in hovers(make_step(method="specinfer"))[4]  # specinfer never renormalises q
+    topk = hovers(make_step(method="topk"))
+    assert "target's own sample is this token, p = 0.700" in topk[1] and "min(1, p/q)" not in topk[1]
+    greedy = hovers(make_step(greedy=True))
+    assert "argmax match" in greedy[1] and "argmax match" in greedy[4]
+    assert "not the target's argmax" in greedy[3] and "min(1, p/q)" not in greedy[3]
+
+
+def test_only_committed_drafts_count_as_accepted():
+    """A stop token inside the accepted path: the drafts after it and the bonus are not used."""
+    step = make_step(accepted=(0, 1, 3, 6), committed=(101, 103), finish_reason="stop")
+    assert step.accepted_draft_tokens == 2 and not step.used_bonus
+    assert figures.bonus_token(step) is None
+    assert "accepted 2 of 6" in figures.tree_figure(step, TEXTS).layout.title.text
+    full = make_step(accepted=(0, 1, 3, 6), committed=(101, 103, 106, 107))
+    assert full.accepted_draft_tokens == 3 and full.used_bonus
 
 
 def test_layout_puts_depth_on_x_and_parents_between_children():

@@ -18,7 +18,7 @@ import pytest
 
 from app.conversation import clean_text, import_conversation
 from app.worker import GenerationRequest, make_engine
-from engine.generate import build_tree
+from engine.tree_store import build_tree
 from engine.prompts import encode_chat
 
 import test_app_support as support

@@ -43,3 +43,13 @@ def test_no_full_sort_when_the_candidates_hold_the_nucleus(monkeypatch):
     assert torch.allclose(out[0, :3], torch.tensor([0.5, 0.3, 0.12]) / 0.92) and out[0, 3:].sum() == 0
     assert torch.equal(logits_to_probs(torch.log(probs.clamp(min=1e-30)), 1.0, 0.9), full_sort_nucleus(
         torch.softmax(torch.log(probs.clamp(min=1e-30)), -1), 0.9))
+
+
+def test_sampling_keeps_only_what_the_engine_uses():
+    """No dead entry points: the engine samples through sample_children / choose_children and the
+    verifiers; top-k filtering of the target's law is not a parameter of this project."""
+    import inspect
+
+    import engine.sampling as sampling
+    assert not hasattr(sampling, "sample")
+    assert "top_k" not in inspect.signature(logits_to_probs).parameters

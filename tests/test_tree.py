@@ -258,3 +258,20 @@ def test_position_ids(tree):
     if tree.depth:
         nodes = tree.level_slices[tree.depth]
         assert tree.position_ids(7, nodes=nodes)[0].tolist() == [7 + tree.depth] * (nodes.stop - nodes.start)
+
+
+def test_every_tree_mask_comes_from_one_function():
+    """Verification, draft levels, CUDA-graph buffers and the sampled replay all mask through
+    ``engine.tree.additive_mask``; written in place it equals the fresh one."""
+    import engine.runner
+    import engine.sampled_replay
+    from engine.tree import additive_mask
+
+    assert engine.runner.additive_mask is additive_mask and engine.sampled_replay.additive_mask is additive_mask
+    tree = Tree.k_ary(2, 2)
+    tail = tree.ancestor_matrix[3:, 1:]
+    fresh = additive_mask(tail, start=5 + 2, width=12, dtype=torch.float32)
+    buffer = torch.zeros(1, 1, 4, 12)
+    assert additive_mask(tail, 7, 12, torch.float32, out=buffer) is buffer and torch.equal(buffer, fresh)
+    assert torch.all(fresh[..., :5] == 0) and torch.all(fresh[..., 11:] == torch.finfo(torch.float32).min)
+    assert torch.equal(fresh[0, 0, :, 5:11] == 0, tail)

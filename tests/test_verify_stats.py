@@ -198,3 +198,16 @@ def test_a_wrong_verifier_fails_the_same_test(wrong):
     counts = empirical_joint(pair, TREES["binary2"], "sequoia", seed=1, verifier=wrong)
     p_value, tv = exactness_stats(counts, pair.exact_joint())
     assert p_value < P_MIN or tv > TV_MAX, f"wrong verifier passed: p-value {p_value:.2e}, TV {tv:.4f}"
+
+
+@pytest.mark.parametrize("method,q_used", [("sequoia", 2 / 3), ("specinfer", 0.2)])
+def test_the_verifier_reports_the_residual_p_and_the_q_it_judged_a_later_sibling_on(method, q_used):
+    """p(0) = 0: the first child is always rejected; the second is judged on relu(p - q) normalised
+    and on q with the first child removed (sequoia) or unchanged (specinfer)."""
+    tree = Tree.k_ary(2, 1)
+    p = torch.tensor([[0.0, 0.6, 0.4], [1 / 3] * 3, [1 / 3] * 3], dtype=torch.float64)
+    q = torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64)
+    used = {}
+    verify_stochastic(tree, [2, 0, 1], p, {0: q}, method == "sequoia", torch.Generator().manual_seed(0), used)
+    assert used[1] == (0.0, pytest.approx(0.7))
+    assert used[2] == (pytest.approx(0.4 / 0.7), pytest.approx(q_used))
