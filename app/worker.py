@@ -194,18 +194,37 @@ def validate_model_id(value: str, role: str, models_dir: Path | None = None) -> 
         candidate = (root / Path(value).expanduser()).resolve()  # an absolute value replaces root here
         if candidate.is_dir():
             if root not in candidate.parents:
-                raise ModelLoadError(f"'{value}' is outside the models folder {root}: the app loads local "
-                                     f"models only from there (launch.py --models-dir)")
+                raise ModelLoadError(_outside(value, models_dir))
             return str(candidate)
+    _refuse_local_path(value, models_dir)
     if not _HUB_ID.match(value) or ".." in value:
         where = f"a folder under {models_dir}" if models_dir is not None else "a local folder (none configured)"
         raise ModelLoadError(f"'{value}' is neither {where} nor a Hugging Face id like Qwen/Qwen2.5-0.5B-Instruct")
     return value
 
 
+def _outside(value: str, models_dir: Path | None = None) -> str:
+    where = f" {Path(models_dir).expanduser().resolve()}" if models_dir is not None else ""
+    return (f"'{value}' is a local path outside the models folder{where}: the app loads local models only "
+            f"from there (launch.py --models-dir)")
+
+
+def _refuse_local_path(value: str, models_dir: Path | None) -> None:
+    """A name that is not a folder under the models folder must never reach ``from_pretrained`` as a
+    path: ``secret/model`` passes the hub-id pattern, yet transformers loads the folder of that name
+    under the server's working directory when there is one. Such names are refused."""
+    if os.path.lexists(value) or os.path.lexists(os.path.expanduser(value)):
+        raise ModelLoadError(_outside(value, models_dir))
+
+
 def _default_loader(model_id: str, dtype: torch.dtype, device: str, trust_remote_code: bool,
                     draft_format: str = "none"):
-    from engine.models import load_model
+    """:func:`engine.models.load_model` for ids :func:`validate_model_id` passed: an absolute folder
+    under the models folder, an embedded name, or a hub id, which must reach the hub (or its cache)
+    only, so one that names a path here is refused again right before loading."""
+    from engine.models import DEFAULT_IDS, load_model
+    if not os.path.isabs(model_id) and model_id not in DEFAULT_IDS:
+        _refuse_local_path(model_id, None)
     return load_model(model_id, dtype, device, trust_remote_code, draft_format)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from app.worker import GenerationRequest, Worker, make_engine, validate_model_id
 from engine.errors import ModelLoadError
@@ -245,3 +246,58 @@ def test_models_panel_counts_and_names_a_quantised_draft(fmt):
     assert abs(info["draft_params"] - floats) <= 1e-3 * floats  # packed weights count (int8 hides its biases)
     assert f"{fmt} weights" in pair_markdown(info)
     assert "weights" not in pair_markdown(describe_pair(target, draft, "t", "d")).split("**draft**")[1].split("\n")[0]
+
+
+# ----- review findings: --models-dir bypass, pinned models, prompt Stop, swaps racing chats ----------
+def _save_tiny_model(directory, vocab_words: int, seed: int = 0):
+    """A tiny Qwen2 with a word-level tokenizer of ``vocab_words`` words, saved with save_pretrained."""
+    import tiny_models as tm
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>"] + [f"w{i}" for i in range(vocab_words)])}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>")),
+                                        unk_token="<unk>")
+    tm.qwen2(seed=seed, vocab_size=len(vocab)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def test_a_hub_id_naming_a_folder_in_the_working_directory_is_refused(pair, tmp_path, monkeypatch):
+    """``secret/model`` looks like a hub id, but from_pretrained would load the folder of that name under
+    the server's working directory: outside --models-dir, so it must be refused and never read."""
+    import transformers
+
+    from app.worker import _default_loader
+
+    _save_tiny_model(tmp_path / "secret" / "model", 31)
+    models = tmp_path / "models"
+    models.mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    read = []
+    for cls in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
+        original = cls.from_pretrained.__func__
+
+        def spy(klass, name, *args, original=original, **kwargs):
+            read.append(str(name))
+            return original(klass, name, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(spy))
+    for value in ("secret/model", "secret", "./secret/model"):
+        with pytest.raises(ModelLoadError, match="outside the models folder"):
+            validate_model_id(value, "target", models)
+        with pytest.raises(ModelLoadError, match="outside the models folder"):
+            validate_model_id(value, "target")
+    with pytest.raises(ModelLoadError, match="outside the models folder"):
+        _default_loader("secret/model", torch.float32, "cpu", False)  # the loader refuses it too
+    target, draft, tokenizer = pair
+    w = Worker.from_models(target, draft, tokenizer, "a", "b", models_dir=models)
+    try:
+        events = w.load_models("secret/model", "secret/model").wait(30)
+        assert events[-1].kind == "error" and "outside the models folder" in events[-1].data
+        assert w.info["target"] == "a" and w.pair_version == 0
+    finally:
+        w.close()
+    assert read == [], f"read from disk: {read}"
+    assert validate_model_id("Qwen/Qwen2.5-0.5B-Instruct", "target", models) == "Qwen/Qwen2.5-0.5B-Instruct"
