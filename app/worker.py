@@ -28,6 +28,7 @@ import queue
 import re
 import threading
 import time
+import traceback
 from collections import deque
 from pathlib import Path
 from collections.abc import Callable, Iterator
@@ -437,28 +438,60 @@ class Worker:
                                  "--trust-remote-code to allow it")
         target_id = validate_model_id(request.target, "target", self.models_dir)
         draft_id = validate_model_id(request.draft, "draft", self.models_dir)
-        dtype = DTYPES[request.dtype]
         job._emit("progress", f"loading target {target_id} …")
-        target, tokenizer = self.loader(target_id, dtype, device, request.trust_remote_code)
-        if job.cancelled:
+        try:
+            loaded = self._load_pair(job, target_id, draft_id, DTYPES[request.dtype], device,
+                                     request.trust_remote_code)
+        except Exception as exc:  # noqa: BLE001 - a failed load keeps the previous pair
+            _release(exc, f"loading {target_id} + {draft_id} failed")
+            job._emit("error", _message(exc))
+            return
+        if loaded is None or job.cancelled:
             job._emit("cancelled")
             return
-        job._emit("progress", f"loading draft {draft_id} …")
-        draft, draft_tokenizer = self.loader(draft_id, dtype, device, request.trust_remote_code,
-                                             draft_format=self.draft_format)
-        from engine.models import check_same_vocabulary
-        check_same_vocabulary(tokenizer, draft_tokenizer, target_id, draft_id)
-        job._emit("progress", "building the engine …")
-        engine = make_engine(target, draft, tokenizer)
-        if job.cancelled:
-            job._emit("cancelled")
-            return
-        self.engine, self.tokenizer = engine, tokenizer
-        self.info = describe_pair(target, draft, target_id, draft_id)
+        self.engine, self.tokenizer = loaded["engine"], loaded["tokenizer"]
+        self.info = describe_pair(loaded["target"], loaded["draft"], target_id, draft_id)
         self.tuner = None  # a calibration belongs to the pair it was measured on
         self.baseline_tokens_per_s = None
         self.pair_version += 1
+        if self.loader is _default_loader:  # the loader's memo now holds this pair, and only it
+            from engine.models import keep_pair
+            keep_pair((loaded["target"], loaded["tokenizer"]), (loaded["draft"], loaded["draft_tokenizer"]))
         job._emit("done", {"info": dict(self.info)})
+
+    def _load_pair(self, job: Job, target_id: str, draft_id: str, dtype: torch.dtype, device: str,
+                   trust_remote_code: bool) -> dict | None:
+        """Target, draft (same vocabulary) and their engine; None when the job was cancelled meanwhile.
+        Nothing of a failed or cancelled attempt outlives this call (the caller clears the traceback)."""
+        target, tokenizer = self.loader(target_id, dtype, device, trust_remote_code)
+        if job.cancelled:
+            return None
+        job._emit("progress", f"loading draft {draft_id} …")
+        draft, draft_tokenizer = self.loader(draft_id, dtype, device, trust_remote_code,
+                                             draft_format=self.draft_format)
+        from engine.models import check_same_vocabulary
+        check_same_vocabulary(tokenizer, draft_tokenizer, target_id, draft_id)
+        if job.cancelled:
+            return None
+        job._emit("progress", "building the engine …")
+        engine = make_engine(target, draft, tokenizer)
+        return {"engine": engine, "target": target, "draft": draft, "tokenizer": tokenizer,
+                "draft_tokenizer": draft_tokenizer}
+
+
+def _release(exc: BaseException, what: str) -> None:
+    """Log a failure, then clear the frames of its traceback: they hold the models a failed load had
+    loaded so far (a target of several GiB), and the exception may be kept (a log handler keeping
+    records, a debugger). The traceback is logged as text for the same reason."""
+    if isinstance(exc, EngineError):
+        log.warning("%s: %s", what, exc)
+    else:
+        log.error("%s:\n%s", what, "".join(traceback.format_exception(exc)).rstrip())
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 def _message(exc: BaseException) -> str:

@@ -301,3 +301,39 @@ def test_a_hub_id_naming_a_folder_in_the_working_directory_is_refused(pair, tmp_
         w.close()
     assert read == [], f"read from disk: {read}"
     assert validate_model_id("Qwen/Qwen2.5-0.5B-Instruct", "target", models) == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_a_failed_pair_load_keeps_no_model_of_the_attempt_referenced(pair, tmp_path, monkeypatch):
+    """Target and draft with different vocabularies: the load fails, and once it has, no model of
+    that attempt is referenced anywhere (no loader cache pins the target); the pair stays usable."""
+    import gc
+    import weakref
+
+    from engine import models as engine_models
+
+    root = tmp_path / "models"
+    _save_tiny_model(root / "org" / "target", 31, seed=0)
+    _save_tiny_model(root / "org" / "draft", 40, seed=1)
+    loaded = []
+    original = engine_models._load_hub_model
+
+    def spy(*args, **kwargs):
+        model, tok = original(*args, **kwargs)
+        loaded.append(weakref.ref(model))
+        return model, tok
+
+    monkeypatch.setattr(engine_models, "_load_hub_model", spy)
+    target, draft, tokenizer = pair
+    w = Worker.from_models(target, draft, tokenizer, "a", "b", models_dir=root, draft_format="none")
+    try:
+        events = w.load_models("org/target", "org/draft").wait(60)
+        assert events[-1].kind == "error" and "different vocabularies" in events[-1].data
+        assert len(loaded) == 2
+        assert support.wait_until(lambda: (gc.collect(), all(r() is None for r in loaded))[1], 5), \
+            "a model of the failed load is still referenced"
+        assert w.info["target"] == "a" and w.pair_version == 0
+        ids = prompt(pair)
+        events = w.submit(GenerationRequest(ids, max_new_tokens=8, tree=TREE)).wait(60)
+        assert tokens_of(events) == reference(pair, ids, max_new_tokens=8, tree=TREE)
+    finally:
+        w.close()
