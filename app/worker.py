@@ -1,11 +1,13 @@
 """One background thread owns the engine; requests from every browser tab queue on it.
 
 Each request is a :class:`Job` with its own event queue and cancel flag. The worker iterates
-``engine.stream()`` and checks the flag after every step, so Stop takes effect within one step;
-a cancelled generator is closed and dropped. An exception inside the engine ends that job with
-an ``error`` event and the worker goes on serving the next one. Loading another model pair is a
-job too, so it never swaps the models under a running generation, and a failed load keeps the
-previous pair.
+``engine.stream()`` and checks the flag after every step, and the engine consults it between the
+prompt's prefill chunks, so Stop takes effect within one step or one chunk; a cancelled generator
+is closed and dropped. An exception inside the engine ends that job with an ``error`` event and
+the worker goes on serving the next one. Loading another model pair is a job too, so it never
+swaps the models under a running generation, and a failed load keeps the previous pair. The load
+itself runs on a thread of its own: Stop answers ``cancelled`` at once (a download cannot be
+interrupted), and the orphaned load stops after the model in progress, its result discarded.
 
 Events (``Event.kind``), in order:
 
@@ -21,6 +23,7 @@ Generation phases: ``main`` (the requested method and tree) and, in compare mode
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import os
@@ -37,7 +40,7 @@ from typing import Any
 
 import torch
 
-from engine.errors import EngineError, ModelLoadError
+from engine.errors import EngineError, GenerationCancelled, ModelLoadError
 from engine.quantize import draft_format
 from engine.speculative import SpeculativeEngine
 from engine.tree import Tree
@@ -250,6 +253,7 @@ class Worker:
         self.loader = loader or _default_loader
         self.baseline_tokens_per_s: float | None = None  # last measured target-alone rate, this pair
         self.pair_version = 0                            # bumped on every successful model swap
+        self._orphan: threading.Thread | None = None     # a stopped model load still running
         self._pending: deque[Job] = deque()
         self._current: Job | None = None
         self._cond = threading.Condition()
@@ -384,7 +388,7 @@ class Worker:
         try:
             stream = engine.stream(request.input_ids, max_new_tokens=request.max_new_tokens,
                                    temperature=request.temperature, top_p=request.top_p, tree=tree,
-                                   seed=request.seed, method=method)
+                                   seed=request.seed, method=method, should_stop=lambda: job.cancelled)
         except Exception as exc:  # noqa: BLE001 - bad parameters become an error event
             job._emit("error", _message(exc))
             return None
@@ -403,6 +407,8 @@ class Worker:
                 job._emit("step", record, phase)
                 if job.cancelled:
                     break
+        except GenerationCancelled:
+            pass  # stopped during the prefill (or between steps): reported below
         except Exception as exc:  # noqa: BLE001 - an engine failure mid-answer ends this job only
             log.exception("engine failed during job %s", job.id)
             job._emit("error", _message(exc))
@@ -438,14 +444,41 @@ class Worker:
                                  "--trust-remote-code to allow it")
         target_id = validate_model_id(request.target, "target", self.models_dir)
         draft_id = validate_model_id(request.draft, "draft", self.models_dir)
-        job._emit("progress", f"loading target {target_id} …")
-        try:
-            loaded = self._load_pair(job, target_id, draft_id, DTYPES[request.dtype], device,
-                                     request.trust_remote_code)
-        except Exception as exc:  # noqa: BLE001 - a failed load keeps the previous pair
-            _release(exc, f"loading {target_id} + {draft_id} failed")
-            job._emit("error", _message(exc))
+        if not self._wait_for_orphan(job):
+            job._emit("cancelled")
             return
+        job._emit("progress", f"loading target {target_id} …")
+        box: dict = {}
+        done = threading.Event()
+
+        def load() -> None:
+            torch.set_grad_enabled(False)
+            try:
+                loaded = self._load_pair(job, target_id, draft_id, DTYPES[request.dtype], device,
+                                         request.trust_remote_code)
+                if loaded is not None and not job.cancelled:
+                    box["loaded"] = loaded
+                del loaded  # a cancelled job's result goes with this thread
+            except Exception as exc:  # noqa: BLE001 - a failed load keeps the previous pair
+                _release(exc, f"loading {target_id} + {draft_id} failed")
+                box["error"] = _message(exc)
+            finally:
+                done.set()
+                if job.cancelled:  # an orphaned result: free it (and its reference cycles) now
+                    box.clear()
+                    gc.collect()
+
+        thread = threading.Thread(target=load, name=f"load-{job.id}", daemon=True)
+        thread.start()
+        while not done.wait(0.05):
+            if job.cancelled:  # the load runs on, orphaned: it stops after the model in progress
+                self._orphan = thread
+                job._emit("cancelled")
+                return
+        if "error" in box:
+            job._emit("error", box["error"])
+            return
+        loaded = box.pop("loaded", None)
         if loaded is None or job.cancelled:
             job._emit("cancelled")
             return
@@ -458,6 +491,21 @@ class Worker:
             from engine.models import keep_pair
             keep_pair((loaded["target"], loaded["tokenizer"]), (loaded["draft"], loaded["draft_tokenizer"]))
         job._emit("done", {"info": dict(self.info)})
+
+    def _wait_for_orphan(self, job: Job) -> bool:
+        """Let a stopped load that still runs finish before starting another (at most one pair in
+        flight beside the one in use); False when ``job`` is cancelled meanwhile."""
+        orphan = self._orphan
+        if orphan is None or not orphan.is_alive():
+            self._orphan = None
+            return True
+        job._emit("progress", "waiting for a stopped load to finish …")
+        while orphan.is_alive():
+            if job.cancelled:
+                return False
+            orphan.join(0.05)
+        self._orphan = None
+        return True
 
     def _load_pair(self, job: Job, target_id: str, draft_id: str, dtype: torch.dtype, device: str,
                    trust_remote_code: bool) -> dict | None:

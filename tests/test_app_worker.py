@@ -337,3 +337,81 @@ def test_a_failed_pair_load_keeps_no_model_of_the_attempt_referenced(pair, tmp_p
         assert tokens_of(events) == reference(pair, ids, max_new_tokens=8, tree=TREE)
     finally:
         w.close()
+
+
+def test_stop_during_a_long_prefill_skips_the_remaining_chunks(pair):
+    """A conversation of ~800 tokens prefills in several chunks; Stop pressed while the first chunk
+    runs ends the job as cancelled before any other chunk (or the draft, or a step) runs."""
+    import threading
+
+    target, draft, tokenizer = pair
+    w = Worker(make_engine(target, draft, tokenizer), tokenizer, {"target": "t", "draft": "d"})
+    ids = prompt(pair, "word " * 800)
+    assert len(ids) - 1 > 2 * 256  # three chunks at least
+    entered, resume, calls = threading.Event(), threading.Event(), []
+
+    def hook(name):
+        def pre_hook(module, args, kwargs):
+            calls.append(name)
+            if len(calls) == 1:
+                entered.set()
+                resume.wait(10)
+        return pre_hook
+
+    handles = [target.register_forward_pre_hook(hook("target"), with_kwargs=True),
+               draft.register_forward_pre_hook(hook("draft"), with_kwargs=True)]
+    try:
+        job = w.submit(GenerationRequest(ids, max_new_tokens=50, tree=TREE))
+        assert entered.wait(30)
+        job.cancel()  # from this thread, while the worker runs the first chunk
+        resume.set()
+        events = job.wait(30)
+    finally:
+        resume.set()
+        for handle in handles:
+            handle.remove()
+        w.close()
+    assert events[-1].kind == "cancelled"
+    assert not any(e.kind == "step" for e in events)
+    assert calls == ["target"], calls
+
+
+def test_stop_answers_a_blocked_model_load_within_a_second(pair):
+    """A load stuck in its loader (a slow download) is answered ``cancelled`` within 1 s of Stop; the
+    orphaned load's result is discarded and freed once it returns, and the pair stays in use."""
+    import gc
+    import threading
+    import time
+    import weakref
+
+    import tiny_models as tm
+
+    target, draft, tokenizer = pair
+    gate, made = threading.Event(), []
+
+    def loader(model_id, dtype, device, trust_remote_code, draft_format="none"):
+        gate.wait(30)
+        model = tm.qwen2()
+        made.append(weakref.ref(model))
+        return model, tokenizer
+
+    w = Worker.from_models(target, draft, tokenizer, "a", "b", loader=loader)
+    try:
+        job = w.load_models("org/target", "org/draft")
+        events = job.iter_events(timeout=10)
+        assert next(events).kind == "progress"
+        stopped = time.monotonic()
+        job.cancel()
+        last = job.wait(2)[-1]
+        assert last.kind == "cancelled" and time.monotonic() - stopped < 1.0
+        gate.set()
+        assert support.wait_until(lambda: bool(made), 10)
+        assert support.wait_until(lambda: (gc.collect(), all(r() is None for r in made))[1], 10), \
+            "the cancelled load's model is still referenced"
+        assert w.info["target"] == "a" and w.pair_version == 0
+        ids = prompt(pair)
+        events = w.submit(GenerationRequest(ids, max_new_tokens=8, tree=TREE)).wait(60)
+        assert tokens_of(events) == reference(pair, ids, max_new_tokens=8, tree=TREE)
+    finally:
+        gate.set()
+        w.close()
