@@ -12,7 +12,9 @@ interrupted), and the orphaned load stops after the model in progress, its resul
 Events (``Event.kind``), in order:
 
 - ``queued`` (data: jobs ahead of this one) while waiting;
-- ``started`` (data: ``{"phase", "tree", "tree_choice"}``) when a decoding phase begins;
+- ``started`` (data: ``{"phase", "tree", "tree_choice", "tokenizer", "pair_version", "prompt_tokens",
+  "dropped"}``) when a decoding phase begins; ``dropped``: the oldest messages left out of a
+  conversation that did not fit the context;
 - ``step`` (data: a :class:`~engine.records.StepRecord`; ``phase`` says which run);
 - ``finished`` (data: ``{"phase", "steps", "tokens", "seconds", "prefill_s", "finish_reason"}``) per phase;
 - ``progress`` (data: a message) while loading models;
@@ -40,6 +42,7 @@ from typing import Any
 
 import torch
 
+from app.conversation import ContextTooLong, fit_context
 from engine.errors import EngineError, GenerationCancelled, ModelLoadError
 from engine.quantize import draft_format
 from engine.speculative import SpeculativeEngine
@@ -60,9 +63,14 @@ class Event:
 
 @dataclass
 class GenerationRequest:
-    """What to decode. ``tree``: a Tree, None (target alone) or "auto" (needs a tuner)."""
+    """What to decode. ``tree``: a Tree, None (target alone) or "auto" (needs a tuner).
 
-    input_ids: list[int]
+    The prompt is either ``input_ids`` or a conversation: ``messages`` (role/content turns) and an
+    optional ``system`` prompt, which the worker tokenises with the chat template when the job
+    runs, with the tokenizer of the pair in use then (a load queued before it may have changed
+    the pair), dropping the oldest turns that do not fit the context."""
+
+    input_ids: list[int] | None = None
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
@@ -70,6 +78,8 @@ class GenerationRequest:
     seed: int = 0
     method: str = "sequoia"
     compare: bool = False
+    system: str | None = None
+    messages: list[dict] | None = None
 
 
 @dataclass
@@ -82,6 +92,10 @@ class LoadRequest:
 
 
 _ids = itertools.count(1)
+
+
+class SessionBusy(RuntimeError):
+    """A session asked for another job while one of its jobs is still waiting or running."""
 
 
 @dataclass
@@ -276,6 +290,8 @@ class Worker:
 
     # ----- submitting --------------------------------------------------------------------
     def submit(self, request: GenerationRequest, session: str | None = None) -> Job:
+        """Queue a generation. With ``session``, refused (:class:`SessionBusy`) while that session has
+        a job waiting or running: the check and the registration are one locked step."""
         return self._enqueue(Job(request, session))
 
     def load_models(self, target: str, draft: str, dtype: str = "float32", device: str = "cpu",
@@ -287,6 +303,9 @@ class Worker:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the engine worker has been closed")
+            if job.session is not None and any(
+                    j.session == job.session and not j.finished for j in [*self._pending, self._current] if j):
+                raise SessionBusy("an answer is still streaming in this session: wait for it or press Stop")
             self._pending.append(job)
             ahead = len(self._pending) - 1 + (self._current is not None)
             self._cond.notify_all()
@@ -365,14 +384,19 @@ class Worker:
 
     def _serve_generate(self, job: Job) -> None:
         request: GenerationRequest = job.request
-        main = self._decode(job, "main", request.tree, request.method)
+        try:
+            prompt = self._prompt(request)
+        except ContextTooLong as exc:
+            job._emit("error", f"Not sent: {exc}")
+            return
+        main = self._decode(job, "main", request.tree, request.method, prompt)
         if main is None:
             return
         summary = {"main": main, "compare": None}
         if request.tree is None or request.method == "autoregressive":
             self._record_baseline(main)
         if request.compare and main["steps"]:
-            compare = self._decode(job, "compare", None, request.method)
+            compare = self._decode(job, "compare", None, request.method, prompt)
             if compare is None:
                 return
             self._record_baseline(compare)
@@ -380,13 +404,29 @@ class Worker:
         summary["baseline_tokens_per_s"] = self.baseline_tokens_per_s
         job._emit("done", summary)
 
-    def _decode(self, job: Job, phase: str, tree, method: str) -> dict | None:
+    def _prompt(self, request: GenerationRequest) -> tuple[list[int], int]:
+        """``(input_ids, messages dropped)``: a conversation is tokenised now, with the pair in use."""
+        if request.messages is None:
+            return request.input_ids, 0
+        tree = request.tree
+        if request.method == "autoregressive" or tree is None:
+            size = 1
+        elif isinstance(tree, str) and tree == "auto":
+            size = self.tuner.choose(request.temperature, request.top_p).size if self.tuner is not None else 1
+        else:
+            size = getattr(tree, "size", 1)
+        context = int(getattr(self.engine, "max_context", 0) or 0)
+        limit = context - request.max_new_tokens - size if context else None
+        return fit_context(self.tokenizer, request.system, request.messages, limit)
+
+    def _decode(self, job: Job, phase: str, tree, method: str, prompt: tuple[list[int], int]) -> dict | None:
         """One decoding run; its ``finished`` data, or None when it was cancelled or failed."""
         request: GenerationRequest = job.request
         engine = self.engine
+        input_ids, dropped = prompt
         start = time.perf_counter()
         try:
-            stream = engine.stream(request.input_ids, max_new_tokens=request.max_new_tokens,
+            stream = engine.stream(input_ids, max_new_tokens=request.max_new_tokens,
                                    temperature=request.temperature, top_p=request.top_p, tree=tree,
                                    seed=request.seed, method=method, should_stop=lambda: job.cancelled)
         except Exception as exc:  # noqa: BLE001 - bad parameters become an error event
@@ -394,7 +434,8 @@ class Worker:
             return None
         choice = getattr(engine, "last_tree_choice", None) if tree == "auto" else None
         job._emit("started", {"phase": phase, "tree": choice.tree if choice else tree, "tree_choice": choice,
-                              "tokenizer": self.tokenizer, "pair_version": self.pair_version}, phase)
+                              "tokenizer": self.tokenizer, "pair_version": self.pair_version,
+                              "prompt_tokens": len(input_ids), "dropped": dropped}, phase)
         steps, tokens = 0, 0
         finish_reason = None
         decode_s = 0.0

@@ -415,3 +415,146 @@ def test_stop_answers_a_blocked_model_load_within_a_second(pair):
     finally:
         gate.set()
         w.close()
+
+
+class RecordingTokenizer:
+    """A tokenizer stand-in: the real one, with every chat-template call recorded under ``name``."""
+
+    def __init__(self, inner, name: str, log: list) -> None:
+        self._inner, self._name, self._log = inner, name, log
+
+    def apply_chat_template(self, *args, **kwargs):
+        self._log.append(self._name)
+        return self._inner.apply_chat_template(*args, **kwargs)
+
+    def __len__(self):
+        return len(self._inner)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_a_chat_queued_behind_a_model_load_is_tokenised_with_the_new_pair(pair):
+    """The UI submits a chat while a model load is running: the prompt is tokenised (and its context
+    checked) when the job runs, with the tokenizer of the pair the load put in place."""
+    import threading
+
+    from app.ui import build_demo
+
+    target, draft, real = pair
+    used: list[str] = []
+    old, new = RecordingTokenizer(real, "old", used), RecordingTokenizer(real, "new", used)
+    gate = threading.Event()
+
+    def loader(model_id, dtype, device, trust_remote_code, draft_format="none"):
+        gate.wait(30)
+        return (target if model_id == "org/target" else draft), new
+
+    w = Worker.from_models(target, draft, old, "a", "b", loader=loader)
+    try:
+        app = build_demo(w, old).chat_app
+        load = w.load_models("org/target", "org/draft")
+        used.clear()
+        # message, history, run, system, temperature, top_p, max_new, seed, method, size, depth, auto, compare, highlight
+        chat = app.respond("Which tokenizer reads me?", [], None, "", 0.0, 1.0, 8, 0, "sequoia", 8, 4,
+                           False, False, False)
+        next(chat)  # submitted: waiting behind the load
+        assert w.busy == 2
+        gate.set()
+        assert load.wait(30)[-1].kind == "done"
+        final = list(chat)[-1]
+        assert used and used[-1] == "new" and "new" in used, used
+        history = final[app.c.history]
+        assert history[-1]["role"] == "assistant" and history[-1]["content"]
+    finally:
+        gate.set()
+        w.close()
+
+
+def test_the_worker_tokenises_a_conversation_when_the_job_runs(pair):
+    import threading
+
+    target, draft, real = pair
+    used: list[str] = []
+    old, new = RecordingTokenizer(real, "old", used), RecordingTokenizer(real, "new", used)
+    gate = threading.Event()
+
+    def loader(model_id, dtype, device, trust_remote_code, draft_format="none"):
+        gate.wait(30)
+        return (target if model_id == "org/target" else draft), new
+
+    w = Worker.from_models(target, draft, old, "a", "b", loader=loader)
+    try:
+        load = w.load_models("org/target", "org/draft")
+        messages = [{"role": "user", "content": "Which tokenizer reads me?"}]
+        chat = w.submit(GenerationRequest(system="Be brief.", messages=messages, max_new_tokens=8, tree=TREE),
+                        session="tab")
+        gate.set()
+        assert load.wait(30)[-1].kind == "done"
+        events = chat.wait(60)
+        assert events[-1].kind == "done", events[-1]
+        started = next(e for e in events if e.kind == "started")
+        assert used == ["new"] and started.data["tokenizer"] is new and started.data["dropped"] == 0
+        ids = encode_chat(real, [{"role": "system", "content": "Be brief."}] + messages)
+        assert tokens_of(events) == reference(pair, ids, max_new_tokens=8, tree=TREE)
+    finally:
+        gate.set()
+        w.close()
+
+
+def test_one_session_gets_one_job_however_many_threads_submit_at_once(pair):
+    """Eight threads submit for one browser session at the same moment: exactly one job is accepted
+    (checking for a pending or running job and registering the new one is one locked step)."""
+    import threading
+
+    from app.worker import SessionBusy
+
+    target, draft, tokenizer = pair
+    gate = threading.Event()
+
+    def loader(model_id, dtype, device, trust_remote_code, draft_format="none"):
+        gate.wait(30)
+        return (target if model_id == "org/target" else draft), tokenizer
+
+    w = Worker.from_models(target, draft, tokenizer, "a", "b", loader=loader)
+    ids = prompt(pair)
+    barrier = threading.Barrier(8)
+
+    def submit():
+        barrier.wait()
+        try:
+            return w.submit(GenerationRequest(ids, max_new_tokens=4, tree=TREE), session="tab")
+        except SessionBusy:
+            return None
+
+    try:
+        w.load_models("org/target", "org/draft")  # keeps the worker busy: every chat stays pending
+        jobs = support.run_in_threads([submit] * 8)
+        accepted = [j for j in jobs if j is not None]
+        assert len(accepted) == 1, f"{len(accepted)} jobs accepted for one session"
+        other = w.submit(GenerationRequest(ids, max_new_tokens=4, tree=TREE), session="another tab")
+        gate.set()
+        assert accepted[0].wait(60)[-1].kind == "done" and other.wait(60)[-1].kind == "done"
+        again = w.submit(GenerationRequest(ids, max_new_tokens=4, tree=TREE), session="tab")  # free again
+        assert again.wait(60)[-1].kind == "done"
+    finally:
+        gate.set()
+        w.close()
+
+
+def test_the_worker_fits_the_conversation_to_the_context_when_the_job_runs(worker, pair):
+    worker.engine.max_context = 160  # the wrapper's view, which the worker budgets against
+    try:
+        long = "tree " * 60
+        turns = [{"role": "user", "content": long}, {"role": "assistant", "content": "ok"},
+                 {"role": "user", "content": long}]
+        events = worker.submit(GenerationRequest(messages=turns, max_new_tokens=8, tree=Tree.chain(4))).wait(60)
+        started = next(e for e in events if e.kind == "started")
+        assert events[-1].kind == "done" and started.data["dropped"] == 2
+        assert started.data["prompt_tokens"] == len(encode_chat(pair[2], turns[2:]))
+        too_long = [{"role": "user", "content": "tree " * 400}]
+        events = worker.submit(GenerationRequest(messages=too_long, max_new_tokens=8, tree=Tree.chain(4))).wait(60)
+        assert events[-1].kind == "error" and events[-1].data.startswith("Not sent:")
+        assert "shorten it" in events[-1].data
+    finally:
+        del worker.engine.max_context
