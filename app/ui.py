@@ -28,7 +28,7 @@ from engine.tree_store import build_tree
 from . import figures
 from .conversation import (MAX_IMPORT_BYTES, ContextTooLong, clean_text, display_messages, export_conversation,
                            fit_context, highlight_html, import_conversation)
-from .worker import GenerationRequest, Job, Worker
+from .worker import GenerationRequest, Job, SessionBusy, Worker
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 CSS_PATH = ASSETS / "style.css"
@@ -130,6 +130,14 @@ def resolve_tree(method: str, size: int, depth: int, acceptance) -> tuple[Tree |
     return tree, f"{kind}: {tree.size} nodes, depth {tree.depth}"
 
 
+def dropped_notice(dropped: int, context: int) -> str:
+    """What the status says when the oldest messages did not fit the context ("" for none)."""
+    if not dropped:
+        return ""
+    return (f"The {dropped} oldest message{'s' if dropped > 1 else ''} did not fit the {context}-token context "
+            f"and {'were' if dropped > 1 else 'was'} left out of the prompt (the system prompt is kept).")
+
+
 def _clamp(value, low, high, cast=float):
     try:
         value = cast(value)
@@ -198,8 +206,6 @@ class ChatApp:
             worker.tokenizer = tokenizer
         self.options = {**DEFAULTS, **(options or {})}
         self.texts = TokenTexts()
-        self.active: dict[str, Job] = {}
-        self.lock = threading.Lock()
         self.export_dir = Path(tempfile.mkdtemp(prefix="sequoia-chat-export-"))
 
     def calibration(self, temperature: float, top_p: float) -> Calibration:
@@ -239,11 +245,6 @@ class ChatApp:
                 auto, compare, highlight, request):
         c, o = self.c, self.options
         session = getattr(request, "session_hash", None) or "local"
-        with self.lock:
-            busy = self.active.get(session)
-            if busy is not None and not busy.finished:
-                yield {c.status: status_html("An answer is still streaming: wait for it or press Stop.", "warn")}
-                return
         temperature = _clamp(temperature, 0.0, 2.0)
         top_p = _clamp(top_p, 0.01, 1.0)
         max_new = int(_clamp(max_new, 1, o["max_new_tokens_limit"], int))
@@ -265,23 +266,21 @@ class ChatApp:
             yield {c.status: status_html(f"Bad tree settings: {html.escape(str(exc))}", "error")}
             return
         limit = (engine.max_context - max_new - tree_size) if getattr(engine, "max_context", 0) else None
-        tokenizer = worker.tokenizer
-        notices = []
-        try:
-            input_ids, dropped = fit_context(tokenizer, system, history, limit)
+        try:  # an early refusal only: the worker tokenises the conversation again when the job runs
+            _, dropped = fit_context(worker.tokenizer, system, history, limit)
         except ContextTooLong as exc:
             gr.Warning(str(exc))
             yield {c.status: status_html(html.escape(f"Not sent: {exc}"), "error")}
             return
-        if dropped:
-            notices.append(f"The {dropped} oldest message{'s' if dropped > 1 else ''} did not fit the "
-                           f"{engine.max_context}-token context and {'were' if dropped > 1 else 'was'} left out "
-                           f"of the prompt (the system prompt is kept).")
-        request_ = GenerationRequest(input_ids=input_ids, max_new_tokens=max_new, temperature=temperature,
-                                     top_p=top_p, tree=tree, seed=seed, method=method, compare=bool(compare))
-        job = worker.submit(request_, session=session)
-        with self.lock:
-            self.active[session] = job
+        notices = [dropped_notice(dropped, engine.max_context)] if dropped else []
+        request_ = GenerationRequest(system=system, messages=list(history), max_new_tokens=max_new,
+                                     temperature=temperature, top_p=top_p, tree=tree, seed=seed, method=method,
+                                     compare=bool(compare))
+        try:
+            job = worker.submit(request_, session=session)  # refused while this session has a job
+        except SessionBusy:
+            yield {c.status: status_html("An answer is still streaming: wait for it or press Stop.", "warn")}
+            return
         try:
             yield from self._stream(job, history, message, system, choice, tree_desc, tree, highlight, notices,
                                     dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new, seed=seed,
@@ -289,9 +288,6 @@ class ChatApp:
         finally:
             if not job.finished:
                 job.cancel()  # the browser went away or the event was cancelled
-            with self.lock:
-                if self.active.get(session) is job:
-                    del self.active[session]
 
     def _stream(self, job: Job, history, message, system, choice, tree_desc, tree, highlight, notices, settings):
         c, o = self.c, self.options
@@ -342,6 +338,8 @@ class ChatApp:
                 if kind == "started":
                     phase = event.phase
                     tokenizer = data.get("tokenizer") or tokenizer
+                    if event.phase == "main" and data.get("dropped") is not None:  # as the worker fitted it
+                        notice = dropped_notice(data["dropped"], getattr(self.worker.engine, "max_context", 0))
                     if phase == "main":
                         tc = data.get("tree_choice")
                         if tc is not None:

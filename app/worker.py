@@ -1,16 +1,20 @@
 """One background thread owns the engine; requests from every browser tab queue on it.
 
 Each request is a :class:`Job` with its own event queue and cancel flag. The worker iterates
-``engine.stream()`` and checks the flag after every step, so Stop takes effect within one step;
-a cancelled generator is closed and dropped. An exception inside the engine ends that job with
-an ``error`` event and the worker goes on serving the next one. Loading another model pair is a
-job too, so it never swaps the models under a running generation, and a failed load keeps the
-previous pair.
+``engine.stream()`` and checks the flag after every step, and the engine consults it between the
+prompt's prefill chunks, so Stop takes effect within one step or one chunk; a cancelled generator
+is closed and dropped. An exception inside the engine ends that job with an ``error`` event and
+the worker goes on serving the next one. Loading another model pair is a job too, so it never
+swaps the models under a running generation, and a failed load keeps the previous pair. The load
+itself runs on a thread of its own: Stop answers ``cancelled`` at once (a download cannot be
+interrupted), and the orphaned load stops after the model in progress, its result discarded.
 
 Events (``Event.kind``), in order:
 
 - ``queued`` (data: jobs ahead of this one) while waiting;
-- ``started`` (data: ``{"phase", "tree", "tree_choice"}``) when a decoding phase begins;
+- ``started`` (data: ``{"phase", "tree", "tree_choice", "tokenizer", "pair_version", "prompt_tokens",
+  "dropped"}``) when a decoding phase begins; ``dropped``: the oldest messages left out of a
+  conversation that did not fit the context;
 - ``step`` (data: a :class:`~engine.records.StepRecord`; ``phase`` says which run);
 - ``finished`` (data: ``{"phase", "steps", "tokens", "seconds", "prefill_s", "finish_reason"}``) per phase;
 - ``progress`` (data: a message) while loading models;
@@ -21,6 +25,7 @@ Generation phases: ``main`` (the requested method and tree) and, in compare mode
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import os
@@ -28,6 +33,7 @@ import queue
 import re
 import threading
 import time
+import traceback
 from collections import deque
 from pathlib import Path
 from collections.abc import Callable, Iterator
@@ -36,7 +42,8 @@ from typing import Any
 
 import torch
 
-from engine.errors import EngineError, ModelLoadError
+from app.conversation import ContextTooLong, fit_context
+from engine.errors import EngineError, GenerationCancelled, ModelLoadError
 from engine.kernels import prepare
 from engine.quantize import draft_format
 from engine.speculative import SpeculativeEngine
@@ -57,9 +64,14 @@ class Event:
 
 @dataclass
 class GenerationRequest:
-    """What to decode. ``tree``: a Tree, None (target alone) or "auto" (needs a tuner)."""
+    """What to decode. ``tree``: a Tree, None (target alone) or "auto" (needs a tuner).
 
-    input_ids: list[int]
+    The prompt is either ``input_ids`` or a conversation: ``messages`` (role/content turns) and an
+    optional ``system`` prompt, which the worker tokenises with the chat template when the job
+    runs, with the tokenizer of the pair in use then (a load queued before it may have changed
+    the pair), dropping the oldest turns that do not fit the context."""
+
+    input_ids: list[int] | None = None
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
@@ -67,6 +79,8 @@ class GenerationRequest:
     seed: int = 0
     method: str = "sequoia"
     compare: bool = False
+    system: str | None = None
+    messages: list[dict] | None = None
 
 
 @dataclass
@@ -79,6 +93,10 @@ class LoadRequest:
 
 
 _ids = itertools.count(1)
+
+
+class SessionBusy(RuntimeError):
+    """A session asked for another job while one of its jobs is still waiting or running."""
 
 
 @dataclass
@@ -198,18 +216,37 @@ def validate_model_id(value: str, role: str, models_dir: Path | None = None) -> 
         candidate = (root / Path(value).expanduser()).resolve()  # an absolute value replaces root here
         if candidate.is_dir():
             if root not in candidate.parents:
-                raise ModelLoadError(f"'{value}' is outside the models folder {root}: the app loads local "
-                                     f"models only from there (launch.py --models-dir)")
+                raise ModelLoadError(_outside(value, models_dir))
             return str(candidate)
+    _refuse_local_path(value, models_dir)
     if not _HUB_ID.match(value) or ".." in value:
         where = f"a folder under {models_dir}" if models_dir is not None else "a local folder (none configured)"
         raise ModelLoadError(f"'{value}' is neither {where} nor a Hugging Face id like Qwen/Qwen2.5-0.5B-Instruct")
     return value
 
 
+def _outside(value: str, models_dir: Path | None = None) -> str:
+    where = f" {Path(models_dir).expanduser().resolve()}" if models_dir is not None else ""
+    return (f"'{value}' is a local path outside the models folder{where}: the app loads local models only "
+            f"from there (launch.py --models-dir)")
+
+
+def _refuse_local_path(value: str, models_dir: Path | None) -> None:
+    """A name that is not a folder under the models folder must never reach ``from_pretrained`` as a
+    path: ``secret/model`` passes the hub-id pattern, yet transformers loads the folder of that name
+    under the server's working directory when there is one. Such names are refused."""
+    if os.path.lexists(value) or os.path.lexists(os.path.expanduser(value)):
+        raise ModelLoadError(_outside(value, models_dir))
+
+
 def _default_loader(model_id: str, dtype: torch.dtype, device: str, trust_remote_code: bool,
                     draft_format: str = "none"):
-    from engine.models import load_model
+    """:func:`engine.models.load_model` for ids :func:`validate_model_id` passed: an absolute folder
+    under the models folder, an embedded name, or a hub id, which must reach the hub (or its cache)
+    only, so one that names a path here is refused again right before loading."""
+    from engine.models import DEFAULT_IDS, load_model
+    if not os.path.isabs(model_id) and model_id not in DEFAULT_IDS:
+        _refuse_local_path(model_id, None)
     return load_model(model_id, dtype, device, trust_remote_code, draft_format)
 
 
@@ -234,6 +271,7 @@ class Worker:
         self.loader = loader or _default_loader
         self.baseline_tokens_per_s: float | None = None  # last measured target-alone rate, this pair
         self.pair_version = 0                            # bumped on every successful model swap
+        self._orphan: threading.Thread | None = None     # a stopped model load still running
         self._pending: deque[Job] = deque()
         self._current: Job | None = None
         self._cond = threading.Condition()
@@ -256,6 +294,8 @@ class Worker:
 
     # ----- submitting --------------------------------------------------------------------
     def submit(self, request: GenerationRequest, session: str | None = None) -> Job:
+        """Queue a generation. With ``session``, refused (:class:`SessionBusy`) while that session has
+        a job waiting or running: the check and the registration are one locked step."""
         return self._enqueue(Job(request, session))
 
     def load_models(self, target: str, draft: str, dtype: str = "float32", device: str = "cpu",
@@ -267,6 +307,9 @@ class Worker:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the engine worker has been closed")
+            if job.session is not None and any(
+                    j.session == job.session and not j.finished for j in [*self._pending, self._current] if j):
+                raise SessionBusy("an answer is still streaming in this session: wait for it or press Stop")
             self._pending.append(job)
             ahead = len(self._pending) - 1 + (self._current is not None)
             self._cond.notify_all()
@@ -345,14 +388,19 @@ class Worker:
 
     def _serve_generate(self, job: Job) -> None:
         request: GenerationRequest = job.request
-        main = self._decode(job, "main", request.tree, request.method)
+        try:
+            prompt = self._prompt(request)
+        except ContextTooLong as exc:
+            job._emit("error", f"Not sent: {exc}")
+            return
+        main = self._decode(job, "main", request.tree, request.method, prompt)
         if main is None:
             return
         summary = {"main": main, "compare": None}
         if request.tree is None or request.method == "autoregressive":
             self._record_baseline(main)
         if request.compare and main["steps"]:
-            compare = self._decode(job, "compare", None, request.method)
+            compare = self._decode(job, "compare", None, request.method, prompt)
             if compare is None:
                 return
             self._record_baseline(compare)
@@ -360,21 +408,38 @@ class Worker:
         summary["baseline_tokens_per_s"] = self.baseline_tokens_per_s
         job._emit("done", summary)
 
-    def _decode(self, job: Job, phase: str, tree, method: str) -> dict | None:
+    def _prompt(self, request: GenerationRequest) -> tuple[list[int], int]:
+        """``(input_ids, messages dropped)``: a conversation is tokenised now, with the pair in use."""
+        if request.messages is None:
+            return request.input_ids, 0
+        tree = request.tree
+        if request.method == "autoregressive" or tree is None:
+            size = 1
+        elif isinstance(tree, str) and tree == "auto":
+            size = self.tuner.choose(request.temperature, request.top_p).size if self.tuner is not None else 1
+        else:
+            size = getattr(tree, "size", 1)
+        context = int(getattr(self.engine, "max_context", 0) or 0)
+        limit = context - request.max_new_tokens - size if context else None
+        return fit_context(self.tokenizer, request.system, request.messages, limit)
+
+    def _decode(self, job: Job, phase: str, tree, method: str, prompt: tuple[list[int], int]) -> dict | None:
         """One decoding run; its ``finished`` data, or None when it was cancelled or failed."""
         request: GenerationRequest = job.request
         engine = self.engine
+        input_ids, dropped = prompt
         start = time.perf_counter()
         try:
-            stream = engine.stream(request.input_ids, max_new_tokens=request.max_new_tokens,
+            stream = engine.stream(input_ids, max_new_tokens=request.max_new_tokens,
                                    temperature=request.temperature, top_p=request.top_p, tree=tree,
-                                   seed=request.seed, method=method)
+                                   seed=request.seed, method=method, should_stop=lambda: job.cancelled)
         except Exception as exc:  # noqa: BLE001 - bad parameters become an error event
             job._emit("error", _message(exc))
             return None
         choice = getattr(engine, "last_tree_choice", None) if tree == "auto" else None
         job._emit("started", {"phase": phase, "tree": choice.tree if choice else tree, "tree_choice": choice,
-                              "tokenizer": self.tokenizer, "pair_version": self.pair_version}, phase)
+                              "tokenizer": self.tokenizer, "pair_version": self.pair_version,
+                              "prompt_tokens": len(input_ids), "dropped": dropped}, phase)
         steps, tokens = 0, 0
         finish_reason = None
         decode_s = 0.0
@@ -387,6 +452,8 @@ class Worker:
                 job._emit("step", record, phase)
                 if job.cancelled:
                     break
+        except GenerationCancelled:
+            pass  # stopped during the prefill (or between steps): reported below
         except Exception as exc:  # noqa: BLE001 - an engine failure mid-answer ends this job only
             log.exception("engine failed during job %s", job.id)
             job._emit("error", _message(exc))
@@ -422,28 +489,102 @@ class Worker:
                                  "--trust-remote-code to allow it")
         target_id = validate_model_id(request.target, "target", self.models_dir)
         draft_id = validate_model_id(request.draft, "draft", self.models_dir)
-        dtype = DTYPES[request.dtype]
+        if not self._wait_for_orphan(job):
+            job._emit("cancelled")
+            return
         job._emit("progress", f"loading target {target_id} …")
-        target, tokenizer = self.loader(target_id, dtype, device, request.trust_remote_code)
-        if job.cancelled:
+        box: dict = {}
+        done = threading.Event()
+
+        def load() -> None:
+            torch.set_grad_enabled(False)
+            try:
+                loaded = self._load_pair(job, target_id, draft_id, DTYPES[request.dtype], device,
+                                         request.trust_remote_code)
+                if loaded is not None and not job.cancelled:
+                    box["loaded"] = loaded
+                del loaded  # a cancelled job's result goes with this thread
+            except Exception as exc:  # noqa: BLE001 - a failed load keeps the previous pair
+                _release(exc, f"loading {target_id} + {draft_id} failed")
+                box["error"] = _message(exc)
+            finally:
+                done.set()
+                if job.cancelled:  # an orphaned result: free it (and its reference cycles) now
+                    box.clear()
+                    gc.collect()
+
+        thread = threading.Thread(target=load, name=f"load-{job.id}", daemon=True)
+        thread.start()
+        while not done.wait(0.05):
+            if job.cancelled:  # the load runs on, orphaned: it stops after the model in progress
+                self._orphan = thread
+                job._emit("cancelled")
+                return
+        if "error" in box:
+            job._emit("error", box["error"])
+            return
+        loaded = box.pop("loaded", None)
+        if loaded is None or job.cancelled:
             job._emit("cancelled")
             return
-        job._emit("progress", f"loading draft {draft_id} …")
-        draft, draft_tokenizer = self.loader(draft_id, dtype, device, request.trust_remote_code,
-                                             draft_format=self.draft_format)
-        from engine.models import check_same_vocabulary
-        check_same_vocabulary(tokenizer, draft_tokenizer, target_id, draft_id)
-        job._emit("progress", "building the engine …")
-        engine = make_engine(target, draft, tokenizer)
-        if job.cancelled:
-            job._emit("cancelled")
-            return
-        self.engine, self.tokenizer = engine, tokenizer
-        self.info = describe_pair(target, draft, target_id, draft_id)
+        self.engine, self.tokenizer = loaded["engine"], loaded["tokenizer"]
+        self.info = describe_pair(loaded["target"], loaded["draft"], target_id, draft_id)
         self.tuner = None  # a calibration belongs to the pair it was measured on
         self.baseline_tokens_per_s = None
         self.pair_version += 1
+        if self.loader is _default_loader:  # the loader's memo now holds this pair, and only it
+            from engine.models import keep_pair
+            keep_pair((loaded["target"], loaded["tokenizer"]), (loaded["draft"], loaded["draft_tokenizer"]))
         job._emit("done", {"info": dict(self.info)})
+
+    def _wait_for_orphan(self, job: Job) -> bool:
+        """Let a stopped load that still runs finish before starting another (at most one pair in
+        flight beside the one in use); False when ``job`` is cancelled meanwhile."""
+        orphan = self._orphan
+        if orphan is None or not orphan.is_alive():
+            self._orphan = None
+            return True
+        job._emit("progress", "waiting for a stopped load to finish …")
+        while orphan.is_alive():
+            if job.cancelled:
+                return False
+            orphan.join(0.05)
+        self._orphan = None
+        return True
+
+    def _load_pair(self, job: Job, target_id: str, draft_id: str, dtype: torch.dtype, device: str,
+                   trust_remote_code: bool) -> dict | None:
+        """Target, draft (same vocabulary) and their engine; None when the job was cancelled meanwhile.
+        Nothing of a failed or cancelled attempt outlives this call (the caller clears the traceback)."""
+        target, tokenizer = self.loader(target_id, dtype, device, trust_remote_code)
+        if job.cancelled:
+            return None
+        job._emit("progress", f"loading draft {draft_id} …")
+        draft, draft_tokenizer = self.loader(draft_id, dtype, device, trust_remote_code,
+                                             draft_format=self.draft_format)
+        from engine.models import check_same_vocabulary
+        check_same_vocabulary(tokenizer, draft_tokenizer, target_id, draft_id)
+        if job.cancelled:
+            return None
+        job._emit("progress", "building the engine …")
+        engine = make_engine(target, draft, tokenizer)
+        return {"engine": engine, "target": target, "draft": draft, "tokenizer": tokenizer,
+                "draft_tokenizer": draft_tokenizer}
+
+
+def _release(exc: BaseException, what: str) -> None:
+    """Log a failure, then clear the frames of its traceback: they hold the models a failed load had
+    loaded so far (a target of several GiB), and the exception may be kept (a log handler keeping
+    records, a debugger). The traceback is logged as text for the same reason."""
+    if isinstance(exc, EngineError):
+        log.warning("%s: %s", what, exc)
+    else:
+        log.error("%s:\n%s", what, "".join(traceback.format_exception(exc)).rstrip())
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 def _message(exc: BaseException) -> str:

@@ -27,3 +27,7 @@ class ContextOverflowError(EngineError):
 
 class InvalidDistributionError(EngineError, ValueError):
     """A probability vector or logits row with NaN/+inf entries or no mass (a broken model or dtype)."""
+
+
+class GenerationCancelled(EngineError):
+    """The caller asked a generation to stop (``should_stop``) before it finished."""

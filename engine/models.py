@@ -6,7 +6,6 @@ load in seconds. Every failure becomes a one-line :class:`ModelLoadError` naming
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import json
@@ -14,6 +13,8 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,17 +180,29 @@ def _save_dequantised(model, tokenizer, directory: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@functools.lru_cache(maxsize=2)
+# The models of the pair in use, by how they were loaded, and nothing else: asking again for one of
+# them returns the same objects instead of a second copy of the weights. A memo of recent loads
+# (an lru_cache) would also keep a target whose draft then failed validation: 6.6 GiB pinned.
+_in_use: dict[tuple, tuple[torch.nn.Module, object]] = {}
+_load_keys: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_in_use_lock = threading.Lock()
+
+
 def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
                trust_remote_code: bool = False, draft_format: str = "none"):
     """Load ``(model, tokenizer)`` from an embedded name, an HF hub id or a local directory.
 
     Downloads show a progress bar; ``HF_HUB_OFFLINE=1`` is respected (a model that is not cached
     then gives a clear error). ``draft_format`` quantises the model for drafting
-    (:func:`engine.quantize.quantize_draft`; ``none`` leaves it as loaded). The last two loads are
-    memoised, quantised as asked: asking again for a loaded model returns the same objects
-    instead of a second copy of the weights, and a quantised draft's float original is let go.
+    (:func:`engine.quantize.quantize_draft`; ``none`` leaves it as loaded), and a quantised
+    draft's float original is let go. A model of the pair in use (:func:`keep_pair`, which
+    :func:`load_pair` calls once a pair validates) asked for again with the same arguments is
+    returned as is; anything else is loaded afresh and remembered by nobody but the caller.
     """
+    key = (model_id, dtype, device, trust_remote_code, draft_format)
+    with _in_use_lock:
+        if key in _in_use:
+            return _in_use[key]
     quantized_cache = None
     with returning_freed_memory():
         if model_id in DEFAULT_IDS:
@@ -197,7 +210,20 @@ def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = 
             quantized_cache = _dequantised_dir(DEFAULT_IDS[model_id], dtype)  # pinned weights: safe to key on
         else:
             model, tokenizer = _load_hub_model(model_id, dtype, trust_remote_code)
-        return quantize_draft(place(model, device).eval(), draft_format, quantized_cache), tokenizer
+        model = quantize_draft(place(model, device).eval(), draft_format, quantized_cache)
+    with _in_use_lock:
+        _load_keys[model] = key
+    return model, tokenizer
+
+
+def keep_pair(*loaded) -> None:
+    """Make ``loaded`` (``(model, tokenizer)`` as :func:`load_model` returned them) the only models
+    remembered: the pair now in use. Everything remembered before is let go (its users may still
+    hold it); models :func:`load_model` did not load are not remembered. ``keep_pair()`` forgets all."""
+    with _in_use_lock:
+        entries = {_load_keys[m]: (m, t) for m, t in loaded if m in _load_keys}
+        _in_use.clear()
+        _in_use.update(entries)
 
 
 def place(model: torch.nn.Module, device: str) -> torch.nn.Module:
@@ -271,12 +297,17 @@ def load_pair(target_id: str = "default-target", draft_id: str = "default-draft"
     if offload and not str(device).startswith("cuda"):
         raise ModelLoadError(f"offloading streams the target's weights to a CUDA GPU: use --device cuda, not {device}")
     target, tokenizer = load_model(target_id, dtype, "cpu" if offload else device, trust_remote_code)
-    if offload:
-        from .offload import stream_layers
+    try:
+        if offload:
+            from .offload import stream_layers
 
-        stream_layers(target, device)
-    draft, draft_tokenizer = load_model(draft_id, dtype, device, trust_remote_code, draft_format)
-    check_same_vocabulary(tokenizer, draft_tokenizer, target_id, draft_id)
+            stream_layers(target, device)
+        draft, draft_tokenizer = load_model(draft_id, dtype, device, trust_remote_code, draft_format)
+        check_same_vocabulary(tokenizer, draft_tokenizer, target_id, draft_id)
+    except BaseException:
+        target = draft = None  # the traceback keeps this frame: it must not keep the failed pair's target
+        raise
+    keep_pair((target, tokenizer), (draft, draft_tokenizer))
     if prepare:
         from .kernels import prepare as prepare_models
 

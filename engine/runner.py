@@ -43,8 +43,9 @@ class DynamicRunner:
         self.cache = DynamicCache(config=self.model.config)
 
     def forward(self, token_ids: list[int], start: int, tail: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
-        """Float32 logits ``[q or logits_to_keep, V]`` of ``token_ids`` written after ``start`` slots."""
+                positions: torch.Tensor | None = None, logits_to_keep: int = 0, eager: bool = False) -> torch.Tensor:
+        """Float32 logits ``[q or logits_to_keep, V]`` of ``token_ids`` written after ``start`` slots
+        (``eager``: for the static runner's signature; this one always runs eagerly)."""
         q = len(token_ids)  # a causal chunk (tail None) keeps HF's own causal masking
         mask = None if tail is None else additive_mask(tail.to(self.device), start, start + q, self.model.dtype)
         return run_model(self.model, self.cache, _ids(token_ids, self.device), _positions(positions, start, q, self.device),
@@ -110,7 +111,7 @@ class StaticRunner:
 
     Attention reads a window of :func:`window_bucket` slots, not all ``max_len``. ``cuda_graphs``
     (CUDA only) captures one graph per ``(q, logits_to_keep, window)`` the first time it is
-    needed. A generation's first forward (``start == 0``: the prompt) and widths above
+    needed. The prompt's forwards (``start == 0`` or ``eager``) and widths above
     ``max_graph_width`` always run eagerly.
     """
 
@@ -134,15 +135,17 @@ class StaticRunner:
         """Nothing to free: stale slots are hidden by the masks and overwritten."""
 
     def forward(self, token_ids: list[int], start: int, tail: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
-        """Float32 logits ``[q or logits_to_keep, V]`` of ``token_ids`` written at slots ``start..``."""
+                positions: torch.Tensor | None = None, logits_to_keep: int = 0, eager: bool = False) -> torch.Tensor:
+        """Float32 logits ``[q or logits_to_keep, V]`` of ``token_ids`` written at slots ``start..``;
+        ``eager`` never uses (or captures) a CUDA graph: the prompt's chunks, one width each time."""
         q = len(token_ids)
         if start + q > self.max_len:
             raise RuntimeError(f"static KV cache full: {start + q} > {self.max_len} slots")
         tail = (causal_tail(q) if tail is None else tail).to(self.device, non_blocking=True)
         positions = _positions(positions, start, q, self.device)
         self.window.slots = window_bucket(start + q, self.max_len)
-        graph = self._graph(q, logits_to_keep, start) if self.cuda_graphs and start > 0 and q <= self.max_graph_width else None
+        graph = self._graph(q, logits_to_keep, start) \
+            if self.cuda_graphs and not eager and start > 0 and q <= self.max_graph_width else None
         self.start.fill_(start)
         if graph is None:
             mask = additive_mask(tail, start, self.window.slots, self.model.dtype)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from .errors import ContextOverflowError, InvalidParameterError, VocabularyMismatchError
+from .errors import ContextOverflowError, GenerationCancelled, InvalidParameterError, VocabularyMismatchError
 from .records import GenerationResult, StepRecord, StepTimings
 from .sampling import choose_level_children, logits_to_probs
 from .tree import Tree
@@ -42,6 +42,8 @@ class DecodeParams:
 
 class SpeculativeEngine:
     """Tree speculative decoding for a target/draft pair of HF causal LMs sharing a vocabulary."""
+
+    prefill_chunk = 256  # prompt tokens per prefill forward; ``should_stop`` is consulted between chunks
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None = None,
                  stop_token_ids: list[int] | None = None, tuner=None, static_cache: bool | None = None,
@@ -103,7 +105,8 @@ class SpeculativeEngine:
 
     def stream(self, input_ids: list[int], max_new_tokens: int = 64, temperature: float = 0.0,
                top_p: float = 1.0, tree: Tree | str | None = None, seed: int = 0,
-               stop_token_ids: list[int] | None = None, method: str = "sequoia") -> Iterator[StepRecord]:
+               stop_token_ids: list[int] | None = None, method: str = "sequoia",
+               should_stop: Callable[[], bool] | None = None) -> Iterator[StepRecord]:
         """Yield one :class:`StepRecord` per draft/verify step until a stop token or the budget.
 
         ``input_ids``: the prompt (non-empty list of token ids). ``tree=None`` decodes with the
@@ -119,15 +122,20 @@ class SpeculativeEngine:
 
         ``tree="auto"`` lets the hardware-aware optimizer choose (needs ``tuner``). Parameters are
         validated here, before the first step, so bad input raises at call time.
+
+        ``should_stop``: called before every prefill chunk (``prefill_chunk`` prompt tokens) and
+        every step; when it returns true the iteration raises :class:`GenerationCancelled`, so a
+        long prompt can be stopped within one chunk.
         """
         params = self._validate(input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids, method)
         if params.tree.depth > 0 and self.draft is None:
             raise InvalidParameterError("a tree with draft tokens needs a draft model: pass draft= or use tree=None")
-        return self._steps(_DecodeState(self, list(input_ids), params))
+        return self._steps(_DecodeState(self, list(input_ids), params), should_stop)
 
-    def _steps(self, state: "_DecodeState") -> Iterator[StepRecord]:
-        self.last_prefill_s = state.prefill()
+    def _steps(self, state: "_DecodeState", should_stop: Callable[[], bool] | None = None) -> Iterator[StepRecord]:
+        self.last_prefill_s = state.prefill(should_stop)
         while not state.finished:
+            _check_stop(should_stop)
             yield state.step()
 
     # ----- validation -----------------------------------------------------------------------
@@ -190,12 +198,23 @@ class _DecodeState:
     def generated(self) -> int:
         return len(self.seq) - self.prompt_len
 
-    def prefill(self) -> float:
-        """Run the prompt minus its last token through the target; returns seconds."""
+    def prefill(self, should_stop: Callable[[], bool] | None = None) -> float:
+        """Run the prompt minus its last token through the target, then the draft, in chunks of
+        ``engine.prefill_chunk`` tokens (the same caches as one forward), consulting ``should_stop``
+        before each chunk (raises :class:`GenerationCancelled`); returns seconds."""
         start = time.perf_counter()
-        if len(self.seq) > 1:
-            with torch.inference_mode():
-                self.target_runner.forward(self.seq[:-1], start=0, logits_to_keep=1)
+        prompt = self.seq[:-1]
+        with torch.inference_mode():
+            for runner in (self.target_runner, self.draft_runner):
+                if runner is None:
+                    continue
+                # a streamed (offloaded) model pays one pass over its weights per forward: fewer, longer chunks
+                chunk = max(1, int(self.engine.prefill_chunk)) * (16 if _streamed(runner.model) else 1)
+                for begin in range(0, len(prompt), chunk):
+                    _check_stop(should_stop)
+                    runner.forward(prompt[begin:begin + chunk], start=begin, logits_to_keep=1, eager=True)
+            if self.draft_runner is not None:
+                self.draft_len = len(prompt)
         return time.perf_counter() - start
 
     def step(self) -> StepRecord:
@@ -326,6 +345,15 @@ def _child_probs(tree: Tree, tokens: list[int], parent_probs: torch.Tensor) -> l
     parents = torch.tensor(tree.parents[1:])
     children = torch.tensor(tokens[1:])
     return [1.0] + parent_probs[parents, children].tolist()
+
+
+def _check_stop(should_stop: Callable[[], bool] | None) -> None:
+    if should_stop is not None and should_stop():
+        raise GenerationCancelled("generation stopped on request")
+
+
+def _streamed(model: torch.nn.Module) -> bool:
+    return getattr(model, "_layer_streamer", None) is not None
 
 
 def graphable(model: torch.nn.Module) -> bool:

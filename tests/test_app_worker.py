@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from app.worker import GenerationRequest, Worker, make_engine, validate_model_id
 from engine.errors import ModelLoadError
@@ -245,3 +246,315 @@ def test_models_panel_counts_and_names_a_quantised_draft(fmt):
     assert abs(info["draft_params"] - floats) <= 1e-3 * floats  # packed weights count (int8 hides its biases)
     assert f"{fmt} weights" in pair_markdown(info)
     assert "weights" not in pair_markdown(describe_pair(target, draft, "t", "d")).split("**draft**")[1].split("\n")[0]
+
+
+# ----- review findings: --models-dir bypass, pinned models, prompt Stop, swaps racing chats ----------
+def _save_tiny_model(directory, vocab_words: int, seed: int = 0):
+    """A tiny Qwen2 with a word-level tokenizer of ``vocab_words`` words, saved with save_pretrained."""
+    import tiny_models as tm
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>"] + [f"w{i}" for i in range(vocab_words)])}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>")),
+                                        unk_token="<unk>")
+    tm.qwen2(seed=seed, vocab_size=len(vocab)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def test_a_hub_id_naming_a_folder_in_the_working_directory_is_refused(pair, tmp_path, monkeypatch):
+    """``secret/model`` looks like a hub id, but from_pretrained would load the folder of that name under
+    the server's working directory: outside --models-dir, so it must be refused and never read."""
+    import transformers
+
+    from app.worker import _default_loader
+
+    _save_tiny_model(tmp_path / "secret" / "model", 31)
+    models = tmp_path / "models"
+    models.mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    read = []
+    for cls in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
+        original = cls.from_pretrained.__func__
+
+        def spy(klass, name, *args, original=original, **kwargs):
+            read.append(str(name))
+            return original(klass, name, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(spy))
+    for value in ("secret/model", "secret", "./secret/model"):
+        with pytest.raises(ModelLoadError, match="outside the models folder"):
+            validate_model_id(value, "target", models)
+        with pytest.raises(ModelLoadError, match="outside the models folder"):
+            validate_model_id(value, "target")
+    with pytest.raises(ModelLoadError, match="outside the models folder"):
+        _default_loader("secret/model", torch.float32, "cpu", False)  # the loader refuses it too
+    target, draft, tokenizer = pair
+    w = Worker.from_models(target, draft, tokenizer, "a", "b", models_dir=models)
+    try:
+        events = w.load_models("secret/model", "secret/model").wait(30)
+        assert events[-1].kind == "error" and "outside the models folder" in events[-1].data
+        assert w.info["target"] == "a" and w.pair_version == 0
+    finally:
+        w.close()
+    assert read == [], f"read from disk: {read}"
+    assert validate_model_id("Qwen/Qwen2.5-0.5B-Instruct", "target", models) == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_a_failed_pair_load_keeps_no_model_of_the_attempt_referenced(pair, tmp_path, monkeypatch):
+    """Target and draft with different vocabularies: the load fails, and once it has, no model of
+    that attempt is referenced anywhere (no loader cache pins the target); the pair stays usable."""
+    import gc
+    import weakref
+
+    from engine import models as engine_models
+
+    root = tmp_path / "models"
+    _save_tiny_model(root / "org" / "target", 31, seed=0)
+    _save_tiny_model(root / "org" / "draft", 40, seed=1)
+    loaded = []
+    original = engine_models._load_hub_model
+
+    def spy(*args, **kwargs):
+        model, tok = original(*args, **kwargs)
+        loaded.append(weakref.ref(model))
+        return model, tok
+
+    monkeypatch.setattr(engine_models, "_load_hub_model", spy)
+    target, draft, tokenizer = pair
+    w = Worker.from_models(target, draft, tokenizer, "a", "b", models_dir=root, draft_format="none")
+    try:
+        events = w.load_models("org/target", "org/draft").wait(60)
+        assert events[-1].kind == "error" and "different vocabularies" in events[-1].data
+        assert len(loaded) == 2
+        assert support.wait_until(lambda: (gc.collect(), all(r() is None for r in loaded))[1], 5), \
+            "a model of the failed load is still referenced"
+        assert w.info["target"] == "a" and w.pair_version == 0
+        ids = prompt(pair)
+        events = w.submit(GenerationRequest(ids, max_new_tokens=8, tree=TREE)).wait(60)
+        assert tokens_of(events) == reference(pair, ids, max_new_tokens=8, tree=TREE)
+    finally:
+        w.close()
+
+
+def test_stop_during_a_long_prefill_skips_the_remaining_chunks(pair):
+    """A conversation of ~800 tokens prefills in several chunks; Stop pressed while the first chunk
+    runs ends the job as cancelled before any other chunk (or the draft, or a step) runs."""
+    import threading
+
+    target, draft, tokenizer = pair
+    w = Worker(make_engine(target, draft, tokenizer), tokenizer, {"target": "t", "draft": "d"})
+    ids = prompt(pair, "word " * 800)
+    assert len(ids) - 1 > 2 * 256  # three chunks at least
+    entered, resume, calls = threading.Event(), threading.Event(), []
+
+    def hook(name):
+        def pre_hook(module, args, kwargs):
+            calls.append(name)
+            if len(calls) == 1:
+                entered.set()
+                resume.wait(10)
+        return pre_hook
+
+    handles = [target.register_forward_pre_hook(hook("target"), with_kwargs=True),
+               draft.register_forward_pre_hook(hook("draft"), with_kwargs=True)]
+    try:
+        job = w.submit(GenerationRequest(ids, max_new_tokens=50, tree=TREE))
+        assert entered.wait(30)
+        job.cancel()  # from this thread, while the worker runs the first chunk
+        resume.set()
+        events = job.wait(30)
+    finally:
+        resume.set()
+        for handle in handles:
+            handle.remove()
+        w.close()
+    assert events[-1].kind == "cancelled"
+    assert not any(e.kind == "step" for e in events)
+    assert calls == ["target"], calls
+
+
+def test_stop_answers_a_blocked_model_load_within_a_second(pair):
+    """A load stuck in its loader (a slow download) is answered ``cancelled`` within 1 s of Stop; the
+    orphaned load's result is discarded and freed once it returns, and the pair stays in use."""
+    import gc
+    import threading
+    import time
+    import weakref
+
+    import tiny_models as tm
+
+    target, draft, tokenizer = pair
+    gate, made = threading.Event(), []
+
+    def loader(model_id, dtype, device, trust_remote_code, draft_format="none"):
+        gate.wait(30)
+        model = tm.qwen2()
+        made.append(weakref.ref(model))
+        return model, tokenizer
+
+    w = Worker.from_models(target, draft, tokenizer, "a", "b", loader=loader)
+    try:
+        job = w.load_models("org/target", "org/draft")
+        events = job.iter_events(timeout=10)
+        assert next(events).kind == "progress"
+        stopped = time.monotonic()
+        job.cancel()
+        last = job.wait(2)[-1]
+        assert last.kind == "cancelled" and time.monotonic() - stopped < 1.0
+        gate.set()
+        assert support.wait_until(lambda: bool(made), 10)
+        assert support.wait_until(lambda: (gc.collect(), all(r() is None for r in made))[1], 10), \
+            "the cancelled load's model is still referenced"
+        assert w.info["target"] == "a" and w.pair_version == 0
+        ids = prompt(pair)
+        events = w.submit(GenerationRequest(ids, max_new_tokens=8, tree=TREE)).wait(60)
+        assert tokens_of(events) == reference(pair, ids, max_new_tokens=8, tree=TREE)
+    finally:
+        gate.set()
+        w.close()
+
+
+class RecordingTokenizer:
+    """A tokenizer stand-in: the real one, with every chat-template call recorded under ``name``."""
+
+    def __init__(self, inner, name: str, log: list) -> None:
+        self._inner, self._name, self._log = inner, name, log
+
+    def apply_chat_template(self, *args, **kwargs):
+        self._log.append(self._name)
+        return self._inner.apply_chat_template(*args, **kwargs)
+
+    def __len__(self):
+        return len(self._inner)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_a_chat_queued_behind_a_model_load_is_tokenised_with_the_new_pair(pair):
+    """The UI submits a chat while a model load is running: the prompt is tokenised (and its context
+    checked) when the job runs, with the tokenizer of the pair the load put in place."""
+    import threading
+
+    from app.ui import build_demo
+
+    target, draft, real = pair
+    used: list[str] = []
+    old, new = RecordingTokenizer(real, "old", used), RecordingTokenizer(real, "new", used)
+    gate = threading.Event()
+
+    def loader(model_id, dtype, device, trust_remote_code, draft_format="none"):
+        gate.wait(30)
+        return (target if model_id == "org/target" else draft), new
+
+    w = Worker.from_models(target, draft, old, "a", "b", loader=loader)
+    try:
+        app = build_demo(w, old).chat_app
+        load = w.load_models("org/target", "org/draft")
+        used.clear()
+        # message, history, run, system, temperature, top_p, max_new, seed, method, size, depth, auto, compare, highlight
+        chat = app.respond("Which tokenizer reads me?", [], None, "", 0.0, 1.0, 8, 0, "sequoia", 8, 4,
+                           False, False, False)
+        next(chat)  # submitted: waiting behind the load
+        assert w.busy == 2
+        gate.set()
+        assert load.wait(30)[-1].kind == "done"
+        final = list(chat)[-1]
+        assert used and used[-1] == "new" and "new" in used, used
+        history = final[app.c.history]
+        assert history[-1]["role"] == "assistant" and history[-1]["content"]
+    finally:
+        gate.set()
+        w.close()
+
+
+def test_the_worker_tokenises_a_conversation_when_the_job_runs(pair):
+    import threading
+
+    target, draft, real = pair
+    used: list[str] = []
+    old, new = RecordingTokenizer(real, "old", used), RecordingTokenizer(real, "new", used)
+    gate = threading.Event()
+
+    def loader(model_id, dtype, device, trust_remote_code, draft_format="none"):
+        gate.wait(30)
+        return (target if model_id == "org/target" else draft), new
+
+    w = Worker.from_models(target, draft, old, "a", "b", loader=loader)
+    try:
+        load = w.load_models("org/target", "org/draft")
+        messages = [{"role": "user", "content": "Which tokenizer reads me?"}]
+        chat = w.submit(GenerationRequest(system="Be brief.", messages=messages, max_new_tokens=8, tree=TREE),
+                        session="tab")
+        gate.set()
+        assert load.wait(30)[-1].kind == "done"
+        events = chat.wait(60)
+        assert events[-1].kind == "done", events[-1]
+        started = next(e for e in events if e.kind == "started")
+        assert used == ["new"] and started.data["tokenizer"] is new and started.data["dropped"] == 0
+        ids = encode_chat(real, [{"role": "system", "content": "Be brief."}] + messages)
+        assert tokens_of(events) == reference(pair, ids, max_new_tokens=8, tree=TREE)
+    finally:
+        gate.set()
+        w.close()
+
+
+def test_one_session_gets_one_job_however_many_threads_submit_at_once(pair):
+    """Eight threads submit for one browser session at the same moment: exactly one job is accepted
+    (checking for a pending or running job and registering the new one is one locked step)."""
+    import threading
+
+    from app.worker import SessionBusy
+
+    target, draft, tokenizer = pair
+    gate = threading.Event()
+
+    def loader(model_id, dtype, device, trust_remote_code, draft_format="none"):
+        gate.wait(30)
+        return (target if model_id == "org/target" else draft), tokenizer
+
+    w = Worker.from_models(target, draft, tokenizer, "a", "b", loader=loader)
+    ids = prompt(pair)
+    barrier = threading.Barrier(8)
+
+    def submit():
+        barrier.wait()
+        try:
+            return w.submit(GenerationRequest(ids, max_new_tokens=4, tree=TREE), session="tab")
+        except SessionBusy:
+            return None
+
+    try:
+        w.load_models("org/target", "org/draft")  # keeps the worker busy: every chat stays pending
+        jobs = support.run_in_threads([submit] * 8)
+        accepted = [j for j in jobs if j is not None]
+        assert len(accepted) == 1, f"{len(accepted)} jobs accepted for one session"
+        other = w.submit(GenerationRequest(ids, max_new_tokens=4, tree=TREE), session="another tab")
+        gate.set()
+        assert accepted[0].wait(60)[-1].kind == "done" and other.wait(60)[-1].kind == "done"
+        again = w.submit(GenerationRequest(ids, max_new_tokens=4, tree=TREE), session="tab")  # free again
+        assert again.wait(60)[-1].kind == "done"
+    finally:
+        gate.set()
+        w.close()
+
+
+def test_the_worker_fits_the_conversation_to_the_context_when_the_job_runs(worker, pair):
+    worker.engine.max_context = 160  # the wrapper's view, which the worker budgets against
+    try:
+        long = "tree " * 60
+        turns = [{"role": "user", "content": long}, {"role": "assistant", "content": "ok"},
+                 {"role": "user", "content": long}]
+        events = worker.submit(GenerationRequest(messages=turns, max_new_tokens=8, tree=Tree.chain(4))).wait(60)
+        started = next(e for e in events if e.kind == "started")
+        assert events[-1].kind == "done" and started.data["dropped"] == 2
+        assert started.data["prompt_tokens"] == len(encode_chat(pair[2], turns[2:]))
+        too_long = [{"role": "user", "content": "tree " * 400}]
+        events = worker.submit(GenerationRequest(messages=too_long, max_new_tokens=8, tree=Tree.chain(4))).wait(60)
+        assert events[-1].kind == "error" and events[-1].data.startswith("Not sent:")
+        assert "shorten it" in events[-1].data
+    finally:
+        del worker.engine.max_context

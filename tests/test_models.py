@@ -152,3 +152,58 @@ def test_disk_full_while_caching_weights_leaves_no_half_written_cache(tmp_path, 
     monkeypatch.undo()
     models._save_dequantised(model, tokenizer, target)  # with space, the cache is written whole
     assert (target / "model.safetensors").exists() and (target / "config.json").exists()
+
+
+def _save_tiny(directory: Path, words: int, seed: int = 0) -> None:
+    import tiny_models as tm
+    tm.qwen2(seed=seed, vocab_size=words + 1).save_pretrained(directory)
+    _tokenizer([f"w{i}" for i in range(words)]).save_pretrained(directory)
+
+
+def test_a_failed_pair_load_leaves_only_the_pair_in_use_referenced(tmp_path, monkeypatch):
+    """Loading a pair whose draft fails validation keeps no model of that attempt alive (no loader
+    cache pins its target); the pair in use stays the one asked for again, and still runs."""
+    import gc
+    import weakref
+
+    from engine import models
+    from engine.errors import VocabularyMismatchError
+    from engine.speculative import SpeculativeEngine
+    from engine.tree import Tree
+
+    _save_tiny(tmp_path / "good-target", 31, seed=0)
+    _save_tiny(tmp_path / "good-draft", 31, seed=1)
+    _save_tiny(tmp_path / "other-target", 31, seed=2)
+    _save_tiny(tmp_path / "odd-draft", 40, seed=3)
+    made: dict[str, list] = {}
+    original = models._load_hub_model
+
+    def spy(model_id, *args, **kwargs):
+        model, tokenizer = original(model_id, *args, **kwargs)
+        made.setdefault(Path(model_id).name, []).append(weakref.ref(model))
+        return model, tokenizer
+
+    monkeypatch.setattr(models, "_load_hub_model", spy)
+    ids = {name: str(tmp_path / name) for name in ("good-target", "good-draft", "other-target", "odd-draft")}
+
+    target, draft, tokenizer = models.load_pair(ids["good-target"], ids["good-draft"], draft_format="none")
+    failed = False
+    try:
+        models.load_pair(ids["other-target"], ids["odd-draft"], draft_format="none")
+    except VocabularyMismatchError:
+        failed = True  # the exception (and its traceback) is gone once this block ends
+    assert failed
+    gc.collect()
+    assert [r() for r in made["other-target"] + made["odd-draft"]] == [None, None], \
+        "a model of the failed pair is still referenced"
+    again = models.load_pair(ids["good-target"], ids["good-draft"], draft_format="none")
+    assert again[0] is target and again[1] is draft  # the pair in use, not a second copy
+    assert len(made["good-target"]) == len(made["good-draft"]) == 1
+    engine = SpeculativeEngine(target, draft, stop_token_ids=[])
+    assert len(engine.generate([1, 2, 3], max_new_tokens=5, tree=Tree.chain(2)).tokens) == 5
+    # a new pair in use replaces the old one: nothing keeps the old pair once its user lets it go
+    old = [weakref.ref(target), weakref.ref(draft)]
+    del target, draft, tokenizer, again, engine
+    models.load_pair(ids["other-target"], ids["good-draft"], draft_format="none")
+    gc.collect()
+    assert old[0]() is None and old[1]() is not None  # the draft is part of the new pair

@@ -7,7 +7,7 @@ import torch
 
 import tiny_models as tm
 from engine import SpeculativeEngine, Tree
-from engine.kernels import is_packed
+from engine.kernels import is_packed, prepare
 from engine.quantize import DRAFT_FORMATS, Int4Linear, cpu_has_bf16, draft_format, fastest_format, int4_draft, int8_draft, \
     pack_int4, quantize_draft
 
@@ -100,8 +100,10 @@ def test_quantize_draft_formats():
 def test_greedy_stays_exact_with_a_quantised_draft_and_the_fast_target_path(fmt, tree):
     target = tm.qwen2(seed=2)
     reference = tm.hf_greedy(target, [5, 17, 3, 42, 9, 11], 24)
-    engine = SpeculativeEngine(target, QUANTIZERS[fmt](tm.perturbed(target, 0.003)), stop_token_ids=[])
-    assert is_packed(target.model.layers[0].mlp.up_proj)  # the fast target path is on by default on CPU fp32
+    draft = QUANTIZERS[fmt](tm.perturbed(target, 0.003))
+    prepare(target, draft)  # as the loaders do: the fast target path
+    engine = SpeculativeEngine(target, draft, stop_token_ids=[])
+    assert is_packed(target.model.layers[0].mlp.up_proj)
     result = engine.generate([5, 17, 3, 42, 9, 11], max_new_tokens=24, tree=tree)
     assert result.tokens == reference
     assert result.tokens_per_step > 1.5  # the quantised draft still agrees often

@@ -1,0 +1,97 @@
+"""The prompt is prefilled in chunks: the same caches and answers as one forward, and a stop
+request is honoured between chunks."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import tiny_models as tm
+from engine.errors import GenerationCancelled
+from engine.speculative import SpeculativeEngine, _DecodeState, forward
+from engine.tree import Tree
+
+PROMPT = [(7 * i + 3) % tm.VOCAB for i in range(150)]
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tm.qwen2(seed=0)
+    draft = tm.clone(target)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn_like(param) * 0.01)
+    return target, draft
+
+
+def count_forwards(models) -> tuple[dict, list]:
+    calls = {"target": 0, "draft": 0}
+
+    def hook(name):
+        def pre_hook(module, args):
+            calls[name] += 1
+        return pre_hook
+
+    return calls, [m.register_forward_pre_hook(hook(n)) for n, m in zip(("target", "draft"), models)]
+
+
+def engine_for(models, chunk: int, static: bool = False) -> SpeculativeEngine:
+    engine = SpeculativeEngine(*models, stop_token_ids=[], static_cache=static)
+    engine.prefill_chunk = chunk
+    return engine
+
+
+def layers(runner, length: int):
+    return [(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in runner.cache.layers]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_prefill_runs_in_chunks_and_fills_the_caches_of_one_forward(models, static):
+    engine = engine_for(models, 16, static)
+    state = _DecodeState(engine, list(PROMPT), engine._validate(list(PROMPT), 8, 0.0, 1.0, Tree.chain(3), 0, []))
+    calls, handles = count_forwards(models)
+    try:
+        state.prefill()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == {"target": 10, "draft": 10}  # 149 tokens in chunks of 16, both models
+    assert state.draft_len == len(PROMPT) - 1
+    for model, runner in zip(models, (state.target_runner, state.draft_runner)):
+        fresh = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            forward(model, fresh, PROMPT[:-1], start=0, logits_to_keep=1)
+        for (k, v), layer in zip(layers(runner, len(PROMPT) - 1), fresh.layers):
+            assert torch.allclose(k, layer.keys, atol=1e-5) and torch.allclose(v, layer.values, atol=1e-5)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("tree", [None, Tree.chain(3), Tree.k_ary(2, 2)], ids=["target", "chain3", "2ary2"])
+def test_chunked_prefill_gives_the_one_shot_answer(models, static, tree):
+    answers = {chunk: engine_for(models, chunk, static).generate(PROMPT, max_new_tokens=24, tree=tree).tokens
+               for chunk in (4096, 16, 7)}
+    assert answers[16] == answers[7] == answers[4096] == tm.hf_greedy(models[0], PROMPT, 24)
+
+
+def test_should_stop_is_consulted_between_prefill_chunks(models):
+    engine = engine_for(models, 16)
+    calls, handles = count_forwards(models)
+    try:
+        with pytest.raises(GenerationCancelled, match="stopped"):
+            engine.generate(PROMPT, max_new_tokens=8, tree=Tree.chain(2), should_stop=lambda: calls["target"] >= 2)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == {"target": 2, "draft": 0}  # two chunks, then it stopped: no draft, no step
+
+
+def test_should_stop_is_consulted_between_steps(models):
+    engine = engine_for(models, 16)
+    steps = []
+    with pytest.raises(GenerationCancelled):
+        for record in engine.stream(PROMPT, max_new_tokens=64, tree=Tree.chain(2),
+                                    should_stop=lambda: len(steps) >= 3):
+            steps.append(record)
+    assert len(steps) == 3
+    assert engine.generate(PROMPT, max_new_tokens=8, tree=Tree.chain(2), should_stop=lambda: False).tokens == \
+        engine.generate(PROMPT, max_new_tokens=8, tree=Tree.chain(2)).tokens
