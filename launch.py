@@ -61,8 +61,8 @@ def build_worker(args: argparse.Namespace):
     print("loading models (the first start assembles and dequantises the weights: a few minutes)...", flush=True)
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
                                          args.trust_remote_code, offload=args.offload,
-                                         draft_format=args.draft_format)
-    tuner = load_tuner(pair_name(args.target, args.draft, draft), target)
+                                         draft_format=args.draft_format, target_format=args.target_format)
+    tuner = load_tuner(pair_name(args.target, args.draft, draft, target), target)
     return Worker.from_models(target, draft, tokenizer, args.target, args.draft, tuner=tuner, **worker_policy(args))
 
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.calibrate import find_acceptance
     from engine.models import pair_name
 
-    pair = pair_name(args.target, args.draft, worker.engine.draft)
+    pair = pair_name(args.target, args.draft, worker.engine.draft, worker.engine.target)
     measured = bool(find_acceptance(pair))
     demo = ui.build_demo(worker, worker.tokenizer, {
         "tree_size": max(1, args.tree_size), "depth": max(1, args.depth),

@@ -214,7 +214,8 @@ class ChatApp:
         pair = self.options["pair"]
         if self.worker.pair_version:  # swapped in the Models panel since launch
             info = self.worker.info
-            pair = pair_name(str(info.get("target")), str(info.get("draft")), self.worker.engine.draft)
+            pair = pair_name(str(info.get("target")), str(info.get("draft")), self.worker.engine.draft,
+                             self.worker.engine.target)
         return _calibration(pair, round(float(temperature), 3), round(float(top_p), 3))
 
     # ----- chat ------------------------------------------------------------------------------

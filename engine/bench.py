@@ -92,7 +92,7 @@ def configurations(quick: bool, draft=None, acceptance: list[float] | None = Non
 
 
 def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple | None = None,
-        temperature: float = 0.0, top_p: float = 1.0, repeats: int = 1) -> dict:
+        temperature: float = 0.0, top_p: float = 1.0, repeats: int = 1, target_format: str = "float32") -> dict:
     """The benchmark on ``pair`` = (target, draft, tokenizer), by default the embedded pair:
     ``repeats`` rounds over the prompts (each round runs every configuration on a prompt before
     the next prompt); medians over all runs. Outputs are compared with target-only decoding at
@@ -103,8 +103,8 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     from .prompts import encode_chat, load_prompt_set
     from .speculative import SpeculativeEngine
 
-    target, draft, tokenizer = pair or load_default_pair()
-    name = pair_name("default-target", "default-draft", draft) if pair is None else None
+    target, draft, tokenizer = pair or load_default_pair(target_format=target_format)
+    name = pair_name("default-target", "default-draft", draft, target) if pair is None else None
     tuner = load_tuner(name, target) if name else None
     engine = SpeculativeEngine(target, draft, tuner=tuner)
     prompt_ids = [encode_chat(tokenizer, p["messages"]) for p in load_prompt_set("chat")[:prompts]]
@@ -143,7 +143,8 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "prompts": prompts, "repeats": repeats,
-        "new_tokens": new_tokens, "temperature": temperature, "top_p": top_p, "outputs_identical_to_target_only": identical,
+        "new_tokens": new_tokens, "temperature": temperature, "top_p": top_p, "pair": name,
+        "outputs_identical_to_target_only": identical,
         "hf_outputs_identical_to_target_only": hf_identical,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "results": [c.summary(baseline) for c in configs],
@@ -247,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are then compared)")
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--target-format", choices=("float32", "int4", "auto"), default="float32",
+                        help="the target's weights on CPU (see python -m engine.generate --help)")
     parser.add_argument("--device", default="cpu", help="cpu (the default pair) or cuda (see --synthetic)")
     parser.add_argument("--synthetic", default=None, metavar="TARGET+DRAFT",
                         help="GPU benchmark on random-weight models of these shapes, e.g. llama2-7b+llama-68m "
@@ -262,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     repeats = args.repeats or (1 if args.quick else 2)
     if min(prompts, new_tokens, repeats) < 1:
         parser.error("--prompts, --new-tokens and --repeats must be at least 1")
-    run(prompts, new_tokens, args.quick, args.out, temperature=args.temperature, top_p=args.top_p, repeats=repeats)
+    run(prompts, new_tokens, args.quick, args.out, temperature=args.temperature, top_p=args.top_p, repeats=repeats,
+        target_format=args.target_format)
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ def _greedy_calibration(engine: SpeculativeEngine, prompts: list[list[int]], k: 
 
 def main(argv: list[str] | None = None) -> None:
     from .models import cache_dir, load_pair, pair_name
-    from .quantize import DRAFT_FORMATS
+    from .generate import add_draft_format_argument
     from .prompts import encode_chat, load_prompt_set
 
     parser = argparse.ArgumentParser(prog="python -m engine.calibrate", description=__doc__)
@@ -110,12 +110,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--positions", type=int, default=300)
     parser.add_argument("--tokens-per-prompt", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--draft-format", choices=DRAFT_FORMATS, default="auto", help="draft quantisation (auto)")
+    add_draft_format_argument(parser)
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: the user cache)")
     args = parser.parse_args(argv)
-    target, draft, tokenizer = load_pair(args.target, args.draft, draft_format=args.draft_format)
+    target, draft, tokenizer = load_pair(args.target, args.draft, draft_format=args.draft_format,
+                                         target_format=args.target_format)
     prompts = [encode_chat(tokenizer, p["messages"]) for p in load_prompt_set("chat")]
-    pair = pair_name(args.target, args.draft, draft)
+    pair = pair_name(args.target, args.draft, draft, target)
     result = calibrate(SpeculativeEngine(target, draft), prompts, args.temperature, args.top_p, args.k,
                        args.positions, args.tokens_per_prompt, args.seed, pair)
     path = args.out or acceptance_path(cache_dir() / "acceptance", pair, args.temperature, args.top_p)

@@ -14,7 +14,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def add_draft_format_argument(parser: argparse.ArgumentParser) -> None:
-    from .quantize import DRAFT_FORMATS
+    """``--draft-format`` and ``--target-format`` (how each model's weights are stored on CPU)."""
+    from .quantize import DRAFT_FORMATS, TARGET_FORMATS
+
+    parser.add_argument("--target-format", choices=TARGET_FORMATS, default="float32",
+                        help="target weights: float32 (the dequantised GGUF values) or int4 (groups of 32, "
+                             "bf16 activations; a model of its own, about 7x fewer bytes a token); auto = int4 on "
+                             "CPUs with native bf16")
 
     parser.add_argument("--draft-format", choices=DRAFT_FORMATS, default="auto",
                         help="draft weights: int4, int8 or none (float); auto takes the fastest that keeps "
@@ -69,10 +75,11 @@ def _run(args: argparse.Namespace) -> int:
     elif args.method == "chain" and tree is not None and tree.size != tree.depth + 1:
         raise EngineError("--method chain needs a chain: leave --depth unset or set it to --tree-size - 1")
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
-                                         args.trust_remote_code, draft_format=args.draft_format)
+                                         args.trust_remote_code, draft_format=args.draft_format,
+                                         target_format=args.target_format)
     if tree is not None and tree.size != tree.depth + 1:  # Sequoia's tree for this pair's calibration
         tree = build_tree(args.tree_size, args.depth,
-                          acceptance_for(pair_name(args.target, args.draft, draft), args.temperature, args.top_p))
+                          acceptance_for(pair_name(args.target, args.draft, draft, target), args.temperature, args.top_p))
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                [{"role": "user", "content": args.prompt}]
     input_ids = encode_chat(tokenizer, messages)

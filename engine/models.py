@@ -281,7 +281,8 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str = 
 
 def load_pair(target_id: str = "default-target", draft_id: str = "default-draft",
               dtype: torch.dtype = torch.float32, device: str = "cpu", trust_remote_code: bool = False,
-              offload: bool = False, draft_format: str = "auto", prepare: bool = True):
+              offload: bool = False, draft_format: str = "auto", prepare: bool = True,
+              target_format: str = "float32"):
     """Load ``(target, draft, tokenizer)``; the draft is refused unless it shares the target's vocabulary.
 
     ``prepare`` readies both for the engine's CPU fast path (:func:`engine.kernels.prepare`:
@@ -290,13 +291,17 @@ def load_pair(target_id: str = "default-target", draft_id: str = "default-draft"
     ``draft_format`` (:func:`engine.quantize.quantize_draft`): ``auto`` quantises a CPU float32
     draft to whichever of int4/int8/fp32 runs fastest on this machine; levels get several times
     cheaper, acceptance a little lower, outputs stay the same (the target alone decides them).
-    The target is never quantised.
+    ``target_format`` (:func:`engine.quantize.target_quantization`): ``int4`` quantises the target
+    too (a model of its own, about 7x fewer bytes a token); ``float32`` keeps it as loaded.
 
     ``offload`` keeps the target's decoder layers in pinned CPU memory and streams them to the
     GPU ``device`` layer by layer (:mod:`engine.offload`); the draft sits on the GPU."""
     if offload and not str(device).startswith("cuda"):
         raise ModelLoadError(f"offloading streams the target's weights to a CUDA GPU: use --device cuda, not {device}")
-    target, tokenizer = load_model(target_id, dtype, "cpu" if offload else device, trust_remote_code)
+    from .quantize import target_quantization
+
+    target_fmt = target_quantization(target_format, dtype == torch.float32 and not offload and device == "cpu")
+    target, tokenizer = load_model(target_id, dtype, "cpu" if offload else device, trust_remote_code, target_fmt)
     try:
         if offload:
             from .offload import stream_layers
@@ -315,16 +320,21 @@ def load_pair(target_id: str = "default-target", draft_id: str = "default-draft"
     return target, draft, tokenizer
 
 
-def pair_name(target_id: str, draft_id: str, draft: torch.nn.Module | None = None) -> str:
-    """How calibrations and profiles name a pair: ``target+draft``, plus ``@int4`` / ``@int8``
-    when the draft was quantised (its acceptance and cost are not the float draft's)."""
+def pair_name(target_id: str, draft_id: str, draft: torch.nn.Module | None = None,
+              target: torch.nn.Module | None = None) -> str:
+    """How calibrations and profiles name a pair: ``target+draft``, each followed by ``@int4`` /
+    ``@int8`` when that model was quantised (its acceptance and cost are not the float model's)."""
     from .quantize import draft_format
 
-    fmt = "none" if draft is None else draft_format(draft)
-    return f"{target_id}+{draft_id}" + ("" if fmt == "none" else f"@{fmt}")
+    def tagged(name: str, model: torch.nn.Module | None) -> str:
+        fmt = "none" if model is None else draft_format(model)
+        return name + ("" if fmt == "none" else f"@{fmt}")
+
+    return f"{tagged(target_id, target)}+{tagged(draft_id, draft)}"
 
 
 def load_default_pair(dtype: torch.dtype = torch.float32, device: str = "cpu", draft_format: str = "auto",
-                      prepare: bool = True):
+                      prepare: bool = True, target_format: str = "float32"):
     """The embedded Qwen2.5-Coder 1.5B target and 0.5B draft: ``(target, draft, tokenizer)``."""
-    return load_pair("default-target", "default-draft", dtype, device, draft_format=draft_format, prepare=prepare)
+    return load_pair("default-target", "default-draft", dtype, device, draft_format=draft_format, prepare=prepare,
+                     target_format=target_format)

@@ -150,10 +150,9 @@ def powers_of_two(limit: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .generate import DTYPES
+    from .generate import DTYPES, add_draft_format_argument
     from .models import cache_dir, load_pair, pair_name
     from .prompts import encode_chat, load_prompt_set
-    from .quantize import DRAFT_FORMATS
 
     parser = argparse.ArgumentParser(prog="python -m engine.profile", description=__doc__)
     parser.add_argument("--target", default="default-target")
@@ -164,14 +163,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="rounds over all sizes (medians)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (CUDA profiles use static caches and graphs)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    parser.add_argument("--draft-format", choices=DRAFT_FORMATS, default="auto", help="draft quantisation (auto)")
+    add_draft_format_argument(parser)
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: the user cache)")
     args = parser.parse_args(argv)
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
-                                         draft_format=args.draft_format)
+                                         draft_format=args.draft_format, target_format=args.target_format)
     text = " ".join(m["content"] for p in load_prompt_set("chat") for m in p["messages"])
     prefix = (encode_chat(tokenizer, [{"role": "user", "content": text}]) * 4)[: args.prefix]
-    pair = pair_name(args.target, args.draft, draft)
+    pair = pair_name(args.target, args.draft, draft, target)
     profile = measure_profile(target, draft, prefix, powers_of_two(args.max_tokens), powers_of_two(args.max_width),
                               pair, args.repeats)
     path = args.out or profile_path(cache_dir() / "profiles", profile.device, pair, profile.dtype)

@@ -11,7 +11,8 @@ decides every committed token), so the draft may be approximated to make each le
   Fast on AVX2-only CPUs, but its rows depend on the rest of the batch and it agrees less.
 - ``auto``: int4 on CPUs with native bf16, else int8 (see :func:`fastest_format`).
 
-The target is never quantised: its numerics define the output.
+The target stays float32 unless asked (``--target-format int4``): then it is quantised the same
+way, and that int4 model is the one whose output the engine reproduces exactly.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from .kernels import on_cpu_fp32, own_memory, unpack_linears
 from .mapped import FileMapping, file_mappings, own_copy
 
 DRAFT_FORMATS = ("auto", "int4", "int8", "none")
+TARGET_FORMATS = ("float32", "int4", "auto")
 INT4_GROUP = 32
 INT4_CACHE_FORMAT = 1  # bump when pack_int4's layout or rounding changes
 
@@ -189,6 +191,18 @@ def quantize_draft(model: torch.nn.Module, fmt: str = "auto", cache_dir: Path | 
     if fmt == "int4":
         return int4_draft(model, cache_dir and cache_dir / f"int4-g{INT4_GROUP}-v{INT4_CACHE_FORMAT}.safetensors")
     return int8_draft(model)
+
+
+def target_quantization(fmt: str, model_on_cpu_fp32: bool = True) -> str:
+    """What :func:`quantize_draft` should do to a target of format ``fmt`` (one of
+    :data:`TARGET_FORMATS`): ``"int4"`` or ``"none"``. The int4 target is its own model: the engine
+    stays exact with respect to it (greedy output equals *its* own greedy decoding), not to the
+    float32 one. ``auto`` is int4 for a CPU float32 target on a CPU with native bf16."""
+    if fmt not in TARGET_FORMATS:
+        raise ValueError(f"target format must be one of {', '.join(TARGET_FORMATS)}, got {fmt!r}")
+    if fmt == "auto":
+        return "int4" if model_on_cpu_fp32 and cpu_has_bf16() else "none"
+    return "none" if fmt == "float32" else fmt
 
 
 def fastest_format() -> str:

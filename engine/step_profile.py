@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=1, help="index of the bundled chat prompt")
     add_draft_format_argument(parser)
     args = parser.parse_args(argv)
-    target, draft, tokenizer = load_pair(draft_format=args.draft_format)
+    target, draft, tokenizer = load_pair(draft_format=args.draft_format, target_format=args.target_format)
     tree = build_tree(args.tree_size, args.depth,
-                      acceptance_for(pair_name("default-target", "default-draft", draft), args.temperature, args.top_p))
+                      acceptance_for(pair_name("default-target", "default-draft", draft, target), args.temperature, args.top_p))
     prompt = encode_chat(tokenizer, load_prompt_set("chat")[args.prompt]["messages"])
     with torch.inference_mode():
         print(profile_steps(SpeculativeEngine(target, draft), prompt, tree, args.tokens, args.temperature, args.top_p))

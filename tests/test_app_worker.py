@@ -434,12 +434,10 @@ class RecordingTokenizer:
         return getattr(self._inner, name)
 
 
-def test_a_chat_queued_behind_a_model_load_is_tokenised_with_the_new_pair(pair):
-    """The UI submits a chat while a model load is running: the prompt is tokenised (and its context
-    checked) when the job runs, with the tokenizer of the pair the load put in place."""
+def gated_swap(pair):
+    """A worker on ``pair`` with an "old" tokenizer whose loader, once ``gate`` is set, swaps in the
+    same models with a "new" one; ``used`` records which tokenizer encoded what, in order."""
     import threading
-
-    from app.ui import build_demo
 
     target, draft, real = pair
     used: list[str] = []
@@ -450,7 +448,15 @@ def test_a_chat_queued_behind_a_model_load_is_tokenised_with_the_new_pair(pair):
         gate.wait(30)
         return (target if model_id == "org/target" else draft), new
 
-    w = Worker.from_models(target, draft, old, "a", "b", loader=loader)
+    return Worker.from_models(target, draft, old, "a", "b", loader=loader), used, old, new, gate
+
+
+def test_a_chat_queued_behind_a_model_load_is_tokenised_with_the_new_pair(pair):
+    """The UI submits a chat while a model load is running: the prompt is tokenised (and its context
+    checked) when the job runs, with the tokenizer of the pair the load put in place."""
+    from app.ui import build_demo
+
+    w, used, old, new, gate = gated_swap(pair)
     try:
         app = build_demo(w, old).chat_app
         load = w.load_models("org/target", "org/draft")
@@ -472,18 +478,8 @@ def test_a_chat_queued_behind_a_model_load_is_tokenised_with_the_new_pair(pair):
 
 
 def test_the_worker_tokenises_a_conversation_when_the_job_runs(pair):
-    import threading
-
-    target, draft, real = pair
-    used: list[str] = []
-    old, new = RecordingTokenizer(real, "old", used), RecordingTokenizer(real, "new", used)
-    gate = threading.Event()
-
-    def loader(model_id, dtype, device, trust_remote_code, draft_format="none"):
-        gate.wait(30)
-        return (target if model_id == "org/target" else draft), new
-
-    w = Worker.from_models(target, draft, old, "a", "b", loader=loader)
+    real = pair[2]
+    w, used, old, new, gate = gated_swap(pair)
     try:
         load = w.load_models("org/target", "org/draft")
         messages = [{"role": "user", "content": "Which tokenizer reads me?"}]
