@@ -254,7 +254,8 @@ def free_port(host: str = HOST) -> int:
 
 
 def _stop(process: subprocess.Popen, grace_s: float) -> None:
-    """Terminate ``process`` (and the session it leads), kill it after ``grace_s``, reap it."""
+    """Terminate ``process`` (and the session it leads, while it still leads it), kill it after
+    ``grace_s``, reap it."""
     if process.poll() is None:
         try:
             os.killpg(process.pid, signal.SIGTERM)
@@ -268,11 +269,6 @@ def _stop(process: subprocess.Popen, grace_s: float) -> None:
             except ProcessLookupError:
                 pass
             process.wait(timeout=30)
-    else:
-        try:  # children the leader left behind
-            os.killpg(process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 class PeerServer:
@@ -403,7 +399,7 @@ def run_peer(prompts: list[list[int]], new_tokens: int, temperature: float = 0.0
             with tempfile.TemporaryDirectory(prefix="sequoia-peer-") as tmp:
                 for round_, i in order:
                     prompt_file = Path(tmp, f"prompt{i}.txt")
-                    prompt_file.write_text(prompt_texts[i] + "\n")  # -f drops one trailing newline
+                    prompt_file.write_text(prompt_texts[i] + "\n", encoding="utf-8")  # -f drops one trailing newline
                     command = speculative_command(binaries.speculative, config, target, draft, prompt_file, new_tokens,
                                                   temperature, top_p, seed=i + 1000 * round_, threads=threads, ctx=ctx)
                     code, stdout, stderr = run_command(command, timeout_s)

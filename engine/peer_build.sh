@@ -13,6 +13,13 @@ VERSION=0.3.36
 SDIST=llama_cpp_python-$VERSION.tar.gz
 SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 TARGETS="llama-server llama-speculative llama-bench"
+# GGML_NATIVE=ON, but without Intel AMX: this version's AMX matmul (ggml_backend_amx_mul_mat) dies with
+# SIGILL at its first tile instruction in a server's worker threads on a Sapphire Rapids VM (tile data
+# permission is requested on the main thread only; ggml-org/llama.cpp pull request 26954). GCC's
+# explicit -mno-* flags win over -march=native whatever their order. Part of the stamp, so changing
+# the recipe rebuilds.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+RECIPE="$SHA256 native-no-amx"
 
 if [ -n "${SEQUOIA_CACHE:-}" ]; then ROOT=$SEQUOIA_CACHE; else ROOT=${XDG_CACHE_HOME:-$HOME/.cache}/sequoia-chat; fi
 DIR=$ROOT/peer/llama.cpp-$VERSION
@@ -24,7 +31,7 @@ all_built() {
     for t in $TARGETS; do [ -x "$DIR/build/bin/$t" ] || return 1; done
 }
 
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$SHA256" ] && all_built; then
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$RECIPE" ] && all_built; then
     echo "llama.cpp peer already built: $DIR/build/bin"
     exit 0
 fi
@@ -54,11 +61,14 @@ if [ ! -f "$DIR/src/CMakeLists.txt" ]; then
     mv "$DIR/src.tmp" "$DIR/src"
 fi
 
-echo "peer: building $TARGETS with $JOBS jobs (about 15 minutes on 2 cores); log: $DIR/build.log"
+rm -f "$STAMP"
+echo "peer: building $TARGETS with $JOBS jobs (15 to 25 minutes on 2 cores); log: $DIR/build.log"
 nice -n 19 cmake -S "$DIR/src" -B "$DIR/build" \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF \
     -DGGML_NATIVE=ON \
+    -DCMAKE_C_FLAGS="$NO_AMX" \
+    -DCMAKE_CXX_FLAGS="$NO_AMX" \
     -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_TOOLS=ON \
     -DLLAMA_BUILD_EXAMPLES=ON \
@@ -72,5 +82,5 @@ nice -n 19 cmake --build "$DIR/build" --config Release -j "$JOBS" --target $TARG
     >>"$DIR/build.log" 2>&1 || { tail -n 30 "$DIR/build.log" >&2; exit 1; }
 
 all_built || { echo "peer: build finished but binaries are missing in $DIR/build/bin" >&2; exit 1; }
-echo "$SHA256" >"$STAMP"
+echo "$RECIPE" >"$STAMP"
 echo "llama.cpp peer built: $DIR/build/bin"
