@@ -229,8 +229,10 @@ _ACCEPTED = re.compile(r"n_accept\s*=\s*(\d+)")
 
 
 def parse_speculative_output(stdout: str, stderr: str, prompt_text: str = "", name: str = "") -> PeerResult:
-    """What ``llama-speculative`` prints: the prompt then the answer on stdout, and on stderr
-    ``decoded N tokens in S seconds, speed: R t/s`` with the draft counts."""
+    """What ``llama-speculative`` prints: on stdout a blank line, the prompt, the answer, a blank
+    line, and another at exit; on stderr ``decoded N tokens in S seconds, speed: R t/s`` and the
+    draft counts. It stops once it has at least ``-n`` tokens, so N can exceed the budget by a
+    draft's length."""
     match = _DECODED.search(stderr) or _DECODED.search(stdout)
     if match is None:
         tail = (stderr or stdout)[-300:]
@@ -239,7 +241,7 @@ def parse_speculative_output(stdout: str, stderr: str, prompt_text: str = "", na
     text = stdout.removeprefix("\n\n")
     if prompt_text and text.startswith(prompt_text):
         text = text[len(prompt_text):]
-    text = text.removesuffix("\n\n")
+    text = text.removesuffix("\n\n\n\n") if text.endswith("\n\n\n\n") else text.removesuffix("\n\n")
     drafted, accepted = _DRAFTED.search(stderr), _ACCEPTED.search(stderr)
     return PeerResult(name=name, tokens_per_s=rate if rate == rate and seconds > 0 else n / max(seconds, 1e-9),
                       tokens=n, text=text, draft_tokens=int(drafted.group(1)) if drafted else None,
@@ -415,7 +417,9 @@ def run_peer(prompts: list[list[int]], new_tokens: int, temperature: float = 0.0
 
 
 def mark_same_as_target_only(all_runs: list[PeerRuns]) -> None:
-    """Set ``same_as_target_only`` on every greedy run against the target-only run at the same index."""
+    """Set ``same_as_target_only`` on every greedy run against the target-only run at the same index:
+    equal token ids, or for ``llama-speculative`` (text only, and it may overshoot the budget by a
+    few tokens) equal text up to the shorter of the two."""
     reference = next((r for r in all_runs if r.config.name == TARGET_ONLY), None)
     if reference is None:
         return
@@ -424,4 +428,4 @@ def mark_same_as_target_only(all_runs: list[PeerRuns]) -> None:
             if result.token_ids is not None and ref.token_ids is not None:
                 result.same_as_target_only = result.token_ids == ref.token_ids
             else:
-                result.same_as_target_only = result.text == ref.text
+                result.same_as_target_only = result.text.startswith(ref.text) or ref.text.startswith(result.text)
