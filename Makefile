@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test bench venv browser clean-venv
+.PHONY: run test bench venv browser clean-venv peer
 
 run: $(STAMP)
 	$(PY) launch.py $(ARGS)
@@ -18,6 +18,12 @@ bench: $(STAMP)
 	$(PY) -m engine.bench --quick
 
 venv: $(STAMP)
+
+# llama.cpp as a peer for `python -m engine.bench --peer llama.cpp`: built from the source vendored in
+# the llama-cpp-python sdist (PyPI, pinned by SHA-256) into the user cache; about 15 minutes on 2
+# cores the first time, instant after. Needs cmake and a C++ compiler; never run by `make test`.
+peer:
+	PEER_PYTHON="$$(test -x $(PY) && echo $(PY) || command -v $(PYTHON))" nice -n 19 sh engine/peer_build.sh
 
 # The CPU wheel of torch goes in first, so the range in requirements.txt is already met and pip
 # never pulls a multi-GB CUDA build. The model parts are data-only packages, pinned by hash.

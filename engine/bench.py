@@ -5,7 +5,10 @@ speculative decoding, side by side in one process.
 draft share) and writes the raw figures to ``results/bench-*.json``. Runs are interleaved per
 prompt so machine noise hits every configuration alike; figures are medians. ``--temperature``
 samples (outputs are compared with target-only decoding at temperature 0 only). With
-``--device cuda`` it runs the GPU benchmark (:mod:`engine.bench_gpu`).
+``--device cuda`` it runs the GPU benchmark (:mod:`engine.bench_gpu`). ``--peer llama.cpp`` also
+runs llama.cpp (:mod:`engine.peer`, built by ``make peer``) on the same GGUF files, prompts, token
+counts and sampling, after our configurations, and adds a "vs llama.cpp target-only" ratio to
+every row.
 """
 from __future__ import annotations
 
@@ -92,11 +95,14 @@ def configurations(quick: bool, draft=None, acceptance: list[float] | None = Non
 
 
 def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple | None = None,
-        temperature: float = 0.0, top_p: float = 1.0, repeats: int = 1, target_format: str = "float32") -> dict:
-    """The benchmark on ``pair`` = (target, draft, tokenizer), by default the embedded pair:
-    ``repeats`` rounds over the prompts (each round runs every configuration on a prompt before
-    the next prompt); medians over all runs. Outputs are compared with target-only decoding at
-    temperature 0 only."""
+        temperature: float = 0.0, top_p: float = 1.0, repeats: int = 1, peer: str | None = None,
+        peer_ggufs: tuple[Path, Path] | None = None, target_format: str = "float32") -> dict:
+    """The benchmark on ``pair`` = (target, draft, tokenizer), by default the embedded pair (its
+    target in ``target_format``): ``repeats`` rounds over the prompts (each round runs every
+    configuration on a prompt before the next prompt); medians over all runs. Outputs are compared
+    with target-only decoding at temperature 0 only. ``peer="llama.cpp"`` then runs llama.cpp's
+    configurations on the pair's GGUF files (``peer_ggufs``, by default the embedded pair's); when
+    it is not built, one line says so and the benchmark goes on without it."""
     from .acceptance import acceptance_for
     from .models import load_default_pair, pair_name
     from .optimizer import load_tuner
@@ -136,6 +142,10 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
                 config.tokens_per_s.append(len(tokens) / max(seconds - prefill_s, 1e-9))  # decode rate
                 config.outputs.append(tokens)
                 print(f"prompt {i}: {config.name:<42} {config.tokens_per_s[-1]:6.2f} tok/s", flush=True)
+    peer_runs, peer_info = [], None
+    if peer:
+        peer_runs, peer_info = run_peer(peer, prompt_ids, tokenizer, new_tokens, temperature, top_p, repeats,
+                                        peer_ggufs if peer_ggufs or pair is not None else "default")
     baseline = statistics.median(configs[0].tokens_per_s)
     greedy = temperature == 0
     identical = greedy and all(c.outputs == configs[0].outputs for c in configs if c.hf is None)
@@ -147,8 +157,13 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
         "outputs_identical_to_target_only": identical,
         "hf_outputs_identical_to_target_only": hf_identical,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "results": [c.summary(baseline) for c in configs],
+        "results": [c.summary(baseline) for c in configs] + [peer_summary(r, baseline) for r in peer_runs],
     }
+    if peer_info is not None:
+        report["peer"] = peer_info
+    peer_reference = next((r["tokens_per_s"] for r in report["results"] if r["name"] == PEER_TARGET_ONLY), None)
+    for r in report["results"]:
+        r["vs_llamacpp_target_only"] = r["tokens_per_s"] / peer_reference if peer_reference else None
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(report, indent=2))
@@ -156,7 +171,61 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     print()
     print(markdown_table(report))
     print(f"\noutputs identical to target-only: {identical} (HF generate and assisted: {hf_identical}); peak RSS {report['peak_rss_gib']:.1f} GiB; saved {path} and .html")
+    if peer_runs and greedy:
+        print(f"llama.cpp outputs identical to llama.cpp target-only: {peer_info['outputs_identical_to_target_only']}")
     return report
+
+
+PEER_TARGET_ONLY = "llama.cpp target-only"
+
+
+def run_peer(peer: str, prompt_ids: list[list[int]], tokenizer, new_tokens: int, temperature: float, top_p: float,
+             repeats: int, ggufs) -> tuple[list, dict]:
+    """llama.cpp's configurations (:func:`engine.peer.run_peer`) on the bench's prompts, or none with
+    one line saying why (not built, no GGUF files for a non-default pair, or a failed run)."""
+    from . import peer as peer_mod
+
+    if peer != "llama.cpp":
+        raise ValueError(f"unknown peer {peer!r} (only llama.cpp)")
+    binaries, reason = peer_mod.peer_binaries()
+    if binaries is None:
+        print(reason, flush=True)
+        return [], {"name": peer, "skipped": reason}
+    if ggufs is None:
+        reason = "llama.cpp peer skipped: it runs on GGUF files, and this pair has none (pass peer_ggufs)"
+        print(reason, flush=True)
+        return [], {"name": peer, "skipped": reason}
+    try:
+        ggufs = peer_mod.default_ggufs() if ggufs == "default" else tuple(Path(g) for g in ggufs)
+        texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
+        runs = peer_mod.run_peer(prompt_ids, new_tokens, temperature, top_p, prompt_texts=texts, repeats=repeats,
+                                 binaries=binaries, ggufs=ggufs)
+    except Exception as exc:  # the peer must never cost us our own figures
+        reason = f"llama.cpp peer failed: {exc}"
+        print(reason, flush=True)
+        return [], {"name": peer, "skipped": reason}
+    flags = [r.identical_to_target_only() for r in runs]
+    return runs, {"name": peer, "skipped": None, "version": f"llama-cpp-python {peer_mod.PEER_VERSION} sdist, vendor/llama.cpp",
+                  "threads": peer_mod.DEFAULT_THREADS, "ggufs": [str(g) for g in ggufs],
+                  "binaries": binaries.as_dict(),
+                  "outputs_identical_to_target_only": None if any(f is None for f in flags) else all(flags)}
+
+
+def peer_summary(runs, baseline_tps: float) -> dict:
+    """A peer configuration's row in the report's format (our-engine-only fields left empty)."""
+    from dataclasses import asdict
+
+    tps = runs.median_tokens_per_s()
+    acceptance = [r.draft_accepted / r.draft_tokens for r in runs.results if r.draft_tokens]
+    return {"name": runs.name, "method": "llama.cpp", "peer": "llama.cpp", "peer_config": asdict(runs.config),
+            "tree": None, "tree_size": None, "tree_depth": None,
+            "tokens_per_s": tps, "ms_per_token": 1e3 / tps, "speedup": tps / baseline_tps,
+            "predicted_speedup": None, "measured_over_predicted": None, "predicted_tokens_per_step": None,
+            "predicted_step_ms": None, "step_ms_total": None, "tokens_per_step": None, "draft_share": None,
+            "step_ms": None, "runs_tokens_per_s": runs.tokens_per_s,
+            "runs_tokens_generated": [r.tokens for r in runs.results],
+            "draft_acceptance": statistics.median(acceptance) if acceptance else None,
+            "outputs_identical_to_peer_target_only": runs.identical_to_target_only()}
 
 
 def hf_generate(target, tokenizer, ids: list[int], new_tokens: int, options: dict, temperature: float = 0.0,
@@ -214,11 +283,16 @@ def plot(report: dict, path: Path) -> None:
     import plotly.graph_objects as go
 
     results = report["results"]
-    colours = ["#9aa5b1" if r["name"].startswith("HF") else "#2f6fdf" if r["name"].startswith("sequoia")
+    colours = ["#e07b39" if r.get("peer") else "#9aa5b1" if r["name"].startswith("HF")
+               else "#2f6fdf" if r["name"].startswith("sequoia")
                else "#7a7f87" if r["name"] == "target-only" else "#5fa8d3" for r in results]
     fig = go.Figure(go.Bar(x=[r["name"] for r in results], y=[r["tokens_per_s"] for r in results], marker_color=colours,
                            text=[f"{r['speedup']:.2f}×" for r in results], textposition="outside"))
     fig.add_hline(y=results[0]["tokens_per_s"], line_dash="dot", annotation_text="target-only")
+    peer_reference = next((r for r in results if r["name"] == PEER_TARGET_ONLY), None)
+    if peer_reference is not None:
+        fig.add_hline(y=peer_reference["tokens_per_s"], line_dash="dash", line_color="#e07b39",
+                      annotation_text="llama.cpp target-only", annotation_position="bottom right")
     fig.update_layout(title=f"Decoding speed, T = {report['temperature']:g}, top-p {report['top_p']:g} "
                             f"({report['prompts']} prompts x {report['new_tokens']} tokens x {report.get('repeats', 1)} "
                             f"rounds, medians; {report['date']})",
@@ -227,15 +301,19 @@ def plot(report: dict, path: Path) -> None:
 
 
 def markdown_table(report: dict) -> str:
-    rows = ["| configuration | tree (n, d) | tokens/s | ms/token | vs target-only | predicted | tokens/step | draft share |",
-            "|---|---|---|---|---|---|---|---|"]
+    """One row per configuration; with a peer, a "vs llama.cpp target-only" column for every row."""
+    with_peer = any(r.get("vs_llamacpp_target_only") is not None for r in report["results"])
+    rows = ["| configuration | tree (n, d) | tokens/s | ms/token | vs target-only | "
+            + ("vs llama.cpp target-only | " if with_peer else "") + "predicted | tokens/step | draft share |",
+            "|---|---|---|---|---|---|---|---|" + ("---|" if with_peer else "")]
     for r in report["results"]:
         tree = "" if r.get("tree_size") is None else f"{r['tree_size']}, {r['tree_depth']}"
         predicted = "" if r.get("predicted_speedup") is None else f"{r['predicted_speedup']:.2f}×"
         per_step = "" if r["tokens_per_step"] is None else f"{r['tokens_per_step']:.2f}"
         share = "" if r["draft_share"] is None else f"{r['draft_share']:.0%}"
-        rows.append(f"| {r['name']} | {tree} | {r['tokens_per_s']:.2f} | {r['ms_per_token']:.0f} | {r['speedup']:.2f}× | {predicted} | "
-                    f"{per_step} | {share} |")
+        peer_ratio = f"{r['vs_llamacpp_target_only']:.2f}× | " if with_peer else ""
+        rows.append(f"| {r['name']} | {tree} | {r['tokens_per_s']:.2f} | {r['ms_per_token']:.0f} | {r['speedup']:.2f}× | "
+                    f"{peer_ratio}{predicted} | {per_step} | {share} |")
     return "\n".join(rows)
 
 
@@ -250,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--target-format", choices=("float32", "int4", "auto"), default="float32",
                         help="the target's weights on CPU (see python -m engine.generate --help)")
+    parser.add_argument("--peer", choices=["llama.cpp"], default=None,
+                        help="also run llama.cpp on the same GGUF files, prompts and sampling (build it with `make peer`)")
     parser.add_argument("--device", default="cpu", help="cpu (the default pair) or cuda (see --synthetic)")
     parser.add_argument("--synthetic", default=None, metavar="TARGET+DRAFT",
                         help="GPU benchmark on random-weight models of these shapes, e.g. llama2-7b+llama-68m "
@@ -266,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     if min(prompts, new_tokens, repeats) < 1:
         parser.error("--prompts, --new-tokens and --repeats must be at least 1")
     run(prompts, new_tokens, args.quick, args.out, temperature=args.temperature, top_p=args.top_p, repeats=repeats,
-        target_format=args.target_format)
+        peer=args.peer, target_format=args.target_format)
 
 
 if __name__ == "__main__":
