@@ -68,27 +68,29 @@ class ConfigRuns:
 
 
 def configurations(quick: bool, draft=None, acceptance: list[float] | None = None, auto: bool = False,
-                   greedy: bool = True) -> list[ConfigRuns]:
+                   greedy: bool = True, hf: bool = True) -> list[ConfigRuns]:
     """Baselines first (target-only is the reference of every ratio), then ours. ``acceptance``
-    shapes the fixed-size Sequoia trees (default: the embedded pair's greedy calibration)."""
+    shapes the fixed-size Sequoia trees (default: the embedded pair's greedy calibration);
+    ``hf=False`` leaves out Hugging Face's generate and assisted generation."""
     if acceptance is None:
         from .acceptance import EMBEDDED_PAIR, acceptance_for
 
         acceptance = acceptance_for(EMBEDDED_PAIR)
-    configs = [ConfigRuns("target-only", None), ConfigRuns("HF generate, target only", None, hf={})]
-    if draft is not None:
+    configs = [ConfigRuns("target-only", None)] + ([ConfigRuns("HF generate, target only", None, hf={})] if hf else [])
+    if draft is not None and hf:
         configs.append(ConfigRuns("HF assisted generation (default schedule)", None, hf={"assistant_model": draft}))
         configs += [ConfigRuns(f"HF assisted generation, {k} draft tokens", None,
                                hf={"assistant_model": draft, "num_assistant_tokens": k,
                                    "num_assistant_tokens_schedule": "constant"}) for k in ((4,) if quick else (2, 4, 6))]
+    if draft is not None:
         if auto:
             configs.append(ConfigRuns("sequoia, optimizer's tree", "auto"))
-        sizes = ((16, 6),) if quick else ((8, 5), (16, 6), (32, 8))
+        sizes = ((8, 4), (16, 6)) if quick else ((8, 4), (16, 6), (32, 8))
         configs += [ConfigRuns(f"sequoia n={n} d={d}", Tree.optimal(acceptance, n, d)) for n, d in sizes]
         if not greedy:
             configs += [ConfigRuns(f"specinfer n={n} d={d}", Tree.optimal(acceptance, n, d), method="specinfer")
                         for n, d in sizes[-1:]]
-        depths = (3, 5) if quick else (2, 3, 4, 5, 6)
+        depths = (2, 3, 5) if quick else (2, 3, 4, 5, 6)
         configs += [ConfigRuns(f"chain d={d}", Tree.chain(d), method="chain" if not greedy else "sequoia")
                     for d in depths]
     return configs
@@ -96,7 +98,7 @@ def configurations(quick: bool, draft=None, acceptance: list[float] | None = Non
 
 def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple | None = None,
         temperature: float = 0.0, top_p: float = 1.0, repeats: int = 1, peer: str | None = None,
-        peer_ggufs: tuple[Path, Path] | None = None, target_format: str = "float32") -> dict:
+        peer_ggufs: tuple[Path, Path] | None = None, target_format: str = "float32", hf: bool = True) -> dict:
     """The benchmark on ``pair`` = (target, draft, tokenizer), by default the embedded pair (its
     target in ``target_format``): ``repeats`` rounds over the prompts (each round runs every
     configuration on a prompt before the next prompt); medians over all runs. Outputs are compared
@@ -115,7 +117,7 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     engine = SpeculativeEngine(target, draft, tuner=tuner)
     prompt_ids = [encode_chat(tokenizer, p["messages"]) for p in load_prompt_set("chat")[:prompts]]
     configs = configurations(quick, draft, acceptance_for(name, temperature, top_p) if name else None,
-                             auto=tuner is not None, greedy=temperature == 0)
+                             auto=tuner is not None, greedy=temperature == 0, hf=hf)
     engine.generate(prompt_ids[0], max_new_tokens=4, tree=Tree.chain(2))  # warm-up
     ours, theirs = [c for c in configs if c.hf is None], [c for c in configs if c.hf is not None]
     runs = [(round_, i, ids) for round_ in range(repeats) for i, ids in enumerate(prompt_ids)]
@@ -297,7 +299,7 @@ def plot(report: dict, path: Path) -> None:
                             f"({report['prompts']} prompts x {report['new_tokens']} tokens x {report.get('repeats', 1)} "
                             f"rounds, medians; {report['date']})",
                       yaxis_title="tokens/s", template="plotly_white", height=520)
-    fig.write_html(path)
+    fig.write_html(path, include_plotlyjs="cdn")  # small file; the page loads plotly.js when opened
 
 
 def markdown_table(report: dict) -> str:
@@ -328,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--target-format", choices=("float32", "int4", "auto"), default="float32",
                         help="the target's weights on CPU (see python -m engine.generate --help)")
+    parser.add_argument("--no-hf", action="store_true", help="leave out Hugging Face's generate and assisted generation")
     parser.add_argument("--peer", choices=["llama.cpp"], default=None,
                         help="also run llama.cpp on the same GGUF files, prompts and sampling (build it with `make peer`)")
     parser.add_argument("--device", default="cpu", help="cpu (the default pair) or cuda (see --synthetic)")
@@ -346,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     if min(prompts, new_tokens, repeats) < 1:
         parser.error("--prompts, --new-tokens and --repeats must be at least 1")
     run(prompts, new_tokens, args.quick, args.out, temperature=args.temperature, top_p=args.top_p, repeats=repeats,
-        peer=args.peer, target_format=args.target_format)
+        peer=args.peer, target_format=args.target_format, hf=not args.no_hf)
 
 
 if __name__ == "__main__":
