@@ -12,7 +12,10 @@ decides every committed token), so the draft may be approximated to make each le
 - ``auto``: int4 on CPUs with native bf16, else int8 (see :func:`fastest_format`).
 
 The target stays float32 unless asked (``--target-format int4``): then it is quantised the same
-way, and that int4 model is the one whose output the engine reproduces exactly.
+way and becomes a model of its own. Opt-in only: each int4 product's rows are batch-invariant, but
+the whole forward is not (attention and bf16 activation rounding differ with the batch width, up
+to 0.16 in a logit on the real pair), so greedy tree decoding can leave the int4 target's own
+greedy path at near-ties.
 """
 from __future__ import annotations
 
@@ -195,9 +198,9 @@ def quantize_draft(model: torch.nn.Module, fmt: str = "auto", cache_dir: Path | 
 
 def target_quantization(fmt: str, model_on_cpu_fp32: bool = True) -> str:
     """What :func:`quantize_draft` should do to a target of format ``fmt`` (one of
-    :data:`TARGET_FORMATS`): ``"int4"`` or ``"none"``. The int4 target is its own model: the engine
-    stays exact with respect to it (greedy output equals *its* own greedy decoding), not to the
-    float32 one. ``auto`` is int4 for a CPU float32 target on a CPU with native bf16."""
+    :data:`TARGET_FORMATS`): ``"int4"`` or ``"none"``. The int4 target is a model of its own, and
+    not yet exactly reproduced by tree decoding (see the module docstring). ``auto`` is int4 for a
+    CPU float32 target on a CPU with native bf16."""
     if fmt not in TARGET_FORMATS:
         raise ValueError(f"target format must be one of {', '.join(TARGET_FORMATS)}, got {fmt!r}")
     if fmt == "auto":

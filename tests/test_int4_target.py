@@ -48,13 +48,36 @@ def test_int4_rows_are_bit_identical_whatever_the_batch(out_features, in_feature
 
 @pytest.mark.parametrize("tree", [Tree.chain(4), Tree.k_ary(2, 3), Tree.from_parents([-1, 0, 1, 0, 2, 3, 3])],
                          ids=["chain4", "2ary3", "irregular"])
-def test_greedy_equals_the_int4_targets_own_decoding(tree):
+def test_greedy_equals_the_int4_targets_own_decoding_away_from_near_ties(tree):
     """The reference is Hugging Face's greedy decoding on another int4 copy of the same float
-    target, one that no engine has touched."""
+    target, one that no engine has touched. The whole int4 forward is not batch-invariant (the
+    README measures up to 0.16 per logit on the real pair), so this holds only where the top two
+    logits are further apart than a verified row strays from the row decoded alone: checked here
+    on this model, not assumed (on this tiny model the spread measures 0; on the real pair it
+    reaches 0.16 and greedy tree decoding there left the int4 target's own path)."""
     float_target = tm.qwen2(seed=7)
     reference_model, target = int4_draft(float_target), int4_draft(float_target)
     prompt = [5, 17, 3, 42, 9, 11]
     reference = tm.hf_greedy(reference_model, prompt, 32)
+    assert tm.min_top2_gap(reference_model, prompt + reference, len(prompt)) > 4 * batch_spread(reference_model, prompt)
+
+
+def batch_spread(model: torch.nn.Module, prompt: list[int], n: int = 8) -> float:
+    """Largest |logit| difference between n tokens verified in one tree forward (a chain) and the
+    same tokens decoded one at a time, after ``prompt``."""
+    from transformers import DynamicCache
+
+    from engine.speculative import forward
+
+    tokens, p = prompt[-1:] + [3, 9, 27, 1, 12, 7, 30][:n - 1], len(prompt) - 1
+    with torch.inference_mode():
+        one, many = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        for cache in (one, many):
+            forward(model, cache, prompt[:-1], start=0, logits_to_keep=1)
+        alone = torch.stack([forward(model, one, [t], start=p + i)[-1] for i, t in enumerate(tokens)])
+        chain = Tree.chain(len(tokens) - 1)
+        rows = forward(model, many, tokens, start=p, mask=chain.attention_mask(p), positions=chain.position_ids(p))
+    return float((rows - alone).abs().max())
     engine = SpeculativeEngine(target, int4_draft(tm.perturbed(float_target, 0.003)), stop_token_ids=[])
     assert engine.generate(prompt, max_new_tokens=32, tree=tree).tokens == reference
     assert engine.generate(prompt, max_new_tokens=32, tree=None).tokens == reference
