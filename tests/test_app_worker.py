@@ -1,6 +1,8 @@
 """app.worker: one thread owns the engine; cancel, queueing, errors and model loading."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -306,7 +308,6 @@ def test_a_hub_id_naming_a_folder_in_the_working_directory_is_refused(pair, tmp_
 def test_a_failed_pair_load_keeps_no_model_of_the_attempt_referenced(pair, tmp_path, monkeypatch):
     """Target and draft with different vocabularies: the load fails, and once it has, no model of
     that attempt is referenced anywhere (no loader cache pins the target); the pair stays usable."""
-    import gc
     import weakref
 
     from engine import models as engine_models
@@ -384,7 +385,6 @@ def test_stop_during_a_long_prefill_skips_the_remaining_chunks(pair):
 def test_stop_answers_a_blocked_model_load_within_a_second(pair):
     """A load stuck in its loader (a slow download) is answered ``cancelled`` within 1 s of Stop; the
     orphaned load's result is discarded and freed once it returns, and the pair stays in use."""
-    import gc
     import threading
     import time
     import weakref
