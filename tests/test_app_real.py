@@ -5,6 +5,7 @@ import os
 import shutil
 from pathlib import Path
 
+import gradio_client
 import pytest
 
 from app.conversation import safe_markdown
@@ -15,7 +16,6 @@ import test_app_support as support
 from test_app_server import CHATBOT, STATUS, TREE_PLOT, answer_text, chat_args
 
 pytestmark = pytest.mark.real_pair
-gradio_client = 
 PROMPT = "In two sentences, what is a hash map?"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 CHROMIUM = os.environ.get("SEQUOIA_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
