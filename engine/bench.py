@@ -299,7 +299,7 @@ def plot(report: dict, path: Path) -> None:
                             f"({report['prompts']} prompts x {report['new_tokens']} tokens x {report.get('repeats', 1)} "
                             f"rounds, medians; {report['date']})",
                       yaxis_title="tokens/s", template="plotly_white", height=520)
-    fig.write_html(path, include_plotlyjs="cdn")  # small file; the page loads plotly.js when opened
+    fig.write_html(path)  # plotly.js embedded: the plot opens offline
 
 
 def markdown_table(report: dict) -> str:
