@@ -64,3 +64,8 @@ def calibration_for(pair: str, temperature: float = 0.0, top_p: float = 1.0) -> 
 def acceptance_for(pair: str, temperature: float = 0.0, top_p: float = 1.0) -> list[float]:
     """The vector of :func:`calibration_for`."""
     return list(calibration_for(pair, temperature, top_p).vector)
+
+
+def default_acceptance() -> list[float]:
+    """The embedded pair's greedy vector: what shapes a tree when no pair or setting is given."""
+    return acceptance_for(EMBEDDED_PAIR)

@@ -73,9 +73,9 @@ def configurations(quick: bool, draft=None, acceptance: list[float] | None = Non
     shapes the fixed-size Sequoia trees (default: the embedded pair's greedy calibration);
     ``hf=False`` leaves out Hugging Face's generate and assisted generation."""
     if acceptance is None:
-        from .acceptance import EMBEDDED_PAIR, acceptance_for
+        from .acceptance import default_acceptance
 
-        acceptance = acceptance_for(EMBEDDED_PAIR)
+        acceptance = default_acceptance()
     configs = [ConfigRuns("target-only", None)] + ([ConfigRuns("HF generate, target only", None, hf={})] if hf else [])
     if draft is not None and hf:
         configs.append(ConfigRuns("HF assisted generation (default schedule)", None, hf={"assistant_model": draft}))

@@ -62,9 +62,9 @@ def build_tree(size: int, depth: int | None, acceptance: list[float] | None = No
     if size == depth + 1:
         return Tree.chain(depth)
     if acceptance is None:
-        from .acceptance import EMBEDDED_PAIR, acceptance_for
+        from .acceptance import default_acceptance
 
-        acceptance = acceptance_for(EMBEDDED_PAIR)
+        acceptance = default_acceptance()
     return optimal_tree(acceptance, size, depth)
 
 
