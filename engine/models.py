@@ -205,12 +205,20 @@ def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = 
             return _in_use[key]
     quantized_cache = None
     with returning_freed_memory():
+        gguf = None
         if model_id in DEFAULT_IDS:
             model, tokenizer = _load_source(DEFAULT_IDS[model_id], dtype)
             quantized_cache = _dequantised_dir(DEFAULT_IDS[model_id], dtype)  # pinned weights: safe to key on
+            gguf = assemble_gguf(DEFAULT_IDS[model_id]) if draft_format == "q4k" else None
         else:
             model, tokenizer = _load_hub_model(model_id, dtype, trust_remote_code)
-        model = quantize_draft(place(model, device).eval(), draft_format, quantized_cache)
+        model = place(model, device).eval()
+        if draft_format == "q4k":
+            from .kquant import kquant_model
+
+            model = kquant_model(model, gguf)
+        else:
+            model = quantize_draft(model, draft_format, quantized_cache)
     with _in_use_lock:
         _load_keys[model] = key
     return model, tokenizer

@@ -11,11 +11,11 @@ decides every committed token), so the draft may be approximated to make each le
   Fast on AVX2-only CPUs, but its rows depend on the rest of the batch and it agrees less.
 - ``auto``: int4 on CPUs with native bf16, else int8 (see :func:`fastest_format`).
 
-The target stays float32 unless asked (``--target-format int4``): then it is quantised the same
-way and becomes a model of its own. Opt-in only: each int4 product's rows are batch-invariant, but
-the whole forward is not (attention and bf16 activation rounding differ with the batch width, up
-to 0.16 in a logit on the real pair), so greedy tree decoding can leave the int4 target's own
-greedy path at near-ties.
+The target is another matter: every committed token is its argmax (or its sample), so it must be
+computed the same way however many tokens a forward verifies. ``--target-format int4`` keeps it in
+its GGUF Q4_K/Q6_K blocks with batch-invariant kernels (:mod:`engine.kquant`), never through the
+draft formats above: torch's int4 product rounds activations to bf16 and its attention depends on
+the batch width (up to 0.16 in a logit on the real pair), which breaks greedy identity at near-ties.
 """
 from __future__ import annotations
 
@@ -174,10 +174,15 @@ def _copy_all_but_linears(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def draft_format(model: torch.nn.Module) -> str:
-    """``"int4"``, ``"int8"`` or ``"none"``: how ``model``'s linear layers are stored."""
+    """``"q4k"`` (a k-quant target, :mod:`engine.kquant`), ``"int4"``, ``"int8"`` or ``"none"``:
+    how ``model``'s linear layers are stored."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
+    from .kquant import KQuantLinear
+
     kinds = {type(m) for m in model.modules()}
+    if KQuantLinear in kinds:
+        return "q4k"
     return "int4" if Int4Linear in kinds else "int8" if DynamicInt8Linear in kinds else "none"
 
 
@@ -197,15 +202,17 @@ def quantize_draft(model: torch.nn.Module, fmt: str = "auto", cache_dir: Path | 
 
 
 def target_quantization(fmt: str, model_on_cpu_fp32: bool = True) -> str:
-    """What :func:`quantize_draft` should do to a target of format ``fmt`` (one of
-    :data:`TARGET_FORMATS`): ``"int4"`` or ``"none"``. The int4 target is a model of its own, and
-    not yet exactly reproduced by tree decoding (see the module docstring). ``auto`` is int4 for a
-    CPU float32 target on a CPU with native bf16."""
+    """What the loader does to a target of format ``fmt`` (one of :data:`TARGET_FORMATS`):
+    ``"q4k"`` (the k-quant target of :mod:`engine.kquant`, CPU float32 models only) or ``"none"``.
+    ``auto`` is ``q4k`` for a CPU float32 target, float32 elsewhere."""
     if fmt not in TARGET_FORMATS:
         raise ValueError(f"target format must be one of {', '.join(TARGET_FORMATS)}, got {fmt!r}")
     if fmt == "auto":
-        return "int4" if model_on_cpu_fp32 and cpu_has_bf16() else "none"
-    return "none" if fmt == "float32" else fmt
+        return "q4k" if model_on_cpu_fp32 else "none"
+    if fmt == "int4" and not model_on_cpu_fp32:
+        raise ValueError("the int4 target runs on the CPU in float32 activations: drop --target-format int4 "
+                         "or run on the CPU")
+    return "none" if fmt == "float32" else "q4k"
 
 
 def fastest_format() -> str:

@@ -1,0 +1,432 @@
+// Batch-invariant CPU kernels for a target kept in its GGUF k-quant blocks.
+//
+// Every output row is computed by the same instructions in the same order whatever the number of
+// rows in the call, so a row of an n-token verification is bit-identical to decoding that token
+// alone. Products are integer (8-bit activations x 4/6-bit weights, exact in int32); the float
+// work per 256-input super-block is a fixed sequence of IEEE operations (built with
+// -ffp-contract=off, so no fused multiply-add changes it).
+//
+// Layouts (built in engine/kquant.py), per tile of 16 output features and super-block of 256 inputs:
+//   q4k: qs [8 sub-blocks][4][64] bytes: byte o*4+i of load l of sub-block j holds input
+//        32j+8l+i in its low nibble and 32j+8l+4+i in its high one, for output o of the tile;
+//        sc, mn [8][16] uint8 (6-bit scales and mins); d, dmin [16] float.
+//        w = d*sc*q - dmin*mn, q in 0..15 (GGUF Q4_K, kept exactly).
+//   q6k: qs [16 sub-blocks][4][64] bytes: byte o*4+i of load l of sub-block j holds input
+//        16j+4l+i (q in 0..63); sc [16][16] int8; d [16] float. w = d*sc*(q-32) (GGUF Q6_K).
+// Activations: per row and super-block, x ~= sx * xq with xq int8 = round(x * 127 / max|x|).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define KQ_VNNI 1
+#endif
+
+namespace {
+
+constexpr int QK = 256;
+constexpr int TILE = 16;
+
+// ---- activations ---------------------------------------------------------------------------
+
+// x [R, K] float -> xq [R, K] int8, sx [R, K/256] float, s16 [R, K/16] int32 (sums of xq).
+void quantize_rows(const float* x, int64_t R, int64_t K, int8_t* xq, float* sx, int32_t* s16) {
+  const int64_t nb = K / QK;
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * K + b * QK;
+      float amax = 0.f;
+      for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+      const float scale = amax / 127.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* qb = xq + r * K + b * QK;
+      for (int i = 0; i < QK; ++i) qb[i] = (int8_t)std::nearbyint(std::fmin(127.f, std::fmax(-127.f, xb[i] * inv)));
+      sx[r * nb + b] = scale;
+      for (int j = 0; j < QK / 16; ++j) {
+        int32_t s = 0;
+        for (int i = 0; i < 16; ++i) s += qb[j * 16 + i];
+        s16[r * (K / 16) + b * 16 + j] = s;
+      }
+    }
+  }
+}
+
+// ---- integer dot products of one sub-block for one row: 16 lanes, one per output ----------
+
+// q4k: dot[o] = sum over the 32 inputs of sub-block j of q[o][i] * xq[i].
+inline void dot_q4(const uint8_t* qs, const int8_t* xq, int32_t* dot) {
+#ifdef KQ_VNNI
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512i acc = _mm512_setzero_si512();
+  for (int l = 0; l < 4; ++l) {
+    const __m512i w = _mm512_loadu_si512(qs + l * 64);
+    int32_t x0, x1;
+    std::memcpy(&x0, xq + l * 8, 4);
+    std::memcpy(&x1, xq + l * 8 + 4, 4);
+    acc = _mm512_dpbusd_epi32(acc, _mm512_and_si512(w, low), _mm512_set1_epi32(x0));
+    acc = _mm512_dpbusd_epi32(acc, _mm512_and_si512(_mm512_srli_epi16(w, 4), low), _mm512_set1_epi32(x1));
+  }
+  _mm512_storeu_si512(dot, acc);
+#else
+  for (int o = 0; o < TILE; ++o) {
+    int32_t s = 0;
+    for (int l = 0; l < 4; ++l)
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t byte = qs[l * 64 + o * 4 + i];
+        s += (byte & 0x0F) * xq[l * 8 + i] + (byte >> 4) * xq[l * 8 + 4 + i];
+      }
+    dot[o] = s;
+  }
+#endif
+}
+
+// q6k: dot[o] = sum over the 16 inputs of sub-block j of q[o][i] * xq[i].
+inline void dot_q6(const uint8_t* qs, const int8_t* xq, int32_t* dot) {
+#ifdef KQ_VNNI
+  __m512i acc = _mm512_setzero_si512();
+  for (int l = 0; l < 4; ++l) {
+    int32_t x0;
+    std::memcpy(&x0, xq + l * 4, 4);
+    acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(qs + l * 64), _mm512_set1_epi32(x0));
+  }
+  _mm512_storeu_si512(dot, acc);
+#else
+  for (int o = 0; o < TILE; ++o) {
+    int32_t s = 0;
+    for (int l = 0; l < 4; ++l)
+      for (int i = 0; i < 4; ++i) s += qs[l * 64 + o * 4 + i] * xq[l * 4 + i];
+    dot[o] = s;
+  }
+#endif
+}
+
+// ---- the float part: identical per lane whatever the row count -----------------------------
+
+inline void accumulate(float* y, const float* d, float sx, const int32_t* a) {
+  for (int o = 0; o < TILE; ++o) y[o] = y[o] + (sx * d[o]) * (float)a[o];
+}
+
+inline void accumulate_min(float* y, const float* d, const float* dmin, float sx, const int32_t* a,
+                           const int32_t* b) {
+  for (int o = 0; o < TILE; ++o) y[o] = y[o] + ((sx * d[o]) * (float)a[o] - (sx * dmin[o]) * (float)b[o]);
+}
+
+struct Rows {
+  const int8_t* xq;
+  const float* sx;
+  const int32_t* s16;
+  int64_t K;
+};
+
+#ifdef KQ_VNNI
+// The VNNI path: NR rows share each sub-block's unpacked weights; per lane, the same operations
+// as the portable path below (integer sums are exact in any order, the float steps are identical).
+template <int NR>
+void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const float* d, const float* dmin,
+              const Rows& rows, int64_t r0, float* out, int64_t N, int64_t tile) {
+  const int64_t nb = rows.K / QK;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 y[NR];
+  for (int rr = 0; rr < NR; ++rr) y[rr] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const int64_t t = tile * nb + blk;
+    const uint8_t* q = qs + t * 2048;
+    __m512i a[NR], b[NR];
+    for (int rr = 0; rr < NR; ++rr) a[rr] = b[rr] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      __m512i w[8];
+      for (int l = 0; l < 4; ++l) {
+        const __m512i raw = _mm512_loadu_si512(q + j * 256 + l * 64);
+        w[2 * l] = _mm512_and_si512(raw, low);
+        w[2 * l + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+      }
+      const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(sc + t * 128 + j * 16)));
+      const __m512i mnv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mn + t * 128 + j * 16)));
+      for (int rr = 0; rr < NR; ++rr) {
+        const int8_t* xq = rows.xq + (r0 + rr) * rows.K + blk * QK + j * 32;
+        const int32_t* s16 = rows.s16 + (r0 + rr) * (rows.K / 16) + blk * 16;
+        __m512i dot = _mm512_setzero_si512();
+        for (int l = 0; l < 4; ++l) {
+          int32_t x0, x1;
+          std::memcpy(&x0, xq + l * 8, 4);
+          std::memcpy(&x1, xq + l * 8 + 4, 4);
+          dot = _mm512_dpbusd_epi32(dot, w[2 * l], _mm512_set1_epi32(x0));
+          dot = _mm512_dpbusd_epi32(dot, w[2 * l + 1], _mm512_set1_epi32(x1));
+        }
+        a[rr] = _mm512_add_epi32(a[rr], _mm512_mullo_epi32(dot, scv));
+        b[rr] = _mm512_add_epi32(b[rr], _mm512_mullo_epi32(mnv, _mm512_set1_epi32(s16[2 * j] + s16[2 * j + 1])));
+      }
+    }
+    const __m512 dv = _mm512_loadu_ps(d + t * TILE), dminv = _mm512_loadu_ps(dmin + t * TILE);
+    for (int rr = 0; rr < NR; ++rr) {
+      const __m512 sx = _mm512_set1_ps(rows.sx[(r0 + rr) * nb + blk]);
+      const __m512 step = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(sx, dv), _mm512_cvtepi32_ps(a[rr])),
+                                        _mm512_mul_ps(_mm512_mul_ps(sx, dminv), _mm512_cvtepi32_ps(b[rr])));
+      y[rr] = _mm512_add_ps(y[rr], step);
+    }
+  }
+  for (int rr = 0; rr < NR; ++rr) _mm512_storeu_ps(out + (r0 + rr) * N + tile * TILE, y[rr]);
+}
+
+template <int NR>
+void rows_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& rows, int64_t r0, float* out,
+              int64_t N, int64_t tile) {
+  const int64_t nb = rows.K / QK;
+  __m512 y[NR];
+  for (int rr = 0; rr < NR; ++rr) y[rr] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const int64_t t = tile * nb + blk;
+    const uint8_t* q = qs + t * 4096;
+    __m512i a[NR];
+    for (int rr = 0; rr < NR; ++rr) a[rr] = _mm512_setzero_si512();
+    for (int j = 0; j < 16; ++j) {
+      __m512i w[4];
+      for (int l = 0; l < 4; ++l) w[l] = _mm512_loadu_si512(q + j * 256 + l * 64);
+      const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + t * 256 + j * 16)));
+      for (int rr = 0; rr < NR; ++rr) {
+        const int8_t* xq = rows.xq + (r0 + rr) * rows.K + blk * QK + j * 16;
+        const int32_t s = rows.s16[(r0 + rr) * (rows.K / 16) + blk * 16 + j];
+        __m512i dot = _mm512_setzero_si512();
+        for (int l = 0; l < 4; ++l) {
+          int32_t x0;
+          std::memcpy(&x0, xq + l * 4, 4);
+          dot = _mm512_dpbusd_epi32(dot, w[l], _mm512_set1_epi32(x0));
+        }
+        a[rr] = _mm512_add_epi32(a[rr], _mm512_mullo_epi32(_mm512_sub_epi32(dot, _mm512_set1_epi32(32 * s)), scv));
+      }
+    }
+    const __m512 dv = _mm512_loadu_ps(d + t * TILE);
+    for (int rr = 0; rr < NR; ++rr) {
+      const __m512 sx = _mm512_set1_ps(rows.sx[(r0 + rr) * nb + blk]);
+      y[rr] = _mm512_add_ps(y[rr], _mm512_mul_ps(_mm512_mul_ps(sx, dv), _mm512_cvtepi32_ps(a[rr])));
+    }
+  }
+  for (int rr = 0; rr < NR; ++rr) _mm512_storeu_ps(out + (r0 + rr) * N + tile * TILE, y[rr]);
+}
+
+constexpr int ROW_BLOCK = 4;
+
+template <typename F1, typename F2, typename F3, typename F4>
+void by_row_blocks(int64_t R, F1 f1, F2 f2, F3 f3, F4 f4) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) f4(r);
+  if (R - r == 3) f3(r);
+  else if (R - r == 2) f2(r);
+  else if (R - r == 1) f1(r);
+}
+
+void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const float* d, const float* dmin,
+              const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
+  by_row_blocks(R, [&](int64_t r) { rows_q4k<1>(qs, sc, mn, d, dmin, rows, r, out, N, tile); },
+                [&](int64_t r) { rows_q4k<2>(qs, sc, mn, d, dmin, rows, r, out, N, tile); },
+                [&](int64_t r) { rows_q4k<3>(qs, sc, mn, d, dmin, rows, r, out, N, tile); },
+                [&](int64_t r) { rows_q4k<4>(qs, sc, mn, d, dmin, rows, r, out, N, tile); });
+}
+
+void tile_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& rows, int64_t R, float* out,
+              int64_t N, int64_t tile) {
+  by_row_blocks(R, [&](int64_t r) { rows_q6k<1>(qs, sc, d, rows, r, out, N, tile); },
+                [&](int64_t r) { rows_q6k<2>(qs, sc, d, rows, r, out, N, tile); },
+                [&](int64_t r) { rows_q6k<3>(qs, sc, d, rows, r, out, N, tile); },
+                [&](int64_t r) { rows_q6k<4>(qs, sc, d, rows, r, out, N, tile); });
+}
+#else
+// One tile of 16 outputs for every row: out [R, N] float at column tile*16.
+void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const float* d, const float* dmin,
+              const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
+  const int64_t nb = rows.K / QK;
+  alignas(64) int32_t dot[TILE], a[TILE], b[TILE];
+  for (int64_t r = 0; r < R; ++r) {
+    alignas(64) float y[TILE] = {0};
+    const int8_t* xq = rows.xq + r * rows.K;
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const int64_t t = tile * nb + blk;
+      const uint8_t* q = qs + t * 2048;
+      const uint8_t* scb = sc + t * 128;
+      const uint8_t* mnb = mn + t * 128;
+      const int32_t* s16 = rows.s16 + r * (rows.K / 16) + blk * 16;
+      for (int o = 0; o < TILE; ++o) a[o] = b[o] = 0;
+      for (int j = 0; j < 8; ++j) {
+        dot_q4(q + j * 256, xq + blk * QK + j * 32, dot);
+        const int32_t sum = s16[2 * j] + s16[2 * j + 1];
+        for (int o = 0; o < TILE; ++o) {
+          a[o] += scb[j * 16 + o] * dot[o];
+          b[o] += mnb[j * 16 + o] * sum;
+        }
+      }
+      accumulate_min(y, d + t * TILE, dmin + t * TILE, rows.sx[r * nb + blk], a, b);
+    }
+    std::memcpy(out + r * N + tile * TILE, y, sizeof(y));
+  }
+}
+
+void tile_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& rows, int64_t R, float* out,
+              int64_t N, int64_t tile) {
+  const int64_t nb = rows.K / QK;
+  alignas(64) int32_t dot[TILE], a[TILE];
+  for (int64_t r = 0; r < R; ++r) {
+    alignas(64) float y[TILE] = {0};
+    const int8_t* xq = rows.xq + r * rows.K;
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const int64_t t = tile * nb + blk;
+      const uint8_t* q = qs + t * 4096;
+      const int8_t* scb = sc + t * 256;
+      const int32_t* s16 = rows.s16 + r * (rows.K / 16) + blk * 16;
+      for (int o = 0; o < TILE; ++o) a[o] = 0;
+      for (int j = 0; j < 16; ++j) {
+        dot_q6(q + j * 256, xq + blk * QK + j * 16, dot);
+        for (int o = 0; o < TILE; ++o) a[o] += scb[j * 16 + o] * (dot[o] - 32 * s16[j]);
+      }
+      accumulate(y, d + t * TILE, rows.sx[r * nb + blk], a);
+    }
+    std::memcpy(out + r * N + tile * TILE, y, sizeof(y));
+  }
+}
+
+#endif
+
+Rows quantized_rows(const torch::Tensor& x2, torch::Tensor& xq, torch::Tensor& sx, torch::Tensor& s16) {
+  const int64_t R = x2.size(0), K = x2.size(1);
+  TORCH_CHECK(K % QK == 0, "input features must be a multiple of 256, got ", K);
+  xq = torch::empty({R, K}, torch::kInt8);
+  sx = torch::empty({R, K / QK}, torch::kFloat32);
+  s16 = torch::empty({R, K / 16}, torch::kInt32);
+  quantize_rows(x2.data_ptr<float>(), R, K, xq.data_ptr<int8_t>(), sx.data_ptr<float>(), s16.data_ptr<int32_t>());
+  return Rows{xq.data_ptr<int8_t>(), sx.data_ptr<float>(), s16.data_ptr<int32_t>(), K};
+}
+
+torch::Tensor flat_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "activations must be float32");
+  return x.reshape({-1, x.size(-1)}).contiguous();
+}
+
+torch::Tensor output_like(const torch::Tensor& x, int64_t N) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return torch::empty(sizes, torch::kFloat32);
+}
+
+}  // namespace
+
+// x [..., K] float32 -> [..., N] float32 with a q4k weight of N outputs.
+torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc,
+                         const torch::Tensor& mn, const torch::Tensor& d, const torch::Tensor& dmin, int64_t N) {
+  auto x2 = flat_rows(x);
+  torch::Tensor xq, sx, s16;
+  const Rows rows = quantized_rows(x2, xq, sx, s16);
+  const int64_t R = x2.size(0);
+  TORCH_CHECK(qs.numel() == N * rows.K / 2, "q4k weight does not match ", N, " x ", rows.K);
+  auto out = output_like(x, N);
+  const uint8_t* q = qs.data_ptr<uint8_t>();
+  const uint8_t* s = sc.data_ptr<uint8_t>();
+  const uint8_t* m = mn.data_ptr<uint8_t>();
+  const float* dd = d.data_ptr<float>();
+  const float* dm = dmin.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N / TILE, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) tile_q4k(q, s, m, dd, dm, rows, R, o, N, t);
+  });
+  return out;
+}
+
+torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc,
+                         const torch::Tensor& d, int64_t N) {
+  auto x2 = flat_rows(x);
+  torch::Tensor xq, sx, s16;
+  const Rows rows = quantized_rows(x2, xq, sx, s16);
+  const int64_t R = x2.size(0);
+  TORCH_CHECK(qs.numel() == N * rows.K, "q6k weight does not match ", N, " x ", rows.K);
+  auto out = output_like(x, N);
+  const uint8_t* q = qs.data_ptr<uint8_t>();
+  const int8_t* s = sc.data_ptr<int8_t>();
+  const float* dd = d.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N / TILE, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) tile_q6k(q, s, dd, rows, R, o, N, t);
+  });
+  return out;
+}
+
+// Exposed for tests: the activation quantisation (xq, sx, s16) of x [R, K].
+std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
+  auto x2 = flat_rows(x);
+  torch::Tensor xq, sx, s16;
+  quantized_rows(x2, xq, sx, s16);
+  return {xq, sx, s16};
+}
+
+// ---- attention: one (head, row) at a time, a fixed order over keys and lanes ----------------
+
+// q [H, R, D], k and v [KVH, L, D] (contiguous float32), mask [R, L] additive (or empty: causal,
+// row i sees keys 0 .. L-R+i). Returns [R, H, D].
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const torch::Tensor& mask, double scaling) {
+  const int64_t H = q.size(0), R = q.size(1), D = q.size(2), KVH = k.size(0), L = k.size(1);
+  TORCH_CHECK(D % 16 == 0 && H % KVH == 0, "attention needs D % 16 == 0 and H % KVH == 0");
+  const bool causal = mask.numel() == 0;
+  TORCH_CHECK(causal || (mask.size(0) == R && mask.size(1) == L), "mask must be [R, L]");
+  auto out = torch::empty({R, H, D}, torch::kFloat32);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float* mp = causal ? nullptr : mask.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float scale = (float)scaling;
+  at::parallel_for(0, H * R, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(L);
+    std::vector<float> acc(D);
+    for (int64_t hr = begin; hr < end; ++hr) {
+      const int64_t h = hr / R, r = hr % R, kvh = h / (H / KVH);
+      const float* qv = qp + (h * R + r) * D;
+      const int64_t visible = causal ? L - R + r + 1 : L;
+      float top = -INFINITY;
+      for (int64_t j = 0; j < visible; ++j) {
+        const float bias = causal ? 0.f : mp[r * L + j];
+        if (bias == -INFINITY) { p[j] = -INFINITY; continue; }
+        const float* kv = kp + (kvh * L + j) * D;
+        float lanes[16] = {0};
+        for (int64_t c = 0; c < D; c += 16)
+          for (int i = 0; i < 16; ++i) lanes[i] = lanes[i] + qv[c + i] * kv[c + i];
+        for (int w = 8; w >= 1; w /= 2)
+          for (int i = 0; i < w; ++i) lanes[i] = lanes[i] + lanes[i + w];
+        p[j] = lanes[0] * scale + bias;
+        top = std::fmax(top, p[j]);
+      }
+      float total = 0.f;
+      for (int64_t j = 0; j < visible; ++j) {
+        p[j] = p[j] == -INFINITY ? 0.f : std::exp(p[j] - top);
+        total = total + p[j];
+      }
+      for (int64_t c = 0; c < D; ++c) acc[c] = 0.f;
+      for (int64_t j = 0; j < visible; ++j) {
+        if (p[j] == 0.f) continue;
+        const float* vv = vp + (kvh * L + j) * D;
+        for (int64_t c = 0; c < D; ++c) acc[c] = acc[c] + p[j] * vv[c];
+      }
+      float* ov = op + (r * H + h) * D;
+      for (int64_t c = 0; c < D; ++c) ov[c] = acc[c] / total;
+    }
+  });
+  return out;
+}
+
+bool has_vnni() {
+#ifdef KQ_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q4k_linear", &q4k_linear, "x @ W.T for a Q4_K weight (batch-invariant)");
+  m.def("q6k_linear", &q6k_linear, "x @ W.T for a Q6_K weight (batch-invariant)");
+  m.def("quantize_activations", &quantize_activations, "int8 activations per 256-input block");
+  m.def("attention", &attention, "batch-invariant attention for one sequence");
+  m.def("has_vnni", &has_vnni, "whether the AVX-512 VNNI path was compiled");
+}

@@ -1,0 +1,121 @@
+"""The k-quant target's kernels (engine/kquant.py, engine/csrc/kquant.cpp): exact packing of GGUF
+blocks, the compiled kernel equal bit for bit to the pure-torch reference, and rows that never
+depend on the rest of the batch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from engine import kquant
+from engine.kquant import (KQuantLinear, kquant_attention, pack_q4k, pack_q6k, quantize_q4k, reference_linear,
+                           unpack_weight)
+
+ROW_COUNTS = list(range(1, 33))
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Valid random GGUF blocks ``[n, k/256, bytes]``: random quants and scales, sane fp16 d/dmin."""
+    rng = np.random.default_rng(seed)
+    size = 144 if kind == "q4k" else 210
+    blocks = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
+    scales = rng.uniform(1e-4, 3e-3, size=(n, k // 256, 2)).astype(np.float16).view(np.uint8)
+    if kind == "q4k":
+        blocks[..., 0:4] = scales  # d and dmin
+    else:
+        blocks[..., 208:210] = scales[..., :2]  # d
+    return blocks
+
+
+def packed(kind: str, blocks: np.ndarray) -> dict[str, torch.Tensor]:
+    return pack_q4k(blocks) if kind == "q4k" else pack_q6k(blocks)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    if not kquant.kernels_available():
+        pytest.fail("the k-quant kernels did not build: a C++ compiler and ninja are part of the install")
+    return kquant._extension()
+
+
+@pytest.mark.parametrize("kind", ["q4k", "q6k"])
+def test_packing_keeps_ggufs_own_weights_exactly(kind):
+    blocks = random_blocks(kind, 32, 512)
+    qtype = GGMLQuantizationType.Q4_K if kind == "q4k" else GGMLQuantizationType.Q6_K
+    expected = torch.from_numpy(dequantize(blocks.reshape(32, -1), qtype)).reshape(32, 512)
+    assert torch.equal(unpack_weight(kind, packed(kind, blocks), 32, 512), expected)
+
+
+@pytest.mark.parametrize("kind", ["q4k", "q6k"])
+def test_the_kernel_equals_the_torch_reference_bit_for_bit(kind, compiled):
+    blocks = random_blocks(kind, 48, 768, seed=1)
+    tensors = packed(kind, blocks)
+    layer = KQuantLinear(kind, tensors, 768, 48)
+    x = torch.randn(7, 768) * torch.logspace(-2, 1, 768)  # uneven magnitudes, as real activations
+    assert torch.equal(layer(x), reference_linear(kind, x, tensors, 48))
+
+
+@pytest.mark.parametrize("kind", ["q4k", "q6k"])
+def test_the_kernel_is_close_to_the_float_product(kind, compiled):
+    blocks = random_blocks(kind, 64, 512, seed=2)
+    tensors = packed(kind, blocks)
+    x = torch.randn(5, 512)
+    exact = x @ unpack_weight(kind, tensors, 64, 512).T
+    error = (KQuantLinear(kind, tensors, 512, 64)(x) - exact).norm() / exact.norm()
+    assert error < 0.02  # int8 activations per 256 inputs: about 0.7% on Gaussian inputs
+
+
+@pytest.mark.parametrize("kind", ["q4k", "q6k"])
+def test_every_row_is_independent_of_the_batch(kind, compiled):
+    """Rows of an n-row product, n = 1..32, equal the 1-row product of the same input bit for bit."""
+    tensors = packed(kind, random_blocks(kind, 32, 512, seed=3))
+    layer = KQuantLinear(kind, tensors, 512, 32)
+    x = torch.randn(32, 512)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(32)])
+    for n in ROW_COUNTS:
+        assert torch.equal(layer(x[:n]), alone[:n]), f"{n} rows"
+
+
+def test_a_weight_without_gguf_is_quantised_to_q4k_within_its_grid():
+    torch.manual_seed(0)
+    weight = torch.randn(32, 512) * 0.05
+    tensors = quantize_q4k(weight)
+    error = (unpack_weight("q4k", tensors, 32, 512) - weight).norm() / weight.norm()
+    assert error < 0.1  # 4 bits over a Gaussian's range: ~8%
+    assert quantize_q4k(torch.zeros(16, 256))["qs"].count_nonzero() == 0
+
+
+def test_shapes_the_kernel_cannot_tile_are_refused():
+    with pytest.raises(ValueError, match="multiple"):
+        quantize_q4k(torch.randn(16, 100))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        pack_q4k(random_blocks("q4k", 8, 256))
+
+
+def _attention(q, k, v, mask):
+    return kquant_attention(None, q, k, v, mask, scaling=q.shape[-1] ** -0.5)[0]
+
+
+def test_attention_matches_torch_and_its_rows_are_independent(compiled):
+    torch.manual_seed(0)
+    heads, kv_heads, length, dim, rows = 4, 2, 40, 32, 9
+    q = torch.randn(1, heads, rows, dim)
+    k, v = torch.randn(1, kv_heads, length, dim), torch.randn(1, kv_heads, length, dim)
+    tree = torch.ones(rows, length, dtype=torch.bool)
+    tree[:, -rows:] = torch.rand(rows, rows) < 0.5
+    tree[:, -rows:] |= torch.eye(rows, dtype=torch.bool)
+    for mask in (None, tree[None, None], torch.where(tree, 0.0, float("-inf"))[None, None]):
+        out = _attention(q, k, v, mask)
+        causal = mask is None
+        bool_mask = torch.ones(rows, length, dtype=torch.bool).tril(length - rows) if causal else tree
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=bool_mask).transpose(1, 2)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        for i in range(rows):
+            if causal:  # row i alone sees the keys a causal chunk's row i sees
+                alone = _attention(q[:, :, i:i + 1], k[:, :, :length - rows + i + 1], v[:, :, :length - rows + i + 1], None)
+            else:
+                alone = _attention(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1])
+            assert torch.equal(out[:, i:i + 1], alone), f"row {i}"
