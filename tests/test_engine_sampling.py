@@ -151,3 +151,32 @@ def test_the_six_token_test_catches_a_biased_sampler(pair):
                                  seed=seed).tokens
         values += pit_values(target, tokens, 0.7, 1.0, generator)
     assert kstest(values, "uniform").pvalue < P_MIN
+
+
+@pytest.fixture(scope="module")
+def q4k_pair():
+    """A tiny target in the k-quant format (its layers quantised to Q4_K, batch-invariant kernels)
+    and a float draft near it: the int4 target's own law is what sampling must follow."""
+    from engine.kquant import kquant_model
+
+    float_target = sharpened(tm.qwen2(seed=4, vocab_size=VOCAB, hidden_size=256, layers=1), 30.0)
+    return kquant_model(float_target), tm.perturbed(float_target, 0.05, seed=1)
+
+
+@pytest.mark.parametrize("method,tree,temperature,top_p", [
+    ("sequoia", Tree.k_ary(2, 2), 0.7, 0.8),
+    ("chain", Tree.chain(3), 1.0, 1.0),
+])
+def test_six_token_answers_of_the_int4_target_follow_its_law(q4k_pair, method, tree, temperature, top_p):
+    """The k-quant target format, same KS test and threshold as above."""
+    from scipy.stats import kstest
+
+    target, draft = q4k_pair
+    engine = SpeculativeEngine(target, draft, stop_token_ids=[])
+    generator = torch.Generator().manual_seed(321)
+    values = []
+    for seed in range(PIT_SAMPLES):
+        tokens = engine.generate(PROMPT, max_new_tokens=PIT_TOKENS, temperature=temperature, top_p=top_p,
+                                 tree=tree, seed=seed, method=method).tokens
+        values += pit_values(target, tokens, temperature, top_p, generator)
+    assert kstest(values, "uniform").pvalue > P_MIN

@@ -1,0 +1,66 @@
+"""The int4 (k-quant) target on the real pair: rows of a verification bit-identical to decoding each
+token alone, and greedy tree decoding token-identical to the same target's own ``generate``."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import REFERENCE_PROMPTS
+from engine import SpeculativeEngine, Tree
+from engine.kquant import KQuantLinear, kquant_model
+from engine.models import DEFAULT_TARGET, assemble_gguf
+
+pytestmark = pytest.mark.real_pair
+
+NEW_TOKENS = 48
+ROWS = 32
+
+
+@pytest.fixture(scope="module")
+def q4k_target(_stock_pair, chat_prompts):
+    """``(model, greedy references)``: the target kept in its GGUF blocks, and its own greedy
+    continuations (Hugging Face's ``generate``) taken before any engine saw it."""
+    model = kquant_model(_stock_pair[0], assemble_gguf(DEFAULT_TARGET))
+    refs = []
+    for ids in chat_prompts[:REFERENCE_PROMPTS]:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        refs.append(out[0, len(ids):].tolist())
+    return model, refs
+
+
+def test_every_linear_but_the_embedding_is_a_gguf_block_layer(q4k_target, _stock_pair):
+    model = q4k_target[0]
+    kinds = [m.kind for m in model.modules() if isinstance(m, KQuantLinear)]
+    assert len(kinds) == 28 * 7 + 1 and kinds.count("q6k") == 14 + 14 + 1  # the Q4_K_M mix
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert any(type(m) is torch.nn.Linear for m in _stock_pair[0].modules()), "the float model was changed"
+
+
+def test_each_row_of_an_n_token_forward_equals_decoding_that_token_alone(q4k_target, chat_prompts):
+    """n = 1..32 new tokens after a cached prompt: every row's logits bit-identical to one-token
+    forwards of the same tokens, one after another, through the same KV cache."""
+    model = q4k_target[0]
+    new = torch.randint(0, 150_000, (1, ROWS), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        prompt_cache = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([chat_prompts[0]]), past_key_values=prompt_cache, use_cache=True)
+        cache = copy.deepcopy(prompt_cache)
+        alone = torch.stack([model(input_ids=new[:, i:i + 1], past_key_values=cache, use_cache=True).logits[0, 0]
+                             for i in range(ROWS)])
+        for n in range(1, ROWS + 1):
+            rows = model(input_ids=new[:, :n], past_key_values=copy.deepcopy(prompt_cache), use_cache=True).logits[0]
+            assert torch.equal(rows, alone[:n]), f"{n} rows: max diff {(rows - alone[:n]).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("tree", [Tree.chain(3), Tree.k_ary(2, 3),
+                                  Tree.from_parents([-1, 0, 0, 0, 1, 1, 2, 4, 4, 5, 7, 7, 10])],
+                         ids=["chain3", "binary3", "irregular"])
+def test_greedy_tree_decoding_of_the_int4_target_is_token_identical(tree, q4k_target, real_pair, chat_prompts):
+    model, refs = q4k_target
+    engine = SpeculativeEngine(model, real_pair[1])
+    for ids, ref in zip(chat_prompts, refs):
+        assert engine.generate(ids, max_new_tokens=NEW_TOKENS, temperature=0.0, tree=tree).tokens == ref
