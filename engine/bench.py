@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are then compared)")
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--target-format", choices=("float32", "int4", "auto"), default="float32",
+    parser.add_argument("--target-format", choices=("float32", "int4", "auto"), default="auto",
                         help="the target's weights on CPU (see python -m engine.generate --help)")
     parser.add_argument("--no-hf", action="store_true", help="leave out Hugging Face's generate and assisted generation")
     parser.add_argument("--peer", choices=["llama.cpp"], default=None,

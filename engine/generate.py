@@ -17,11 +17,10 @@ def add_draft_format_argument(parser: argparse.ArgumentParser) -> None:
     """``--draft-format`` and ``--target-format`` (how each model's weights are stored on CPU)."""
     from .quantize import DRAFT_FORMATS, TARGET_FORMATS
 
-    parser.add_argument("--target-format", choices=TARGET_FORMATS, default="float32",
-                        help="target weights: float32 (the dequantised GGUF values; exact) or int4 (groups of "
-                             "32, bf16 activations, about 7x fewer bytes a token; experimental: not yet "
-                             "token-identical to its own greedy decoding, see README); auto = int4 on CPUs "
-                             "with native bf16")
+    parser.add_argument("--target-format", choices=TARGET_FORMATS, default="auto",
+                        help="target weights: int4 (the GGUF's own Q4_K/Q6_K blocks, batch-invariant kernels, "
+                             "exact; engine/kquant.py) or float32 (the dequantised values); auto = int4 on "
+                             "the CPU, float32 on a GPU")
 
     parser.add_argument("--draft-format", choices=DRAFT_FORMATS, default="auto",
                         help="draft weights: int4, int8 or none (float); auto takes the fastest that keeps "

@@ -34,6 +34,7 @@ SUPER_BLOCK = 256
 TILE = 16
 SOURCE = Path(__file__).with_name("csrc") / "kquant.cpp"
 ATTENTION_NAME = "kquant"
+CACHE_FORMAT = 1  # bump when the packed layout changes
 
 # GGUF tensor name (after ``blk.N.``) -> Hugging Face module path (after ``model.layers.N.``), for
 # the llama-style architectures whose converters keep q/k unpermuted (qwen2).
@@ -316,19 +317,34 @@ def gguf_quantized_linears(gguf_path: Path) -> dict[str, tuple[str, np.ndarray]]
     return linears
 
 
-def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None) -> torch.nn.Module:
+def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None, cache_file: Path | None = None
+                 ) -> torch.nn.Module:
     """A copy of the CPU float32 ``model`` whose linear layers are :class:`KQuantLinear` and whose
     attention is :func:`kquant_attention`; ``model`` is not changed, and no float32 weight of a
-    replaced layer is copied.
+    replaced layer is read.
 
     With ``gguf_path`` (the GGUF ``model`` was dequantised from) the layers keep that file's own
     Q4_K/Q6_K blocks, exactly; other layers (and every layer without a GGUF) are quantised to
-    Q4_K by :func:`quantize_q4k` when their shape allows (inputs a multiple of 256, outputs of 16)."""
+    Q4_K by :func:`quantize_q4k` when their shape allows (inputs a multiple of 256, outputs of 16).
+    ``cache_file``: where the packed layers of *these exact* weights are kept (the caller names
+    it after them): read when present and fitting, written otherwise, so later starts skip packing."""
     from .kernels import on_cpu_fp32, own_memory
 
     if not on_cpu_fp32(model):
         raise ValueError("the int4 target is built from a CPU float32 model; this one is elsewhere")
     register_attention()
+    layers = (cache_file and _read_cache(cache_file, model)) or _pack_layers(model, gguf_path)
+    if cache_file and not cache_file.exists():
+        _write_cache(cache_file, layers)
+    memo = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    memo.update({id(model.get_submodule(name)): layer for name, layer in layers.items()})
+    quantized = copy.deepcopy(model, memo)  # shares every tensor left; the replaced layers are the new ones
+    own_memory(quantized)
+    quantized.set_attn_implementation(ATTENTION_NAME)
+    return quantized.eval()
+
+
+def _pack_layers(model: torch.nn.Module, gguf_path: Path | None) -> dict[str, KQuantLinear]:
     from_file = gguf_quantized_linears(gguf_path) if gguf_path else {}
     layers = {}
     for name, linear in model.named_modules():
@@ -344,9 +360,54 @@ def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None) -> torch
             weight = linear.weight.detach()
             layers[name] = KQuantLinear("q4k", quantize_q4k(weight.to_dense() if weight.is_mkldnn else weight),
                                         linear.in_features, linear.out_features, linear.bias)
-    memo = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    memo.update({id(model.get_submodule(name)): layer for name, layer in layers.items()})
-    quantized = copy.deepcopy(model, memo)  # shares every tensor left; the replaced layers are the new ones
-    own_memory(quantized)
-    quantized.set_attn_implementation(ATTENTION_NAME)
-    return quantized.eval()
+    return layers
+
+
+def _read_cache(path: Path, model: torch.nn.Module) -> dict[str, KQuantLinear] | None:
+    """The cached layers when the file exists and fits ``model``'s linear layers, else None."""
+    import json
+
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            kinds = json.loads(f.metadata()["kinds"])
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except (OSError, SafetensorError, KeyError, ValueError):
+        return None
+    layers = {}
+    for name, kind in kinds.items():
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:
+            return None
+        if type(linear) is not torch.nn.Linear:
+            return None
+        parts = {key.rpartition(".")[2]: t for key, t in tensors.items() if key.rpartition(".")[0] == name}
+        if parts.get("qs") is None or parts["qs"].numel() * (2 if kind == "q4k" else 1) != \
+                linear.in_features * linear.out_features:
+            return None
+        layers[name] = KQuantLinear(kind, parts, linear.in_features, linear.out_features, linear.bias)
+    return layers
+
+
+def _write_cache(path: Path, layers: dict[str, KQuantLinear]) -> None:
+    """Write the packed layers atomically; a failure only costs packing again at the next start."""
+    import json
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    tensors = {f"{name}.{key}": t for name, layer in layers.items() for key, t in layer.packed().items()}
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".partial")
+        os.close(fd)
+        save_file(tensors, tmp, metadata={"kinds": json.dumps({n: layer.kind for n, layer in layers.items()})})
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("could not cache the int4 target (%s); it is packed again at every start", exc)
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)

@@ -214,9 +214,10 @@ def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = 
             model, tokenizer = _load_hub_model(model_id, dtype, trust_remote_code)
         model = place(model, device).eval()
         if draft_format == "q4k":
-            from .kquant import kquant_model
+            from .kquant import CACHE_FORMAT, kquant_model
 
-            model = kquant_model(model, gguf)
+            packed = quantized_cache and quantized_cache / f"kquant-v{CACHE_FORMAT}.safetensors"
+            model = kquant_model(model, gguf, packed)
         else:
             model = quantize_draft(model, draft_format, quantized_cache)
     with _in_use_lock:

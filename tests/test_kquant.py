@@ -10,8 +10,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine import kquant
-from engine.kquant import (KQuantLinear, kquant_attention, pack_q4k, pack_q6k, quantize_q4k, reference_linear,
-                           unpack_weight)
+from engine.kquant import (KQuantLinear, kquant_attention, kquant_model, pack_q4k, pack_q6k, quantize_q4k,
+                           reference_linear, unpack_weight)
 
 ROW_COUNTS = list(range(1, 33))
 
@@ -119,3 +119,29 @@ def test_attention_matches_torch_and_its_rows_are_independent(compiled):
             else:
                 alone = _attention(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1])
             assert torch.equal(out[:, i:i + 1], alone), f"row {i}"
+
+
+def test_a_packed_target_is_cached_and_read_back_identically(tmp_path, compiled):
+    import tiny_models as tm
+
+    model = tm.qwen2(seed=1, vocab_size=32, hidden_size=256, layers=1)
+    cache = tmp_path / "kquant.safetensors"
+    first = kquant_model(model, cache_file=cache)
+    assert cache.exists()
+    again = kquant_model(model, cache_file=cache)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        assert torch.equal(first(ids).logits, again(ids).logits)
+    other = tm.qwen2(seed=1, vocab_size=32, hidden_size=512, layers=1)  # another shape: the cache is not used
+    assert kquant_model(other, cache_file=cache)(ids).logits.shape == (1, 4, 32)
+
+
+def test_building_the_int4_target_leaves_the_float_model_as_it_was(compiled):
+    import tiny_models as tm
+
+    model = tm.qwen2(seed=2, vocab_size=32, hidden_size=256, layers=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kquant_model(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(type(m) is not KQuantLinear for m in model.modules())
