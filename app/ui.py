@@ -167,7 +167,7 @@ def describe_choice(choice, markup: bool = False) -> str:
     if choice.size == 1:
         return (f"{bold('the target alone')}: on this device's profile no tree is predicted to beat plain "
                 f"decoding (verification of a few tokens costs several single-token forwards)")
-    return (f"{bold(f'{choice.size} nodes, depth {choice.depth}')} · expected {choice.expected_tokens:.2f} "
+    return (f"{bold(f'{choice.size} nodes, depth {choice.depth}')} · predicted {choice.expected_tokens:.2f} "
             f"tokens/step · predicted {bold(f'{choice.predicted_speedup:.2f}×')} the target alone")
 
 
@@ -535,7 +535,7 @@ class ChatApp:
                         if tc is not None:
                             run.predicted = tc.predicted_speedup
                             run.expected = tc.expected_tokens
-                            run.tree_desc = "auto: " + describe_choice(tc)
+                            run.tree_desc = f"{method}, auto: " + describe_choice(tc)
                         elif predict and isinstance(data.get("tree"), Tree):
                             run.expected = data["tree"].expected_tokens(calibration.vector)
                 elif kind == "step" and event.phase == "main":
