@@ -40,7 +40,7 @@ STATUS_NAMES = {
     ACCEPTED: "accepted draft",
     REJECTED: "rejected draft",
     UNREACHED: "never reached",
-    UNUSED: "accepted, not used (answer ended)",
+    UNUSED: "accepted, not used (the answer ended first)",
     BONUS: "bonus token (from the target)",
 }
 EDGE_GREY = "#b6bcc6"

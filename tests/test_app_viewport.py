@@ -94,3 +94,33 @@ def test_tree_is_in_the_first_viewport(url, browser, width, height):
         assert not errors, errors
     finally:
         context.close()
+
+
+def test_presentation_mode_shows_the_tree_and_the_answer_large(url, browser):
+    context = browser.new_context(viewport={"width": 1024, "height": 768})
+    page = context.new_page()
+    try:
+        page.goto(url)
+        page.wait_for_selector("#sc-msg textarea", timeout=60_000)
+        page.fill("#sc-msg textarea", "Explain trees")
+        page.keyboard.press("Enter")
+        expect(page.locator("#sc-status")).to_contain_text("Done", timeout=120_000)
+        size = lambda: page.evaluate(  # noqa: E731
+            "() => parseFloat(getComputedStyle(document.querySelector('#sc-tree g.annotation text')).fontSize)")
+        before = size()
+        page.get_by_label("Presentation mode").check()
+        page.wait_for_function(f"() => {{ const t = document.querySelector('#sc-tree g.annotation text'); "
+                               f"return t && parseFloat(getComputedStyle(t).fontSize) > {before}; }}", timeout=10_000)
+        assert page.evaluate("() => document.body.classList.contains('sc-present')")
+        for hidden in ("#sc-steps", "#sc-stats", "#sc-regen", "#sc-key"):
+            assert not page.locator(hidden).is_visible(), hidden
+        font = page.evaluate("() => parseFloat(getComputedStyle(document.querySelector('#sc-chatbot .bot .message-content') || document.querySelector('#sc-chatbot .bot')).fontSize)")
+        assert font >= 20, font  # the answer is readable from the back of the room
+        tree = box_in_first_viewport(page, "#sc-tree")
+        page.screenshot(path=str(ARTIFACTS / "viewport-presentation-1024x768.png"))
+        assert tree["bottom"] <= tree["height"] and tree["scrollWidth"] <= tree["width"], tree
+        page.get_by_label("Presentation mode").uncheck()  # the way back stays on the page
+        page.wait_for_function("() => !document.body.classList.contains('sc-present')", timeout=10_000)
+        assert page.locator("#sc-steps").is_visible()
+    finally:
+        context.close()
