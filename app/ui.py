@@ -732,6 +732,9 @@ class ChatApp:
         note = ""
         if method != "chain" and method != "autoregressive" and int(depth) > int(size) - 1 and int(size) > 1:
             note = f" (depth capped at size − 1 = {int(size) - 1})"
+        elif tree is not None and method != "chain" and tree.depth < int(depth):
+            note = (f" (you asked for depth {int(depth)}: the DP tree stops at {tree.depth}, deeper nodes are "
+                    f"predicted to be accepted less often than wider ones)")
         label = f"<br><span class='sc-calibration'>{html.escape(calibration.label())}</span>" if tree is not None else ""
         return f"<div class='sc-tree-info'>{html.escape(desc)}{note}{extra}{label}</div>"
 

@@ -161,3 +161,28 @@ def test_exported_steps_come_back_on_import():
     bad["steps"][0]["accepted"] = [0, 9]
     with pytest.raises(ValueError, match="could not be read"):
         import_steps(json.dumps(bad))
+
+
+def test_a_depth_the_tree_does_not_reach_is_reported(app):
+    capped = app.tree_info("sequoia", 4, 8, False, 0.0, 1.0)
+    assert "depth capped at size − 1 = 3" in capped
+    tree, _ = ui.resolve_tree("sequoia", 64, 16, app.calibration(0.0, 1.0).vector)
+    info = app.tree_info("sequoia", 64, 16, False, 0.0, 1.0)
+    if tree.depth < 16:
+        assert f"the DP tree stops at {tree.depth}" in info
+    else:
+        assert "stops at" not in info
+
+
+def test_a_message_sent_during_an_answer_is_refused_with_a_message(app):
+    from app.worker import GenerationRequest
+    blocker = app.worker.submit(GenerationRequest(system="", messages=[{"role": "user", "content": "long"}],
+                                                  max_new_tokens=2000, tree=None, method="autoregressive"),
+                                session="local")
+    try:
+        updates = list(app.respond("second question", [], ui.Run(), "", 0.0, 1.0, 8, 0, "sequoia", 8, 4, False,
+                                   False, False))
+    finally:
+        blocker.cancel()
+    assert len(updates) == 1 and app.c.msg not in updates[0]  # the text stays in the box
+    assert "Not sent: an answer is still streaming" in updates[0][app.c.status]
