@@ -109,7 +109,7 @@ LOGO = ("<svg class='sc-logo' width='26' height='26' viewBox='0 0 26 26' aria-hi
 
 PLACEHOLDER = ("**Sequoia Chat** — a small draft model proposes a *tree* of tokens, the big target model "
                "checks the whole tree in one pass, and the answer is exactly what the target alone would "
-               "write. Ask something and watch the tree.")
+               "write. Ask something and watch the tree.\n\n*Enter sends · Shift+Enter adds a line.*")
 
 
 def model_name(model_id) -> str:
@@ -923,7 +923,7 @@ class ChatApp:
                     c.steps_plot = gr.Plot(figures.placeholder_figure(
                         "Per-step chart appears as tokens are committed", 220), show_label=False, elem_id="sc-steps")
                 with gr.Column(scale=5, min_width=300, elem_id="sc-chat-col"):
-                    c.chatbot = gr.Chatbot(label="Chat", height=430, buttons=["copy", "copy_all"],
+                    c.chatbot = gr.Chatbot(label="Chat", height=380, buttons=["copy", "copy_all"],
                                            placeholder=PLACEHOLDER, elem_id="sc-chatbot", show_label=False,
                                            feedback_options=None, layout="bubble", autoscroll=True)
                     with gr.Row(elem_id="sc-input-row"):
@@ -933,8 +933,6 @@ class ChatApp:
                         c.send = gr.Button("Send", variant="primary", scale=0, min_width=70, elem_id="sc-send")
                         c.stop_btn = gr.Button("Stop", variant="secondary", scale=0, min_width=70,
                                                elem_id="sc-stop", interactive=False)
-                    gr.HTML("<div class='sc-hint'>Enter sends · Shift+Enter adds a line · Stop is active while "
-                            "an answer runs</div>", elem_id="sc-hint")
                     with gr.Row(elem_id="sc-actions"):
                         c.regen = gr.Button("↻ Regenerate", size="sm", elem_id="sc-regen")
                         c.clear_btn = gr.Button("Clear", size="sm", elem_id="sc-clear")

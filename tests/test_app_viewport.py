@@ -4,7 +4,8 @@ phone size (chromium driven by Playwright; tiny models, in-process server).
 At each size, after an answer: the tree's box lies within the first viewport (nothing scrolled),
 the page does not scroll sideways, and the settings sidebar starts closed below 1280 px. At
 1440 x 960 the Compare result sits next to the tree, also in the first viewport. Screenshots of
-each go to test-artifacts/viewport-<w>x<h>.png for a person to look at.
+each go to test-artifacts/viewport-<w>x<h>.png for a person to look at. At 1440 the Compare result
+and the draft/target colouring start in the first viewport too.
 """
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ def test_tree_is_in_the_first_viewport(url, browser, width, height):
         assert sidebar_open == (width >= 1280), f"sidebar open={sidebar_open} at {width} px"
         if width >= 1280:
             page.get_by_label("Compare with the target alone").check()
+            page.get_by_label("Colour draft vs. target tokens").check()
         page.fill("#sc-msg textarea", "What is a hash map?")
         page.keyboard.press("Enter")
         expect(page.locator("#sc-status")).to_contain_text("Done", timeout=120_000)
@@ -91,6 +93,8 @@ def test_tree_is_in_the_first_viewport(url, browser, width, height):
         if width >= 1280:
             compare = box_in_first_viewport(page, "#sc-compare")
             assert compare["bottom"] <= compare["height"], f"the Compare result needs scrolling: {compare}"
+            colours = box_in_first_viewport(page, "#sc-highlight .hl-text")
+            assert colours["top"] < colours["height"] - 40, f"the draft/target colouring starts below the fold: {colours}"
         assert not errors, errors
     finally:
         context.close()
@@ -122,5 +126,19 @@ def test_presentation_mode_shows_the_tree_and_the_answer_large(url, browser):
         page.get_by_label("Presentation mode").uncheck()  # the way back stays on the page
         page.wait_for_function("() => !document.body.classList.contains('sc-present')", timeout=10_000)
         assert page.locator("#sc-steps").is_visible()
+    finally:
+        context.close()
+
+
+def test_on_a_phone_the_chat_comes_right_after_the_tree(url, browser):
+    context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
+    page = context.new_page()
+    try:
+        page.goto(url)
+        page.wait_for_selector("#sc-msg textarea", timeout=60_000)
+        tops = page.evaluate("""() => ['#sc-tree', '#sc-chatbot', '#sc-msg', '#sc-steps'].map(
+            s => document.querySelector(s).getBoundingClientRect().top)""")
+        assert tops[0] < tops[1] < tops[2] < tops[3], tops  # tree, chat, message box, then the chart
+        assert page.evaluate("() => document.scrollingElement.scrollWidth <= innerWidth")
     finally:
         context.close()
