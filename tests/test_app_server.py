@@ -158,9 +158,12 @@ def test_export_then_import_round_trip_and_bad_files(server, tmp_path):
     assert exported["messages"][0]["content"] == "Remember <this>"
 
     other = client(url)
-    chat, system, status, *_ = other.predict(handle_file(out[EXPORT]["value"]["path"]),
-                                             api_name="/import_conversation")
+    assert exported["steps"] and exported["token_texts"]  # the last answer's steps travel with it
+    chat, system, status, _, tree, *_ = other.predict(handle_file(out[EXPORT]["value"]["path"]),
+                                                      api_name="/import_conversation")
     assert "Imported 2 messages" in status
+    assert f"the last answer's {len(exported['steps'])} steps" in status
+    assert "Step " in tree["plot"] and '"kind":"nodes"' in tree["plot"]  # its trees come back for replay
     assert [m["role"] for m in chat] == ["user", "assistant"]
     # the imported conversation is the context of the next turn
     nxt = other.predict(*chat_args("Continue", max_new=4), api_name="/chat")

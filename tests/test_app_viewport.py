@@ -142,3 +142,27 @@ def test_on_a_phone_the_chat_comes_right_after_the_tree(url, browser):
         assert page.evaluate("() => document.scrollingElement.scrollWidth <= innerWidth")
     finally:
         context.close()
+
+
+def test_play_replays_the_steps_and_pause_stops(url, browser):
+    context = browser.new_context(viewport={"width": 1024, "height": 768})
+    page = context.new_page()
+    try:
+        page.goto(url)
+        page.wait_for_selector("#sc-msg textarea", timeout=60_000)
+        page.fill("#sc-msg textarea", "Play it back")
+        page.keyboard.press("Enter")
+        expect(page.locator("#sc-status")).to_contain_text("Done", timeout=120_000)
+        page.locator("#sc-pace").click()
+        page.get_by_role("option", name="fast (0.6 s/step)").click()
+        page.click("#sc-play")  # from the last step: starts over at step 1
+        expect(page.locator("#sc-step-text")).to_contain_text("Step 1 wrote:", timeout=15_000)
+        expect(page.locator("#sc-step-text")).to_contain_text("Step 3 wrote:", timeout=15_000)
+        page.click("#sc-pause")
+        page.wait_for_timeout(300)
+        shown = page.locator("#sc-step-slider input[type=number]").input_value()
+        page.wait_for_timeout(1500)  # two fast ticks' worth: nothing moves while paused
+        assert page.locator("#sc-step-slider input[type=number]").input_value() == shown
+        expect(page.locator("#sc-play")).to_be_visible()
+    finally:
+        context.close()
