@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import json
+from html.parser import HTMLParser
 import re
 import time
 from collections.abc import Sequence
@@ -131,25 +132,79 @@ def token_origins(steps: Sequence[StepRecord]) -> list[tuple[int, str]]:
 
 
 def highlight_html(tokenizer, steps: Sequence[StepRecord], current: int | None = None) -> str:
-    """The answer as HTML: tokens the target accepted from the draft vs. the target's own tokens.
+    """The answer as HTML, rendered as Markdown (bold, code blocks, tables...) with every character
+    coloured by where its token came from: accepted from the draft, or the target's own token.
     ``current``: index of a step (the one replayed) whose tokens are also marked ``tok-current``."""
     origins = token_origins(steps)
-    owner = [i for i, step in enumerate(steps) for _ in step.committed]
     if not origins:
         return "<div class='hl-empty'>The answer will appear here with its tokens coloured.</div>"
+    owner = [i for i, step in enumerate(steps) for _ in step.committed]
     pieces = token_pieces(tokenizer, [t for t, _ in origins])
-    spans = []
+    text, chars = "", []  # chars[k]: (origin, step, token) of text[k]
     for (token, origin), piece, step in zip(origins, pieces, owner):
-        if not piece:
-            continue
-        title = "accepted draft token" if origin == "draft" else "target's own token (bonus)"
-        mark = " tok-current" if step == current else ""
-        spans.append(f'<span class="tok tok-{origin}{mark}" title="{html.escape(f"{title}, step {step + 1} (id {token})")}">'
-                     f'{html.escape(piece)}</span>')
+        text += piece
+        chars += [(origin, step, token)] * len(piece)
     drafted = sum(1 for _, o in origins if o == "draft")
     legend = (f"<div class='hl-legend'><span class='tok tok-draft'>from the draft</span> {drafted} tokens · "
               f"<span class='tok tok-bonus'>from the target</span> {len(origins) - drafted} tokens</div>")
-    return f"{legend}<div class='hl-text'>{''.join(spans)}</div>"
+    return f"{legend}<div class='hl-text hl-md'>{_coloured_markdown(text, chars, current)}</div>"
+
+
+class _Colourer(HTMLParser):
+    """Re-emits rendered Markdown with each run of text wrapped in a span of its source characters'
+    origin. Rendered text is matched against the source in order (Markdown only drops syntax
+    characters), so each visible character finds the source character it came from."""
+
+    def __init__(self, source: str, chars: list, current: int | None) -> None:
+        super().__init__(convert_charrefs=True)
+        self.source, self.chars, self.current = source, chars, current
+        self.pos = 0
+        self.out: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        safe = "".join(f' {k}="{html.escape(v or "", quote=True)}"' for k, v in attrs if k in ("class", "align"))
+        self.out.append(f"<{tag}{safe}>")
+
+    def handle_startendtag(self, tag, attrs):
+        self.out.append(f"<{tag}>")
+
+    def handle_endtag(self, tag):
+        self.out.append(f"</{tag}>")
+
+    def handle_data(self, data):
+        run, key = [], None
+        for ch in data:
+            found = self.source.find(ch, self.pos)
+            if found == -1 or found - self.pos > 200:  # not from the source (e.g. a list marker)
+                info = None
+            else:
+                info, self.pos = self.chars[found], found + 1
+            k = (info[0], info[1] == self.current) if info else None
+            if k != key and run:
+                self._emit(key, run)
+                run = []
+            key = k
+            run.append(ch)
+        if run:
+            self._emit(key, run)
+
+    def _emit(self, key, run):
+        text = html.escape("".join(run), quote=False)
+        if key is None:
+            self.out.append(text)
+        else:
+            origin, now = key
+            self.out.append(f'<span class="tok tok-{origin}{" tok-current" if now else ""}">{text}</span>')
+
+
+def _coloured_markdown(text: str, chars: list, current: int | None) -> str:
+    from markdown_it import MarkdownIt
+
+    rendered = MarkdownIt("commonmark", {"html": False}).enable("table").render(text)
+    colourer = _Colourer(text, chars, current)
+    colourer.feed(rendered)
+    colourer.close()
+    return "".join(colourer.out)
 
 
 # ----- export / import ----------------------------------------------------------------------

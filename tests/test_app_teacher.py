@@ -4,6 +4,7 @@ steps imported back. Tiny models with the real tokenizer; handlers called direct
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -127,13 +128,26 @@ def test_auto_disables_the_sliders_and_names_its_pick(app):
         app.worker.set_tuner(None)
 
 
+def test_the_colouring_panel_renders_markdown_not_its_source():
+    tok = support.tokenizer()
+    ids = tok.encode("Use **bold** for <b>this</b> & `code`:\n\n```python\nx = 1\n```\n")
+    steps = [step(i, ids[i * 3:(i + 1) * 3], accepted=(0, 1) if i % 2 else (0,)) for i in range((len(ids) + 2) // 3)]
+    panel = highlight_html(tok, steps)
+    assert "<strong>" in panel and "**" not in panel  # rendered, not the source
+    assert "<pre><code" in panel and "```" not in panel
+    assert "&lt;b&gt;" in panel and "<b>this" not in panel  # HTML in the answer stays text
+    visible = re.sub(r"<[^>]+>", "", panel.split("hl-md'>")[1])
+    assert "bold" in visible and "x = 1" in visible.replace('</span><span class="tok tok-draft">', "")
+    assert 'class="tok tok-draft"' in panel and 'class="tok tok-bonus"' in panel
+
+
 # ----- replay tied to the text ----------------------------------------------------------------
 def test_replayed_step_is_marked_in_the_answer():
     tok = support.tokenizer()
     hello, world = tok.encode("Hello"), tok.encode(" world")
     steps = [step(0, hello), step(1, world)]
     marked = highlight_html(tok, steps, current=1)
-    assert marked.count("tok-current") == len(world)
+    assert re.findall(r'tok-current">([^<]*)<', marked) == [" world"]
     assert "tok-current" not in highlight_html(tok, steps)
     text = ui.step_text_html(tok, steps, 1)
     assert "Step 2 wrote:" in text and "Hello" in text and "<mark class='sc-step-now'>␣world</mark>" in text
