@@ -473,3 +473,33 @@ def stats_line(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None 
 
 def _percent(x: float) -> str:
     return "–" if x is None or math.isnan(x) else f"{100 * x:.0f}%"
+
+
+# ----- compare as a race -----------------------------------------------------------------------
+def race_html(speculative: Sequence[StepRecord], alone: Sequence[StepRecord], total_tokens: int) -> str:
+    """Compare as a race, on the decoding clock (prefill excluded): how far the target alone has
+    got after ``alone``'s steps, and how far the speculative answer had got in the same time (from
+    its own step timings), as two bars out of ``total_tokens``. HTML (no user text in it)."""
+    elapsed = sum(s.timings.total_s for s in alone)
+    alone_tokens = sum(len(s.committed) for s in alone)
+    spec_tokens, clock = 0, 0.0
+    for step in speculative:
+        if clock + step.timings.total_s > elapsed:
+            break
+        clock += step.timings.total_s
+        spec_tokens += len(step.committed)
+    spec_done = spec_tokens >= total_tokens
+    spec_time = sum(s.timings.total_s for s in speculative)
+    total = max(total_tokens, 1)
+
+    def bar(label, tokens, colour, note):
+        pct = min(100.0, 100.0 * tokens / total)
+        return (f"<div class='sc-race-row'><span class='sc-race-label'>{label}</span>"
+                f"<span class='sc-race-track'><span class='sc-race-bar' style='width:{pct:.1f}%;background:{colour}'>"
+                f"</span></span><span class='sc-race-note'>{note}</span></div>")
+
+    spec_note = (f"done in {spec_time:.2f} s" if spec_done else f"{spec_tokens} tokens")
+    return (f"<div class='sc-race'><div class='sc-race-head'>Race, measured live: {elapsed:.2f} s of decoding</div>"
+            + bar("speculative", spec_tokens, COLOURS[ACCEPTED][0], spec_note)
+            + bar("target alone", alone_tokens, "#ea580c", f"{alone_tokens} tokens")
+            + "</div>")

@@ -480,6 +480,7 @@ class ChatApp:
         answer = history[-1]
         tokens: list[int] = []
         compare_tokens: list[int] = []
+        compare_steps: list = []
         tokenizer = self.worker.tokenizer
         calibration = self.calibration(settings["temperature"], settings["top_p"])
         predict = o["predict"] and not calibration.borrowed
@@ -545,6 +546,7 @@ class ChatApp:
                     dirty_text = dirty_plot = True
                 elif kind == "step":
                     compare_tokens.extend(data.committed)
+                    compare_steps.append(data)
                     dirty_text = True
                 elif kind == "finished":
                     if event.phase == "main":
@@ -567,6 +569,8 @@ class ChatApp:
                 else:
                     update[c.status] = status(f"Answer done. Now the target alone, for comparison: "
                                               f"{len(compare_tokens)} tokens…")
+                    update[c.compare_md] = gr.update(value=figures.race_html(run.steps, compare_steps, len(tokens)),
+                                                     visible=True)
                 if dirty_plot and run.steps and now - last_plot >= o["plot_interval"]:
                     update[c.tree_plot] = figures.tree_figure(run.steps[-1], run.texts, scale=run.scale)
                     update[c.steps_plot] = figures.steps_figure(run.steps, None, run.expected)

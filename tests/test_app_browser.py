@@ -89,6 +89,9 @@ def test_chat_tree_replay_and_stop(server, page):
     user = page.locator("#sc-chatbot .user").last.inner_text()
     assert "<b>speculative</b> decoding & trees" in user  # shown as typed, not as HTML
 
+    # while the target alone decodes for comparison, Compare is a live race beside the tree
+    expect(page.locator("#sc-compare")).to_contain_text("Race, measured live", timeout=60_000)
+    shot(page, "1b-race")
     expect(page.locator("#sc-status")).to_contain_text("Done", timeout=60_000)
     expect(page.locator("#sc-compare")).to_contain_text("target alone", timeout=10_000)
     expect(page.locator("#sc-highlight .tok-draft").first).to_be_visible()

@@ -297,3 +297,14 @@ def test_export_import_round_trip():
 def test_import_rejects_bad_files_with_a_reason(payload, reason):
     with pytest.raises(ValueError, match=reason):
         import_conversation(payload)
+
+
+def test_race_places_the_speculative_answer_at_the_same_decoding_time():
+    spec = steps()  # 3 steps of 0.08 s: 3, 1 and 4 tokens
+    alone = [make_step(accepted=(0,), committed=(107,), index=i) for i in range(2)]  # 2 tokens in 0.16 s
+    race = figures.race_html(spec, alone, total_tokens=8)
+    assert "0.16 s of decoding" in race
+    assert ">4 tokens<" in race  # by 0.16 s the speculative answer had committed 3 + 1 tokens
+    assert ">2 tokens<" in race and "width:50.0%" in race and "width:25.0%" in race
+    done = figures.race_html(spec, alone * 2, total_tokens=8)
+    assert "done in 0.24 s" in done and "width:100.0%" in done
