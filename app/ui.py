@@ -528,9 +528,9 @@ class ChatApp:
                         notice = dropped_notice(data["dropped"], getattr(self.worker.engine, "max_context", 0))
                     if phase == "main":
                         n = data.get("prompt_tokens")
-                        yield {c.status: status(f"Prefill: the target and the draft read the "
-                                                f"{n if n is not None else ''}-token prompt before the first step "
-                                                f"({html.escape(who)})…")}
+                        readers = "the target reads" if who == "the target alone" else "the target and the draft read"
+                        yield {c.status: status(f"Prefill: {readers} the {n if n is not None else ''}-token prompt "
+                                                f"before the first step ({html.escape(who)})…")}
                     if phase == "main":
                         tc = data.get("tree_choice")
                         if tc is not None:

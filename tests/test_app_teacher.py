@@ -198,3 +198,17 @@ def test_a_message_sent_during_an_answer_is_refused_with_a_message(app):
         blocker.cancel()
     assert len(updates) == 1 and app.c.msg not in updates[0]  # the text stays in the box
     assert "Not sent: an answer is still streaming" in updates[0][app.c.status]
+
+
+@pytest.mark.parametrize("method", ["sequoia", "autoregressive"])
+def test_the_status_says_what_is_happening_and_names_the_method(app, method):
+    updates = list(app.respond("Hello there", [], ui.Run(), "", 0.0, 1.0, 6, 0, method, 8, 4, False, False, False))
+    statuses = [u[app.c.status] for u in updates if app.c.status in u]
+    prefill = [s for s in statuses if "Prefill:" in s]
+    assert prefill and "-token prompt" in prefill[0]
+    if method == "autoregressive":
+        assert "the target reads" in prefill[0] and "Autoregressive: the target alone" in statuses[-1]
+        assert "bonus" not in str(updates[-1][app.c.stats]) and "drafted" not in updates[-1][app.c.stats]
+    else:
+        assert "the target and the draft read" in prefill[0] and "Sequoia on a" in statuses[-1]
+    assert updates[0][app.c.stop_btn]["interactive"] is True and updates[-1][app.c.stop_btn]["interactive"] is False
