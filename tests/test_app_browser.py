@@ -91,7 +91,6 @@ def test_chat_tree_replay_and_stop(server, page):
 
     # while the target alone decodes for comparison, Compare is a live race beside the tree
     expect(page.locator("#sc-compare")).to_contain_text("Race, measured live", timeout=60_000)
-    shot(page, "1b-race")
     expect(page.locator("#sc-status")).to_contain_text("Done", timeout=60_000)
     expect(page.locator("#sc-compare")).to_contain_text("target alone", timeout=10_000)
     expect(page.locator("#sc-highlight .tok-draft").first).to_be_visible()
