@@ -222,7 +222,8 @@ def tree_figure(step: StepRecord, token_texts: Mapping[int, str] | Callable[[int
     (:func:`verifier_rule`: the residual p and renormalised q it used, or the argmax match). The node traces carry
     ``meta={"kind": "nodes", "status": ...}`` and ``customdata`` = node index.
     ``scale`` enlarges the fonts (presentation mode); the figure is at most ``max_height`` pixels
-    (times ``scale``) tall, and can be zoomed (drag a box, double-click to reset) when large.
+    (times ``scale``) tall, 700 for a large tree (24 nodes or more), which can also be zoomed (drag a
+    box, double-click to reset).
     """
     statuses = node_statuses(step)
     bonus = bonus_token(step)
@@ -314,7 +315,7 @@ def tree_figure(step: StepRecord, token_texts: Mapping[int, str] | Callable[[int
         # the heading wraps after its first comma so that a phone-wide plot does not cut it
         title=dict(text=html.escape(heading, quote=False).replace(", ", ",<br>", 1) if len(heading) > 44 else
                    html.escape(heading, quote=False), x=0.01, xanchor="left", font=dict(size=round(15 * scale))),
-        height=int(scale * min(max_height, max(300, 34 * rows + 150))),
+        height=int(scale * min(max_height if n < 24 else max(max_height, 700), max(300, 34 * rows + 150))),
         margin=dict(l=20, r=20, t=round(64 * scale), b=20),
         plot_bgcolor="white", paper_bgcolor="white", font=dict(family=FONT, size=round(12 * scale), color="#1f2937"),
         hoverlabel=dict(bgcolor="white", font=dict(family=FONT, size=round(12 * scale), color="#0f172a"),

@@ -189,7 +189,7 @@ def test_presentation_scale_enlarges_fonts_and_large_trees_zoom():
                       draft_probs=[1.0] * n, target_probs=[1.0] * n, accepted=[0], committed=[7])
     fig = figures.tree_figure(wide, {})
     assert not fig.layout.xaxis.fixedrange and fig.layout.dragmode == "zoom"
-    assert fig.layout.height <= 540
+    assert 540 < fig.layout.height <= 700  # a large tree gets more height (its rows stay apart)
 
 
 # ----- steps figure and stats ------------------------------------------------------------------
