@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import json
+from html.parser import HTMLParser
 import re
 import time
 from collections.abc import Sequence
@@ -130,32 +131,127 @@ def token_origins(steps: Sequence[StepRecord]) -> list[tuple[int, str]]:
     return out
 
 
-def highlight_html(tokenizer, steps: Sequence[StepRecord]) -> str:
-    """The answer as HTML: tokens the target accepted from the draft vs. the target's own tokens."""
+def highlight_html(tokenizer, steps: Sequence[StepRecord], current: int | None = None) -> str:
+    """The answer as HTML, rendered as Markdown (bold, code blocks, tables...) with every character
+    coloured by where its token came from: accepted from the draft, or the target's own token.
+    ``current``: index of a step (the one replayed) whose tokens are also marked ``tok-current``."""
     origins = token_origins(steps)
     if not origins:
         return "<div class='hl-empty'>The answer will appear here with its tokens coloured.</div>"
+    owner = [i for i, step in enumerate(steps) for _ in step.committed]
     pieces = token_pieces(tokenizer, [t for t, _ in origins])
-    spans = []
-    for (token, origin), piece in zip(origins, pieces):
-        if not piece:
-            continue
-        title = "accepted draft token" if origin == "draft" else "target's own token (bonus)"
-        spans.append(f'<span class="tok tok-{origin}" title="{html.escape(f"{title} (id {token})")}">'
-                     f'{html.escape(piece)}</span>')
+    text, chars = "", []  # chars[k]: (origin, step, token) of text[k]
+    for (token, origin), piece, step in zip(origins, pieces, owner):
+        text += piece
+        chars += [(origin, step, token)] * len(piece)
     drafted = sum(1 for _, o in origins if o == "draft")
     legend = (f"<div class='hl-legend'><span class='tok tok-draft'>from the draft</span> {drafted} tokens · "
               f"<span class='tok tok-bonus'>from the target</span> {len(origins) - drafted} tokens</div>")
-    return f"{legend}<div class='hl-text'>{''.join(spans)}</div>"
+    return f"{legend}<div class='hl-text hl-md'>{_coloured_markdown(text, chars, current)}</div>"
+
+
+class _Colourer(HTMLParser):
+    """Re-emits rendered Markdown with each run of text wrapped in a span of its source characters'
+    origin. Rendered text is matched against the source in order (Markdown only drops syntax
+    characters), so each visible character finds the source character it came from."""
+
+    def __init__(self, source: str, chars: list, current: int | None) -> None:
+        super().__init__(convert_charrefs=True)
+        self.source, self.chars, self.current = source, chars, current
+        self.pos = 0
+        self.out: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        safe = "".join(f' {k}="{html.escape(v or "", quote=True)}"' for k, v in attrs if k in ("class", "align"))
+        self.out.append(f"<{tag}{safe}>")
+
+    def handle_startendtag(self, tag, attrs):
+        self.out.append(f"<{tag}>")
+
+    def handle_endtag(self, tag):
+        self.out.append(f"</{tag}>")
+
+    def handle_data(self, data):
+        run, key = [], None
+        for ch in data:
+            found = self.source.find(ch, self.pos)
+            if found == -1 or found - self.pos > 200:  # not from the source (e.g. a list marker)
+                info = None
+            else:
+                info, self.pos = self.chars[found], found + 1
+            k = (info[0], info[1] == self.current) if info else None
+            if k != key and run:
+                self._emit(key, run)
+                run = []
+            key = k
+            run.append(ch)
+        if run:
+            self._emit(key, run)
+
+    def _emit(self, key, run):
+        text = html.escape("".join(run), quote=False)
+        if key is None:
+            self.out.append(text)
+        else:
+            origin, now = key
+            self.out.append(f'<span class="tok tok-{origin}{" tok-current" if now else ""}">{text}</span>')
+
+
+def _coloured_markdown(text: str, chars: list, current: int | None) -> str:
+    from markdown_it import MarkdownIt
+
+    rendered = MarkdownIt("commonmark", {"html": False}).enable("table").render(text)
+    colourer = _Colourer(text, chars, current)
+    colourer.feed(rendered)
+    colourer.close()
+    return "".join(colourer.out)
 
 
 # ----- export / import ----------------------------------------------------------------------
-def export_conversation(system: str | None, history: Sequence[dict], settings: dict | None = None) -> str:
-    """JSON text of the conversation (the settings are informative; import ignores them)."""
-    return json.dumps({"format": EXPORT_FORMAT, "version": 1, "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                       "system": system or "",
-                       "messages": [{"role": m["role"], "content": m["content"]} for m in history],
-                       "settings": settings or {}}, ensure_ascii=False, indent=2)
+def export_conversation(system: str | None, history: Sequence[dict], settings: dict | None = None,
+                        steps: Sequence[StepRecord] | None = None, token_texts: dict | None = None) -> str:
+    """JSON text of the conversation (the settings are informative; import ignores them). ``steps``
+    (the last answer's step records) and the text of their tokens are included when given, so an
+    import can replay that answer's trees and chart (:func:`import_steps`)."""
+    out = {"format": EXPORT_FORMAT, "version": 1, "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "system": system or "",
+           "messages": [{"role": m["role"], "content": m["content"]} for m in history],
+           "settings": settings or {}}
+    if steps:
+        out["steps"] = [step.to_dict() for step in steps]
+        out["token_texts"] = {str(k): v for k, v in (token_texts or {}).items()}
+    return json.dumps(out, ensure_ascii=False, indent=2)
+
+
+def import_steps(data: bytes | str) -> tuple[list[StepRecord], dict[int, str]]:
+    """The step records (and token texts) an export carried, for replay; ``([], {})`` when it has none.
+    Raises ValueError when steps are present but malformed."""
+    if isinstance(data, bytes):
+        data = data.decode("utf-8")
+    raw = json.loads(data)
+    if not isinstance(raw, dict) or not raw.get("steps"):
+        return [], {}
+    from dataclasses import fields
+
+    from engine.records import StepTimings
+    names = {f.name for f in fields(StepRecord)}
+    steps = []
+    try:
+        for i, d in enumerate(raw["steps"]):
+            if not isinstance(d, dict) or set(d) - names:
+                raise ValueError(f"step {i + 1} has unknown fields")
+            d = dict(d)
+            d["timings"] = StepTimings(**(d.get("timings") or {}))
+            step = StepRecord(**d)
+            n = len(step.tokens)
+            if not (len(step.parents) == len(step.ranks) == len(step.draft_probs) == len(step.target_probs) == n) \
+                    or not step.accepted or any(not 0 <= a < n for a in step.accepted):
+                raise ValueError(f"step {i + 1} is inconsistent")
+            steps.append(step)
+        texts = {int(k): str(v) for k, v in (raw.get("token_texts") or {}).items()}
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the exported steps could not be read ({exc})") from None
+    return steps, texts
 
 
 def import_conversation(data: bytes | str) -> tuple[str, list[dict]]:

@@ -9,7 +9,10 @@ Node statuses in a step's tree:
 - ``accepted``: on the path the target accepted;
 - ``rejected``: drafted as a child of an accepted node (or of the root) but not accepted;
 - ``unreached``: below a node that was not accepted, so verification never looked at it;
-- ``bonus``: the token the target itself adds after the accepted path (not a tree node).
+- ``unused``: accepted by the verifier but never committed: the answer ended (stop token or
+  budget) earlier on the accepted path;
+- ``bonus``: the token the target itself adds after the accepted path (not a tree node); in
+  autoregressive mode (a root-only tree) it is simply the target's token.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import plotly.graph_objects as go
 
 from engine.records import StepRecord
 
-ROOT, ACCEPTED, REJECTED, UNREACHED, BONUS = "root", "accepted", "rejected", "unreached", "bonus"
+ROOT, ACCEPTED, REJECTED, UNREACHED, UNUSED, BONUS = "root", "accepted", "rejected", "unreached", "unused", "bonus"
 
 # Strong colour (marker border, legend, edges) and pale fill per status.
 COLOURS = {
@@ -29,6 +32,7 @@ COLOURS = {
     ACCEPTED: ("#15803d", "#dcfce7"),
     REJECTED: ("#dc2626", "#fee2e2"),
     UNREACHED: ("#9ca3af", "#f3f4f6"),
+    UNUSED: ("#b45309", "#fef3c7"),
     BONUS: ("#7c3aed", "#ede9fe"),
 }
 STATUS_NAMES = {
@@ -36,6 +40,7 @@ STATUS_NAMES = {
     ACCEPTED: "accepted draft",
     REJECTED: "rejected draft",
     UNREACHED: "never reached",
+    UNUSED: "accepted, not used (the answer ended first)",
     BONUS: "bonus token (from the target)",
 }
 EDGE_GREY = "#b6bcc6"
@@ -78,12 +83,15 @@ def _text_of(token_texts, token: int) -> str:
 def node_statuses(step: StepRecord) -> list[str]:
     """Status of every tree node of ``step`` (see the module docstring)."""
     accepted = set(step.accepted)
+    used = set(step.accepted[:step.accepted_draft_tokens + 1])
     statuses = []
     for node, parent in enumerate(step.parents):
         if node == 0:
             statuses.append(ROOT)
-        elif node in accepted:
+        elif node in used:
             statuses.append(ACCEPTED)
+        elif node in accepted:
+            statuses.append(UNUSED)
         elif parent in accepted:
             statuses.append(REJECTED)
         else:
@@ -145,8 +153,9 @@ def acceptance_probability(p: float, q: float) -> float:
 def verifier_rule(step: StepRecord, node: int, status: str) -> str:
     """How the verifier judged ``node`` (not the root), with the probabilities it actually used."""
     if step.greedy:
-        if status == ACCEPTED:
-            return "greedy (T = 0): argmax match, the target's most likely token"
+        if status in (ACCEPTED, UNUSED):
+            return "greedy (T = 0): argmax match, the target's most likely token" + (
+                "<br>not used: the answer ended before it" if status == UNUSED else "")
         if status == REJECTED:
             return "greedy (T = 0): not the target's argmax"
         return "greedy (T = 0): never reached"
@@ -186,8 +195,25 @@ def _edge_style(rank: int) -> tuple[str, float]:
     return "dot", 0.7
 
 
+def step_title(step: StepRecord) -> str:
+    """The tree's heading: what the step drafted, accepted, used and committed, in words. A root-only
+    step (autoregressive) is the target alone; a step cut short says how many accepted drafts it used."""
+    drafted = step.tree_size - 1
+    committed = len(step.committed)
+    if drafted == 0:
+        return f"Step {step.index + 1}: the target alone wrote {committed} token{'' if committed == 1 else 's'} (no draft)"
+    accepted = len(step.accepted) - 1
+    used = step.accepted_draft_tokens
+    head = f"Step {step.index + 1}: accepted {accepted} of {drafted} drafted token{'' if drafted == 1 else 's'}"
+    if used < accepted or not step.used_bonus:
+        why = "answer ended" if step.finish_reason == "stop" else "budget reached"
+        return f"{head}, {used} used — {why}"
+    return f"{head}, committed {committed}"
+
+
 def tree_figure(step: StepRecord, token_texts: Mapping[int, str] | Callable[[int], str] | None,
-                title: str | None = None, max_label_chars: int | None = None) -> go.Figure:
+                title: str | None = None, max_label_chars: int | None = None, scale: float = 1.0,
+                max_height: int = 540) -> go.Figure:
     """The token tree of one step, root on the left, depth growing to the right.
 
     Nodes are labelled with their (escaped, whitespace-visible) token text and coloured by
@@ -195,6 +221,9 @@ def tree_figure(step: StepRecord, token_texts: Mapping[int, str] | Callable[[int
     along the accepted path. Hover shows q, p, the rank and how the verifier judged the node
     (:func:`verifier_rule`: the residual p and renormalised q it used, or the argmax match). The node traces carry
     ``meta={"kind": "nodes", "status": ...}`` and ``customdata`` = node index.
+    ``scale`` enlarges the fonts (presentation mode); the figure is at most ``max_height`` pixels
+    (times ``scale``) tall, 700 for a large tree (24 nodes or more), which can also be zoomed (drag a
+    box, double-click to reset).
     """
     statuses = node_statuses(step)
     bonus = bonus_token(step)
@@ -240,7 +269,7 @@ def tree_figure(step: StepRecord, token_texts: Mapping[int, str] | Callable[[int
 
     # nodes: transparent hover markers, one trace per status; the chips (annotations) are what shows
     hover_marker = dict(symbol="square", size=24, color="rgba(0,0,0,0)", line=dict(width=0))
-    for status in (ROOT, ACCEPTED, REJECTED, UNREACHED):
+    for status in (ROOT, ACCEPTED, UNUSED, REJECTED, UNREACHED):
         nodes = [i for i in range(n) if statuses[i] == status]
         if not nodes and status != ACCEPTED:
             continue
@@ -250,13 +279,15 @@ def tree_figure(step: StepRecord, token_texts: Mapping[int, str] | Callable[[int
             text=[_node_hover(step, i, status, _text_of(token_texts, step.tokens[i])) for i in nodes],
             hovertemplate="%{text}<extra></extra>", marker=hover_marker,
             meta={"kind": "nodes", "status": status}))
+    alone = n == 1  # autoregressive: no draft, the "bonus" is simply the target's token
     if bonus is not None:
         text = _text_of(token_texts, bonus)
         traces.append(dict(
-            type="scatter", x=[xs[n]], y=[ys[n]], mode="markers", name=STATUS_NAMES[BONUS], customdata=[-1],
-            showlegend=False,
+            type="scatter", x=[xs[n]], y=[ys[n]], mode="markers",
+            name="the target's token" if alone else STATUS_NAMES[BONUS], customdata=[-1], showlegend=False,
             text=[f"<b>{html.escape(visible_token(text, 40), quote=False)}</b>  (id {bonus})<br>"
-                  f"bonus token: the target's own choice after the accepted path"],
+                  + ("the target's own token (no draft in this mode)" if alone else
+                     "bonus token: the target's own choice after the accepted path")],
             hovertemplate="%{text}<extra></extra>", marker=hover_marker, meta={"kind": "bonus", "status": BONUS}))
     # legend-only twins with visible swatches
     for trace in list(traces):
@@ -273,26 +304,27 @@ def tree_figure(step: StepRecord, token_texts: Mapping[int, str] | Callable[[int
         emphasised = status in (ROOT, ACCEPTED, BONUS)
         annotations.append(dict(
             x=xs[i], y=ys[i], text=labels[i], showarrow=False,
-            font=dict(family=MONO, size=12, color="#0f172a" if emphasised else "#475569"),
+            font=dict(family=MONO, size=round(12 * scale), color="#0f172a" if emphasised else "#475569"),
             bgcolor=pale, bordercolor=strong, borderwidth=2 if emphasised else 1, borderpad=3,
             opacity=1.0 if status != UNREACHED else 0.75, captureevents=False))
 
     rows = (max(ys) + 1) if ys else 1
-    drafted = n - 1
-    heading = title if title is not None else (
-        f"Step {step.index + 1}: accepted {step.accepted_draft_tokens} of {drafted} drafted token"
-        f"{'' if drafted == 1 else 's'}, committed {len(step.committed)}")
+    heading = title if title is not None else step_title(step)
     layout = dict(
         annotations=annotations,
-        title=dict(text=html.escape(heading, quote=False), x=0.01, xanchor="left", font=dict(size=15)),
-        height=int(min(720, max(300, 34 * rows + 130))),
-        margin=dict(l=20, r=20, t=48, b=20),
-        plot_bgcolor="white", paper_bgcolor="white", font=dict(family=FONT, size=12, color="#1f2937"),
-        hoverlabel=dict(bgcolor="white", font=dict(family=FONT, size=12, color="#0f172a"), bordercolor="#94a3b8"),
-        legend=dict(orientation="h", yanchor="top", y=-0.02, xanchor="left", x=0, font=dict(size=11)),
-        xaxis=dict(visible=False, range=[0, max(edge, 8)], fixedrange=True),
-        yaxis=dict(visible=False, range=[rows - 0.4, -0.6], fixedrange=True),
-        showlegend=True, dragmode=False, transition=dict(duration=0),
+        # the heading wraps after its first comma so that a phone-wide plot does not cut it
+        title=dict(text=html.escape(heading, quote=False).replace(", ", ",<br>", 1) if len(heading) > 44 else
+                   html.escape(heading, quote=False), x=0.01, xanchor="left", font=dict(size=round(15 * scale))),
+        height=int(scale * min(max_height if n < 24 else max(max_height, 700), max(300, 34 * rows + 150))),
+        margin=dict(l=20, r=20, t=round(64 * scale), b=20),
+        plot_bgcolor="white", paper_bgcolor="white", font=dict(family=FONT, size=round(12 * scale), color="#1f2937"),
+        hoverlabel=dict(bgcolor="white", font=dict(family=FONT, size=round(12 * scale), color="#0f172a"),
+                        bordercolor="#94a3b8"),
+        legend=dict(orientation="h", yanchor="top", y=-0.02, xanchor="left", x=0, font=dict(size=round(11 * scale))),
+        # zoom: drag a box over part of a large tree; double-click resets
+        xaxis=dict(visible=False, range=[0, max(edge, 8)], fixedrange=n < 24),
+        yaxis=dict(visible=False, range=[rows - 0.4, -0.6], fixedrange=n < 24),
+        showlegend=True, dragmode="zoom" if n >= 24 else False, transition=dict(duration=0),
     )
     return go.Figure(data=traces, layout=layout)
 
@@ -318,37 +350,47 @@ def running_speedup(steps: Sequence[StepRecord], baseline_tokens_per_s: float) -
     return out
 
 
+BASELINE_WORDS = {"measured": "measured", "estimated": "estimated from the device profile"}
+
+
 def steps_figure(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None = None,
                  expected_tokens: float | None = None, predicted_speedup: float | None = None,
-                 highlight: int | None = None) -> go.Figure:
+                 highlight: int | None = None, baseline_source: str = "measured") -> go.Figure:
     """Tokens committed per step as stacked bars (accepted drafts + bonus), with the running
     measured speedup over the target-only rate (when ``baseline_tokens_per_s`` is known) and
     the predicted values (expected tokens per step, predicted speedup) as dashed lines.
-    ``highlight``: step index to outline (the one the tree shows)."""
+    ``highlight``: step index to outline (the one the tree shows). ``baseline_source``: whether the
+    target-alone rate was ``"measured"`` or ``"estimated"`` (from the device profile); the legend says which."""
     fig = go.Figure()
     xs = [s.index + 1 for s in steps]
     accepted = [s.accepted_draft_tokens for s in steps]
     bonus = [len(s.committed) - a for s, a in zip(steps, accepted)]
-    hover = [f"step {x}: {a} accepted + {b} bonus = {a + b} tokens<br>draft {s.timings.draft_s * 1e3:.0f} ms · "
+    alone = bool(steps) and all(s.tree_size == 1 for s in steps)  # autoregressive: no drafts, no bonus
+    bonus_name = "the target's token" if alone else "bonus token"
+    hover = [f"step {x}: {a} accepted + {b} {'from the target' if alone else 'bonus'} = {a + b} tokens<br>draft {s.timings.draft_s * 1e3:.0f} ms · "
              f"verify {s.timings.verify_s * 1e3:.0f} ms" for x, a, b, s in zip(xs, accepted, bonus, steps)]
     line_width = [2.5 if highlight is not None and s.index == highlight else 0 for s in steps]
     fig.add_trace(go.Bar(x=xs, y=accepted, name="accepted drafts", marker=dict(
         color=COLOURS[ACCEPTED][0], line=dict(color="#0f172a", width=line_width)),
         text=hover, hovertemplate="%{text}<extra></extra>", meta={"kind": "accepted"}))
-    fig.add_trace(go.Bar(x=xs, y=bonus, name="bonus token", marker=dict(
+    fig.add_trace(go.Bar(x=xs, y=bonus, name=bonus_name, marker=dict(
         color=COLOURS[BONUS][0], line=dict(color="#0f172a", width=line_width)),
         text=hover, hovertemplate="%{text}<extra></extra>", textposition="none", meta={"kind": "bonus"}))
     fig.update_traces(textposition="none", selector=dict(type="bar"))
     if expected_tokens is not None and steps:
         fig.add_trace(go.Scatter(x=[xs[0] - 0.5, xs[-1] + 0.5], y=[expected_tokens] * 2, mode="lines",
-                                 name=f"expected tokens/step ({expected_tokens:.2f})", hoverinfo="skip",
+                                 name=f"predicted tokens/step ({expected_tokens:.2f})", hoverinfo="skip",
                                  line=dict(color="#64748b", dash="dash", width=1.5), meta={"kind": "expected"}))
     has_speedup = baseline_tokens_per_s is not None and baseline_tokens_per_s > 0 and steps
     if has_speedup:
         speed = running_speedup(steps, baseline_tokens_per_s)
-        fig.add_trace(go.Scatter(x=xs, y=speed, mode="lines+markers", name="measured speedup (running)",
+        name = ("measured speedup (running)" if baseline_source == "measured" else
+                "speedup over an estimated target-alone rate (running)")
+        fig.add_trace(go.Scatter(x=xs, y=speed, mode="lines+markers", name=name,
                                  yaxis="y2", line=dict(color="#ea580c", width=2.2), marker=dict(size=4),
-                                 hovertemplate="after step %{x}: %{y:.2f}× the target alone<extra></extra>",
+                                 hovertemplate="after step %{x}: %{y:.2f}× the target alone ("
+                                               + BASELINE_WORDS.get(baseline_source, baseline_source)
+                                               + f", {baseline_tokens_per_s:.1f} tokens/s)<extra></extra>",
                                  meta={"kind": "speedup"}))
     if predicted_speedup is not None and steps:
         fig.add_trace(go.Scatter(x=[xs[0] - 0.5, xs[-1] + 0.5], y=[predicted_speedup] * 2, mode="lines",
@@ -398,12 +440,17 @@ def summarise(steps: Sequence[StepRecord]) -> dict:
     }
 
 
-def stats_line(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None = None) -> str:
-    """One Markdown line: tokens/s, tokens/step, acceptance, draft/verify time split, speedup."""
+def stats_line(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None = None,
+               baseline_source: str = "measured", expected_tokens: float | None = None) -> str:
+    """One Markdown line: tokens/s, tokens/step, acceptance, draft/verify time split, speedup.
+
+    Every figure says what it is: *measured* (this answer's steps, or a run of the target alone),
+    *estimated* (the target-alone rate from the device profile, ``baseline_source="estimated"``)
+    or *predicted* (``expected_tokens``, from the acceptance calibration)."""
     if not steps:
         return "No steps yet."
     s = summarise(steps)
-    parts = [f"**{s['tokens_per_s']:.1f} tokens/s**",
+    parts = [f"measured **{s['tokens_per_s']:.1f} tokens/s**",
              f"{s['tokens']} tokens in {s['steps']} step{'s' if s['steps'] != 1 else ''}",
              f"**{s['tokens_per_step']:.2f} tokens/step**"]
     if s["acceptance_rate"] is not None:
@@ -411,12 +458,49 @@ def stats_line(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None 
                      f"({_percent(s['acceptance_rate'])} of {s['drafted']} drafted)")
     else:
         parts.append("no drafts (target alone)")
+    if expected_tokens is not None and s["acceptance_rate"] is not None:
+        parts.append(f"predicted {expected_tokens:.2f} tokens/step")
     parts.append(f"time: draft {_percent(s['draft_share'])} · verify {_percent(s['verify_share'])}")
-    if baseline_tokens_per_s and baseline_tokens_per_s > 0 and s["tokens_per_s"] > 0:
-        parts.append(f"**{s['tokens_per_s'] / baseline_tokens_per_s:.2f}× the target alone** "
-                     f"({baseline_tokens_per_s:.1f} tokens/s)")
+    if baseline_tokens_per_s and baseline_tokens_per_s > 0 and s["tokens_per_s"] > 0 and s["drafted"]:
+        ratio = s["tokens_per_s"] / baseline_tokens_per_s
+        if baseline_source == "measured":
+            parts.append(f"**{ratio:.2f}× the target alone** (target alone measured: "
+                         f"{baseline_tokens_per_s:.1f} tokens/s)")
+        else:
+            parts.append(f"≈{ratio:.2f}× the target alone (target alone estimated from the device profile: "
+                         f"{baseline_tokens_per_s:.1f} tokens/s; Compare or “Measure” measures it)")
     return " · ".join(parts)
 
 
 def _percent(x: float) -> str:
     return "–" if x is None or math.isnan(x) else f"{100 * x:.0f}%"
+
+
+# ----- compare as a race -----------------------------------------------------------------------
+def race_html(speculative: Sequence[StepRecord], alone: Sequence[StepRecord], total_tokens: int) -> str:
+    """Compare as a race, on the decoding clock (prefill excluded): how far the target alone has
+    got after ``alone``'s steps, and how far the speculative answer had got in the same time (from
+    its own step timings), as two bars out of ``total_tokens``. HTML (no user text in it)."""
+    elapsed = sum(s.timings.total_s for s in alone)
+    alone_tokens = sum(len(s.committed) for s in alone)
+    spec_tokens, clock = 0, 0.0
+    for step in speculative:
+        if clock + step.timings.total_s > elapsed:
+            break
+        clock += step.timings.total_s
+        spec_tokens += len(step.committed)
+    spec_done = spec_tokens >= total_tokens
+    spec_time = sum(s.timings.total_s for s in speculative)
+    total = max(total_tokens, 1)
+
+    def bar(label, tokens, colour, note):
+        pct = min(100.0, 100.0 * tokens / total)
+        return (f"<div class='sc-race-row'><span class='sc-race-label'>{label}</span>"
+                f"<span class='sc-race-track'><span class='sc-race-bar' style='width:{pct:.1f}%;background:{colour}'>"
+                f"</span></span><span class='sc-race-note'>{note}</span></div>")
+
+    spec_note = (f"done in {spec_time:.2f} s" if spec_done else f"{spec_tokens} tokens")
+    return (f"<div class='sc-race'><div class='sc-race-head'>Race, measured live: {elapsed:.2f} s of decoding</div>"
+            + bar("speculative", spec_tokens, COLOURS[ACCEPTED][0], spec_note)
+            + bar("target alone", alone_tokens, "#ea580c", f"{alone_tokens} tokens")
+            + "</div>")

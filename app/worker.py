@@ -191,6 +191,7 @@ def describe_pair(target, draft, target_name: str, draft_name: str) -> dict:
     return {"target": target_name, "draft": draft_name, "device": str(param.device),
             "dtype": str(param.dtype).removeprefix("torch."), "target_params": _count(target),
             "draft_params": _count(draft), "draft_format": draft_format(draft) if draft is not None else "none",
+            "target_format": draft_format(target),
             "max_context": int(getattr(target.config, "max_position_embeddings", 0) or 0)}
 
 

@@ -89,6 +89,8 @@ def test_chat_tree_replay_and_stop(server, page):
     user = page.locator("#sc-chatbot .user").last.inner_text()
     assert "<b>speculative</b> decoding & trees" in user  # shown as typed, not as HTML
 
+    # while the target alone decodes for comparison, Compare is a live race beside the tree
+    expect(page.locator("#sc-compare")).to_contain_text("Race, measured live", timeout=60_000)
     expect(page.locator("#sc-status")).to_contain_text("Done", timeout=60_000)
     expect(page.locator("#sc-compare")).to_contain_text("target alone", timeout=10_000)
     expect(page.locator("#sc-highlight .tok-draft").first).to_be_visible()
@@ -143,6 +145,7 @@ MARKDOWN_ANSWER = """Here is a function:
 ```python
 def reverse(items: list) -> list:
 \treturn items[::-1]  # works for a < b too
+LONG = ["a very long line of code that would run far beyond the edge of the chat bubble", 1, 2, 3, 4, 5, 6, 7, 8]
 ```
 
 Use it like `reverse([1, 2])`. Tags such as <div> & entities show as text, **bold** is bold:
@@ -167,4 +170,6 @@ def test_imported_conversation_renders_markdown_and_code(server, page, tmp_path)
     assert "<div> & entities" in bot.inner_text()
     assert "<quickly>" in page.locator("#sc-chatbot .user").last.inner_text()
     assert page.locator("#sc-system textarea").input_value() == "Be brief."
+    # a long code line wraps inside the bubble instead of hiding past its edge
+    assert bot.locator("pre").first.evaluate("p => p.scrollWidth <= p.clientWidth + 1")
     shot(page, "6-imported-markdown")

@@ -73,6 +73,38 @@ def test_browser_screenshot_on_the_real_pair(server):
         browser.close()
 
 
+def test_tree_in_the_first_viewport_of_a_small_laptop_on_the_real_pair(server):
+    """1024 x 768, settings closed (the default below 1280 px): after a real answer the whole tree
+    is in the first viewport, nothing scrolls sideways, and the header names the real models. The
+    screenshot is the README's (assets/screenshot-1024.png is copied from it)."""
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (make browser installs it)")
+    playwright = pytest.importorskip("playwright.sync_api")
+    expect, sync_playwright = playwright.expect, playwright.sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1024, "height": 768})
+        page.goto(server[1])
+        page.wait_for_selector("#sc-msg textarea", timeout=60_000)
+        expect(page.locator("#sc-header")).to_contain_text("Qwen2.5-Coder-1.5B-Instruct")
+        expect(page.locator("#sc-header")).to_contain_text("Qwen2.5-Coder-0.5B-Instruct")
+        box = page.locator("#sc-msg textarea")
+        box.fill("In one sentence, what is a hash map?")
+        box.press("Enter")
+        expect(page.locator("#sc-status")).to_contain_text("Done", timeout=600_000)
+        page.wait_for_timeout(500)
+        tree = page.evaluate("""() => { window.scrollTo(0, 0);
+            const r = document.querySelector('#sc-tree').getBoundingClientRect();
+            return {top: r.top, bottom: r.bottom, height: innerHeight, width: innerWidth,
+                    scrollWidth: document.scrollingElement.scrollWidth}; }""")
+        page.screenshot(path=str(ARTIFACTS / "real-pair-1024x768.png"))
+        browser.close()
+    assert 0 <= tree["top"] and tree["bottom"] <= tree["height"], tree
+    assert tree["scrollWidth"] <= tree["width"], tree
+
+
 def test_forty_turns_in_one_conversation_keep_memory_flat(server):
     """A long session on the real pair: 40 turns in one conversation. RSS after turn 40 stays within
     10% of RSS after turn 5, and no KV cache outlives its request. Every fifth turn speculates (the

@@ -120,14 +120,17 @@ def test_compare_mode_shows_both_timings(server):
     html = out[COMPARE]["value"]
     assert "target alone" in html and "identical tokens" in html and "tokens/s" in html
     assert "the target alone" in out[STATS]  # the measured baseline feeds the speedup
+    assert "target alone measured:" in out[STATS] and "estimated" not in out[STATS]  # and says it was measured
+    assert "measured just now" in html
 
 
 def test_replay_step_and_clear(server):
     _, url = server
     c = client(url)
     out = c.predict(*chat_args("Replay", max_new=16), api_name="/chat")
-    tree, steps = c.predict(1, False, api_name="/show_step")
+    tree, steps, step_text, _ = c.predict(1, False, api_name="/show_step")
     assert "Step 1:" in tree["plot"]
+    assert "Step 1 wrote:" in step_text and "sc-step-now" in step_text  # the replayed step's text, marked
     cleared = c.predict(api_name="/clear")
     assert cleared[CHATBOT] == []
     assert out[SLIDER]["maximum"] >= 2
@@ -155,9 +158,12 @@ def test_export_then_import_round_trip_and_bad_files(server, tmp_path):
     assert exported["messages"][0]["content"] == "Remember <this>"
 
     other = client(url)
-    chat, system, status, *_ = other.predict(handle_file(out[EXPORT]["value"]["path"]),
-                                             api_name="/import_conversation")
+    assert exported["steps"] and exported["token_texts"]  # the last answer's steps travel with it
+    chat, system, status, _, tree, *_ = other.predict(handle_file(out[EXPORT]["value"]["path"]),
+                                                      api_name="/import_conversation")
     assert "Imported 2 messages" in status
+    assert f"the last answer's {len(exported['steps'])} steps" in status
+    assert "Step " in tree["plot"] and '"kind":"nodes"' in tree["plot"]  # its trees come back for replay
     assert [m["role"] for m in chat] == ["user", "assistant"]
     # the imported conversation is the context of the next turn
     nxt = other.predict(*chat_args("Continue", max_new=4), api_name="/chat")
@@ -219,7 +225,7 @@ def test_auto_tree_in_the_ui(server):
         out = client(url).predict(*args, api_name="/chat")
     finally:
         worker.set_tuner(None)
-    assert "Tree: auto:" in out[STATUS] and "predicted" in out[STATUS]
+    assert "Sequoia, auto:" in out[STATUS] and "predicted" in out[STATUS]  # the method is named
     assert '"predicted"' in out[STEPS_PLOT]["plot"]  # the predicted speedup line
 
 

@@ -144,7 +144,12 @@ def test_only_committed_drafts_count_as_accepted():
     step = make_step(accepted=(0, 1, 3, 6), committed=(101, 103), finish_reason="stop")
     assert step.accepted_draft_tokens == 2 and not step.used_bonus
     assert figures.bonus_token(step) is None
-    assert "accepted 2 of 6" in figures.tree_figure(step, TEXTS).layout.title.text
+    fig = figures.tree_figure(step, TEXTS)
+    # the verifier accepted 3 drafts; the stop token was the 2nd, so only 2 were used
+    assert "accepted 3 of 6" in fig.layout.title.text and "2 used — answer ended" in fig.layout.title.text
+    assert node_points(fig)[6] == "unused" and node_points(fig)[3] == "accepted"
+    budget = make_step(accepted=(0, 1, 3, 6), committed=(101,), finish_reason="length")
+    assert "1 used — budget reached" in figures.tree_figure(budget, TEXTS).layout.title.text
     full = make_step(accepted=(0, 1, 3, 6), committed=(101, 103, 106, 107))
     assert full.accepted_draft_tokens == 3 and full.used_bonus
 
@@ -166,7 +171,25 @@ def test_root_only_step_draws_without_drafts():
                       accepted=[0], committed=[6])
     fig = figures.tree_figure(step, {5: "a", 6: "b"})
     assert node_points(fig) == {0: "root"}
-    assert "0 drafted tokens" in fig.layout.title.text
+    # autoregressive: no "accepted 0 of 0 drafted tokens", and the token is the target's, not a bonus
+    assert "the target alone wrote 1 token" in fig.layout.title.text and "drafted" not in fig.layout.title.text
+    assert traces(fig, "bonus")[0].name == "the target's token"
+    chart = figures.steps_figure([step])
+    assert traces(chart, "bonus")[0].name == "the target's token"
+    assert "× the target alone" not in figures.stats_line([step], 5.0)
+
+
+def test_presentation_scale_enlarges_fonts_and_large_trees_zoom():
+    small, big = figures.tree_figure(make_step(), TEXTS), figures.tree_figure(make_step(), TEXTS, scale=1.5)
+    assert big.layout.annotations[0].font.size == 18 > small.layout.annotations[0].font.size
+    assert big.layout.height > small.layout.height
+    assert small.layout.xaxis.fixedrange  # a small tree is not zoomable (no accidental drags)
+    n = 40
+    wide = StepRecord(index=0, tokens=list(range(100, 100 + n)), parents=[-1] + [0] * (n - 1), ranks=[0] + list(range(1, n)),
+                      draft_probs=[1.0] * n, target_probs=[1.0] * n, accepted=[0], committed=[7])
+    fig = figures.tree_figure(wide, {})
+    assert not fig.layout.xaxis.fixedrange and fig.layout.dragmode == "zoom"
+    assert 540 < fig.layout.height <= 700  # a large tree gets more height (its rows stay apart)
 
 
 # ----- steps figure and stats ------------------------------------------------------------------
@@ -197,7 +220,14 @@ def test_stats_line():
     assert "8 tokens in 3 steps" in line and "2.67 tokens/step" in line
     assert "accepted 1.67 drafts/step (28% of 18 drafted)" in line  # 5 of 18
     assert "draft 25%" in line and "verify 6" in line  # 62.5%
-    assert "3.33× the target alone" in line
+    assert "3.33× the target alone" in line and "target alone measured: 10.0 tokens/s" in line
+    assert line.startswith("measured **")
+    estimated = figures.stats_line(steps(), baseline_tokens_per_s=10.0, baseline_source="estimated",
+                                   expected_tokens=2.4)
+    assert "≈3.33× the target alone" in estimated and "estimated from the device profile" in estimated
+    assert "predicted 2.40 tokens/step" in estimated
+    fig = figures.steps_figure(steps(), baseline_tokens_per_s=10.0, expected_tokens=2.5, baseline_source="estimated")
+    assert "estimated" in traces(fig, "speedup")[0].name and "predicted" in traces(fig, "expected")[0].name
     assert figures.stats_line([]) == "No steps yet."
 
 
@@ -267,3 +297,14 @@ def test_export_import_round_trip():
 def test_import_rejects_bad_files_with_a_reason(payload, reason):
     with pytest.raises(ValueError, match=reason):
         import_conversation(payload)
+
+
+def test_race_places_the_speculative_answer_at_the_same_decoding_time():
+    spec = steps()  # 3 steps of 0.08 s: 3, 1 and 4 tokens
+    alone = [make_step(accepted=(0,), committed=(107,), index=i) for i in range(2)]  # 2 tokens in 0.16 s
+    race = figures.race_html(spec, alone, total_tokens=8)
+    assert "0.16 s of decoding" in race
+    assert ">4 tokens<" in race  # by 0.16 s the speculative answer had committed 3 + 1 tokens
+    assert ">2 tokens<" in race and "width:50.0%" in race and "width:25.0%" in race
+    done = figures.race_html(spec, alone * 2, total_tokens=8)
+    assert "done in 0.24 s" in done and "width:100.0%" in done

@@ -1,0 +1,214 @@
+"""The UI explains itself: labelled figures (measured / estimated / predicted), the method named and
+explained, the real model names, auto's pick on the sliders, replay tied to the text, exported
+steps imported back. Tiny models with the real tokenizer; handlers called directly."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from app import ui
+from app.conversation import export_conversation, highlight_html, import_steps
+from app.worker import Worker, make_engine
+from engine.records import StepRecord, StepTimings
+
+import test_app_support as support
+from test_app_worker import fake_tuner
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    yield from support.one_torch_thread()
+
+
+@pytest.fixture()
+def app():
+    tokenizer = support.tokenizer()
+    target, draft = support.tiny_pair()
+    worker = Worker(make_engine(target, draft, tokenizer), tokenizer, {"target": "tiny-target", "draft": "tiny-draft"})
+    demo = ui.build_demo(worker, tokenizer)
+    yield demo.chat_app
+    worker.close()
+
+
+def step(index, committed, accepted=(0, 1), tokens=(10, 11, 12)) -> StepRecord:
+    n = len(tokens)
+    return StepRecord(index=index, tokens=list(tokens), parents=[-1] + [0] * (n - 1), ranks=[0] + list(range(1, n)),
+                      draft_probs=[1.0] * n, target_probs=[1.0] * n, accepted=list(accepted), committed=list(committed),
+                      timings=StepTimings(0.01, 0.02, 0.0))
+
+
+# ----- naming things -------------------------------------------------------------------------
+def test_the_embedded_pair_is_named_with_its_formats():
+    info = {"target": "default-target", "draft": "default-draft", "device": "cpu", "dtype": "float32",
+            "target_format": "none", "draft_format": "int4", "target_params": 1_540_000_000,
+            "draft_params": 494_000_000}
+    header = ui.header_html("Sequoia Chat", info)
+    assert "Qwen2.5-Coder-1.5B-Instruct</b> (float32, from GGUF Q4_K_M)" in header
+    assert "Qwen2.5-Coder-0.5B-Instruct</b> (int4, from GGUF Q4_K_M)" in header
+    assert "default-target" not in header
+    panel = ui.pair_markdown(info)
+    assert "**Qwen2.5-Coder-1.5B-Instruct** (`default-target`)" in panel and "int4 weights" in panel
+    assert ui.model_name("someone/other-model") == "someone/other-model"
+
+
+def test_each_method_is_named_and_explained():
+    vector = [0.6, 0.2, 0.1, 0.05]
+    descriptions = {m: ui.resolve_tree(m, 8, 4, vector)[1] for m in ("sequoia", "specinfer", "topk")}
+    assert len(set(descriptions.values())) == 3, descriptions  # no longer all "Sequoia DP tree: ..."
+    assert all(d.startswith(m) for m, d in descriptions.items())
+    assert ui.resolve_tree("autoregressive", 8, 4, vector)[1].startswith("autoregressive")
+    assert "children sampled independently" in ui.method_help("specinfer", 0.7)
+    assert "At T = 0 every method" in ui.method_help("topk", 0.0)
+    assert "At T = 0" not in ui.method_help("autoregressive", 0.0)
+
+
+def test_the_key_explains_the_symbols_and_each_accept_rule():
+    key = ui.key_html()
+    for words in ("␣", "↵", "solid", "dashed", "bonus", "measured", "estimated", "predicted"):
+        assert words in key
+    for method in ("sequoia", "specinfer", "chain", "topk", "autoregressive"):
+        assert f"<b>{method}</b>:" in key
+
+
+def test_the_key_and_method_help_are_in_the_page(app):
+    assert "sc-method-help" in app.c.method_help.value
+    assert app.c.msg.placeholder == "Ask something…"  # short: not clipped on a phone
+
+
+# ----- one trustworthy speed-up figure --------------------------------------------------------
+def test_target_alone_rate_is_measured_per_pair_and_setting(app):
+    assert app.baseline(0.0, 1.0) == (None, "")
+    assert "not measured yet" in app.baseline_html(0.0, 1.0)
+    app.worker.set_tuner(fake_tuner())
+    try:
+        rate, source = app.baseline(0.0, 1.0)
+        assert source == "estimated" and rate == pytest.approx(100.0)  # 1 / target_time(1) of the profile
+        assert "estimated" in app.baseline_html(0.0, 1.0)
+        app.record_baseline(0.0, 1.0, {"tokens": 20, "decode_s": 10.0})
+        assert app.baseline(0.0, 1.0) == (2.0, "measured")
+        assert "measured on this machine" in app.baseline_html(0.0, 1.0)
+        assert app.baseline(0.7, 0.9)[1] == "estimated"  # another setting is not measured yet
+        app.worker.pair_version += 1  # another pair: its own measurement
+        assert app.baseline(0.0, 1.0)[1] == "estimated"
+    finally:
+        app.worker.set_tuner(None)
+
+
+def test_measure_button_decodes_the_target_alone_and_keeps_the_rate(app):
+    updates = list(app.measure_baseline(0.0, 1.0, 0))
+    assert "Measuring" in updates[0][app.c.baseline_info]
+    rate, source = app.baseline(0.0, 1.0)
+    assert source == "measured" and rate > 0
+    assert f"{rate:.1f} tokens/s" in updates[-1][app.c.baseline_info]
+
+
+def test_predicted_tokens_per_step_follow_temperature_and_top_p(app):
+    greedy = app.tree_info("sequoia", 8, 4, False, 0.0, 1.0)
+    sampled = app.tree_info("sequoia", 8, 4, False, 0.6, 1.0)
+    assert "predicted" in greedy and "T=0," in greedy and "T=0.6," in sampled
+    pick = lambda text: text.split("predicted ")[1].split(" tokens/step")[0]  # noqa: E731
+    calib = (app.calibration(0.0, 1.0).vector, app.calibration(0.6, 1.0).vector)
+    assert calib[0] != calib[1] and pick(greedy) != pick(sampled)
+
+
+# ----- auto shows its choice ------------------------------------------------------------------
+def test_auto_disables_the_sliders_and_names_its_pick(app):
+    app.worker.set_tuner(fake_tuner())
+    try:
+        choice = app.worker.tuner.choose(0.0, 1.0, "sequoia")
+        size, depth = app.auto_controls("sequoia", True, 0.0, 1.0)
+        assert size["interactive"] is False and f"auto picks {choice.size}" in size["label"]
+        assert depth["interactive"] is False and f"auto picks {choice.depth}" in depth["label"]
+        assert "value" not in size  # the user's own values stay
+        size, _ = app.auto_controls("sequoia", False, 0.0, 1.0)
+        assert size["interactive"] is True and size["label"] == "Tree size"
+    finally:
+        app.worker.set_tuner(None)
+
+
+def test_the_colouring_panel_renders_markdown_not_its_source():
+    tok = support.tokenizer()
+    ids = tok.encode("Use **bold** for <b>this</b> & `code`:\n\n```python\nx = 1\n```\n")
+    steps = [step(i, ids[i * 3:(i + 1) * 3], accepted=(0, 1) if i % 2 else (0,)) for i in range((len(ids) + 2) // 3)]
+    panel = highlight_html(tok, steps)
+    assert "<strong>" in panel and "**" not in panel  # rendered, not the source
+    assert "<pre><code" in panel and "```" not in panel
+    assert "&lt;b&gt;" in panel and "<b>this" not in panel  # HTML in the answer stays text
+    visible = re.sub(r"<[^>]+>", "", panel.split("hl-md'>")[1])
+    assert "bold" in visible and "x = 1" in visible.replace('</span><span class="tok tok-draft">', "")
+    assert 'class="tok tok-draft"' in panel and 'class="tok tok-bonus"' in panel
+
+
+# ----- replay tied to the text ----------------------------------------------------------------
+def test_replayed_step_is_marked_in_the_answer():
+    tok = support.tokenizer()
+    hello, world = tok.encode("Hello"), tok.encode(" world")
+    steps = [step(0, hello), step(1, world)]
+    marked = highlight_html(tok, steps, current=1)
+    assert re.findall(r'tok-current">([^<]*)<', marked) == [" world"]
+    assert "tok-current" not in highlight_html(tok, steps)
+    text = ui.step_text_html(tok, steps, 1)
+    assert "Step 2 wrote:" in text and "Hello" in text and "<mark class='sc-step-now'>␣world</mark>" in text
+
+
+def test_play_advances_the_replay_and_stops_after_the_last_step(app):
+    run = ui.Run(steps=[step(i, [20 + i]) for i in range(3)], texts={})
+    c = app.c
+    timer, _, _ = app.play(run, 1, 0.6)
+    assert timer["active"] is True and timer["value"] == 0.6
+    out = app.tick(1, run, False)  # showing step 1: the next is step 2
+    assert out[c.slider]["value"] == 2 and c.timer not in out
+    out = app.tick(2, run, False)
+    assert out[c.slider]["value"] == 3 and out[c.timer]["active"] is False  # the last step ends playing
+
+
+def test_exported_steps_come_back_on_import():
+    steps = [step(0, [11, 12], accepted=(0, 1)), step(1, [13])]
+    data = export_conversation("sys", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                               None, steps, {11: "a", 12: "b"})
+    back, texts = import_steps(data)
+    assert back == steps and texts == {11: "a", 12: "b"}
+    assert import_steps(json.dumps({"messages": []})) == ([], {})
+    bad = json.loads(data)
+    bad["steps"][0]["accepted"] = [0, 9]
+    with pytest.raises(ValueError, match="could not be read"):
+        import_steps(json.dumps(bad))
+
+
+def test_a_depth_the_tree_does_not_reach_is_reported(app):
+    capped = app.tree_info("sequoia", 4, 8, False, 0.0, 1.0)
+    assert "depth capped at size − 1 = 3" in capped
+    tree, _ = ui.resolve_tree("sequoia", 32, 16, app.calibration(0.0, 1.0).vector)
+    assert tree.depth < 16  # the greedy calibration makes 32 nodes wider than 16 deep
+    assert f"the DP tree stops at {tree.depth}" in app.tree_info("sequoia", 32, 16, False, 0.0, 1.0)
+    assert "stops at" not in app.tree_info("chain", 32, 16, False, 0.0, 1.0)
+
+
+def test_a_message_sent_during_an_answer_is_refused_with_a_message(app):
+    from app.worker import GenerationRequest
+    blocker = app.worker.submit(GenerationRequest(system="", messages=[{"role": "user", "content": "long"}],
+                                                  max_new_tokens=2000, tree=None, method="autoregressive"),
+                                session="local")
+    try:
+        updates = list(app.respond("second question", [], ui.Run(), "", 0.0, 1.0, 8, 0, "sequoia", 8, 4, False,
+                                   False, False))
+    finally:
+        blocker.cancel()
+    assert len(updates) == 1 and app.c.msg not in updates[0]  # the text stays in the box
+    assert "Not sent: an answer is still streaming" in updates[0][app.c.status]
+
+
+@pytest.mark.parametrize("method", ["sequoia", "autoregressive"])
+def test_the_status_says_what_is_happening_and_names_the_method(app, method):
+    updates = list(app.respond("Hello there", [], ui.Run(), "", 0.0, 1.0, 6, 0, method, 8, 4, False, False, False))
+    statuses = [u[app.c.status] for u in updates if app.c.status in u]
+    prefill = [s for s in statuses if "Prefill:" in s]
+    assert prefill and "-token prompt" in prefill[0]
+    if method == "autoregressive":
+        assert "the target reads" in prefill[0] and "Autoregressive: the target alone" in statuses[-1]
+        assert "bonus" not in str(updates[-1][app.c.stats]) and "drafted" not in updates[-1][app.c.stats]
+    else:
+        assert "the target and the draft read" in prefill[0] and "Sequoia on a" in statuses[-1]
+    assert updates[0][app.c.stop_btn]["interactive"] is True and updates[-1][app.c.stop_btn]["interactive"] is False
