@@ -122,6 +122,8 @@ def model_format(info: dict, role: str) -> str:
     """How a model of the pair in use is stored, in words: dtype, int4/int8 packing, and for the
     embedded pair where the weights came from (GGUF Q4_K_M, dequantised)."""
     fmt = info.get(f"{role}_format", "none")
+    if fmt == "q4k":
+        return "int4: the GGUF Q4_K_M blocks as stored"
     words = [fmt] if fmt not in ("none", None) else [str(info.get("dtype", "?"))]
     if str(info.get(role, "")).startswith("default-"):
         words.append("from GGUF Q4_K_M")

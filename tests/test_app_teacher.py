@@ -212,3 +212,10 @@ def test_the_status_says_what_is_happening_and_names_the_method(app, method):
     else:
         assert "the target and the draft read" in prefill[0] and "Sequoia on a" in statuses[-1]
     assert updates[0][app.c.stop_btn]["interactive"] is True and updates[-1][app.c.stop_btn]["interactive"] is False
+
+
+def test_the_int4_target_is_named_by_what_it_stores():
+    from app.ui import model_format
+
+    assert model_format({"target": "default-target", "target_format": "q4k"}, "target") == \
+        "int4: the GGUF Q4_K_M blocks as stored"
