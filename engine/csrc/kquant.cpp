@@ -132,14 +132,17 @@ void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
   const int64_t nb = rows.K / QK;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 y[NR];
+  #pragma GCC unroll 8
   for (int rr = 0; rr < NR; ++rr) y[rr] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t t = tile * nb + blk;
     const uint8_t* q = qs + t * 2048;
     __m512i a[NR], b[NR];
+    #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) a[rr] = b[rr] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
       __m512i w[8];
+      #pragma GCC unroll 8
       for (int l = 0; l < 4; ++l) {
         const __m512i raw = _mm512_loadu_si512(q + j * 256 + l * 64);
         w[2 * l] = _mm512_and_si512(raw, low);
@@ -147,10 +150,12 @@ void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
       }
       const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(sc + t * 128 + j * 16)));
       const __m512i mnv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mn + t * 128 + j * 16)));
+      #pragma GCC unroll 8
       for (int rr = 0; rr < NR; ++rr) {
         const int8_t* xq = rows.xq + (r0 + rr) * rows.K + blk * QK + j * 32;
         const int32_t* s16 = rows.s16 + (r0 + rr) * (rows.K / 16) + blk * 16;
         __m512i dot = _mm512_setzero_si512();
+        #pragma GCC unroll 8
         for (int l = 0; l < 4; ++l) {
           int32_t x0, x1;
           std::memcpy(&x0, xq + l * 8, 4);
@@ -163,6 +168,7 @@ void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
       }
     }
     const __m512 dv = _mm512_loadu_ps(d + t * TILE), dminv = _mm512_loadu_ps(dmin + t * TILE);
+    #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) {
       const __m512 sx = _mm512_set1_ps(rows.sx[(r0 + rr) * nb + blk]);
       const __m512 step = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(sx, dv), _mm512_cvtepi32_ps(a[rr])),
@@ -170,6 +176,7 @@ void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
       y[rr] = _mm512_add_ps(y[rr], step);
     }
   }
+  #pragma GCC unroll 8
   for (int rr = 0; rr < NR; ++rr) _mm512_storeu_ps(out + (r0 + rr) * N + tile * TILE, y[rr]);
 }
 
@@ -178,20 +185,25 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& r
               int64_t N, int64_t tile) {
   const int64_t nb = rows.K / QK;
   __m512 y[NR];
+  #pragma GCC unroll 8
   for (int rr = 0; rr < NR; ++rr) y[rr] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t t = tile * nb + blk;
     const uint8_t* q = qs + t * 4096;
     __m512i a[NR];
+    #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) a[rr] = _mm512_setzero_si512();
     for (int j = 0; j < 16; ++j) {
       __m512i w[4];
+      #pragma GCC unroll 8
       for (int l = 0; l < 4; ++l) w[l] = _mm512_loadu_si512(q + j * 256 + l * 64);
       const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + t * 256 + j * 16)));
+      #pragma GCC unroll 8
       for (int rr = 0; rr < NR; ++rr) {
         const int8_t* xq = rows.xq + (r0 + rr) * rows.K + blk * QK + j * 16;
         const int32_t s = rows.s16[(r0 + rr) * (rows.K / 16) + blk * 16 + j];
         __m512i dot = _mm512_setzero_si512();
+        #pragma GCC unroll 8
         for (int l = 0; l < 4; ++l) {
           int32_t x0;
           std::memcpy(&x0, xq + l * 4, 4);
@@ -201,11 +213,13 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& r
       }
     }
     const __m512 dv = _mm512_loadu_ps(d + t * TILE);
+    #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) {
       const __m512 sx = _mm512_set1_ps(rows.sx[(r0 + rr) * nb + blk]);
       y[rr] = _mm512_add_ps(y[rr], _mm512_mul_ps(_mm512_mul_ps(sx, dv), _mm512_cvtepi32_ps(a[rr])));
     }
   }
+  #pragma GCC unroll 8
   for (int rr = 0; rr < NR; ++rr) _mm512_storeu_ps(out + (r0 + rr) * N + tile * TILE, y[rr]);
 }
 
