@@ -125,6 +125,12 @@ class CacheStore:
                 evicted.append(old)
         return evicted
 
+    def peek(self, key: str) -> ConversationCache | None:
+        """The cache of ``key`` left in place (None when there is none)."""
+        with self._lock:
+            entry = self._entries.get(key)
+        return entry[0] if entry else None
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
