@@ -105,10 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         "tree_size": max(1, args.tree_size), "depth": max(1, args.depth),
         "max_new_tokens": max(1, args.max_new_tokens), "pair": pair,
         "predict": measured and not args.tiny})
-    _, local_url, share_url = ui.launch(demo, server_name=args.host, server_port=args.port, share=args.share,
-                                        inbrowser=args.inbrowser, prevent_thread_lock=True, quiet=True)
+    app, local_url, share_url = ui.launch(demo, server_name=args.host, server_port=args.port, share=args.share,
+                                          inbrowser=args.inbrowser, prevent_thread_lock=True, quiet=True)
+    from app import openai_api
+    openai_api.mount(app, worker, {"tree_size": max(1, args.tree_size), "depth": max(1, args.depth)})
     print(f"Sequoia Chat is running at {local_url}" + (f" (public link: {share_url})" if share_url else ""),
           flush=True)
+    print(f"OpenAI-compatible API: {local_url.rstrip('/')}/v1 (chat/completions, models)", flush=True)
     print("Press Ctrl-C to stop.", flush=True)
     try:
         demo.block_thread()

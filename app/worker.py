@@ -431,6 +431,11 @@ class Worker:
         """``(input_ids, messages dropped)``: a conversation is tokenised now, with the pair in use."""
         if request.messages is None:
             return request.input_ids, 0
+        return fit_context(self.tokenizer, request.system, request.messages, self.context_limit(request))
+
+    def context_limit(self, request: GenerationRequest) -> int | None:
+        """Prompt tokens ``request`` may use with the pair in use: the context minus its max new
+        tokens and its tree's size (None: the model states no context)."""
         tree = request.tree
         if request.method == "autoregressive" or tree is None:
             size = 1
@@ -439,8 +444,7 @@ class Worker:
         else:
             size = getattr(tree, "size", 1)
         context = int(getattr(self.engine, "max_context", 0) or 0)
-        limit = context - request.max_new_tokens - size if context else None
-        return fit_context(self.tokenizer, request.system, request.messages, limit)
+        return context - request.max_new_tokens - size if context else None
 
     def _take_cache(self, key: str | None) -> ConversationCache | None:
         """The conversation cache of ``key`` for the pair in use (a new, empty one when there is
