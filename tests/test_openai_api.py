@@ -25,10 +25,11 @@ def _one_torch_thread():
 
 @pytest.fixture(scope="module")
 def server():
-    """``(worker, base_url)``: the app with the API mounted, as launch.py serves it."""
+    """``(worker, base_url)``: the app with the API mounted, as launch.py serves it (the engine wrapped
+    in :class:`test_app_support.SlowEngine`, which can slow its steps down)."""
     tok = support.tokenizer()
     target, draft = support.tiny_pair()
-    worker = Worker(make_engine(target, draft, tok), tok, {"target": MODEL, "draft": "tiny-draft"})
+    worker = Worker(support.SlowEngine(make_engine(target, draft, tok)), tok, {"target": MODEL, "draft": "tiny-draft"})
     demo = ui.build_demo(worker, tok)
     app, url, _ = ui.launch(demo, server_name="127.0.0.1", server_port=support.free_port(),
                             prevent_thread_lock=True, quiet=True)
@@ -192,3 +193,17 @@ def test_malformed_requests_and_unknown_paths(server):
     missing = httpx.get(f"{base}/completions")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert httpx.get(f"{base}/chat/completions").status_code == 405
+
+
+def test_a_streaming_client_that_goes_away_frees_the_engine(server):
+    worker, base = server
+    worker.engine.delay = 0.03
+    try:
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 2000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{base}/chat/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert '"role": "assistant"' in next(line for line in lines if line)
+            assert support.wait_until(lambda: worker.engine.steps_run > 0 and worker.busy == 1, 30)
+        assert support.wait_until(lambda: worker.busy == 0, 10), "the engine kept decoding for a closed stream"
+    finally:
+        worker.engine.delay = 0.0
