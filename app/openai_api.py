@@ -159,7 +159,9 @@ def parse_tree(options, worker: Worker, defaults: dict) -> tuple[Tree | str | No
     if method not in METHODS:
         raise APIError(400, f"'sequoia.method' must be one of {', '.join(METHODS)}, got {method!r}",
                        "sequoia.method", "invalid_value")
-    if options.get("auto", False) is True:
+    if not isinstance(options.get("auto", False), bool):
+        raise APIError(400, "'sequoia.auto' must be true or false", "sequoia.auto", "invalid_value")
+    if options.get("auto", False):
         if worker.tuner is None:
             raise APIError(400, "'sequoia.auto' needs a calibration and hardware profile for this pair",
                            "sequoia.auto", "invalid_value")

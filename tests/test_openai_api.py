@@ -159,9 +159,10 @@ def test_a_user_key_reuses_its_conversation_cache(server):
     ({"model": MODEL, "messages": QUESTION, "sequoia": {"method": "magic"}}, 400, "sequoia.method", "invalid_value"),
     ({"model": MODEL, "messages": QUESTION, "sequoia": {"tree_size": 4, "depth": 9}}, 400, "sequoia.depth",
      "invalid_value"),
+    ({"model": MODEL, "messages": QUESTION, "sequoia": {"auto": "yes"}}, 400, "sequoia.auto", "invalid_value"),
     ({"model": "gpt-4o", "messages": QUESTION}, 404, "model", "model_not_found"),
 ], ids=["temperature", "top_p", "max_tokens", "seed", "stop", "n", "empty", "role", "content", "last-assistant",
-        "context", "method", "depth", "model"])
+        "context", "method", "depth", "auto", "model"])
 def test_bad_input_gets_an_openai_error(server, body, status, param, code):
     worker, base = server
     response = httpx.post(f"{base}/chat/completions", json=body, timeout=30)
