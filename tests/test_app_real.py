@@ -97,7 +97,7 @@ def test_forty_turns_in_one_conversation_keep_memory_flat(server):
             kept = {id(runner.cache) for key in worker.kv_store.keys()
                     for runner in worker.kv_store.peek(key).runners.values()}
             live = {id(o) for o in gc.get_objects() if type(o) is DynamicCache}
-            assert live == kept and len(worker.kv_store.keys()) == 1, "a KV cache outlived its request"
+            assert kept and live == kept, "a KV cache outlived its request"
     assert len(final[CHATBOT]) == 80
     assert rss[40] < 1.10 * rss[5], f"RSS {rss[5] / 2**30:.2f} GiB after turn 5, {rss[40] / 2**30:.2f} GiB after 40"
     print(f"RSS after turn 5: {rss[5] / 2**30:.2f} GiB, after turn 40: {rss[40] / 2**30:.2f} GiB")
