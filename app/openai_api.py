@@ -30,7 +30,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from app.conversation import MAX_IMPORT_MESSAGES, MAX_MESSAGE_CHARS, ContextTooLong, chat_messages, fit_context
+from app.conversation import MAX_IMPORT_MESSAGES, MAX_MESSAGE_CHARS, ContextTooLong, fit_context
 from app.worker import Event, GenerationRequest, Job, Worker
 from engine.speculative import METHODS
 from engine.tree import Tree
