@@ -17,6 +17,8 @@ if __name__ == "__main__":  # before torch loads: glibc reads its tunables when 
 from engine.errors import EngineError  # noqa: E402
 from engine.generate import DTYPES, add_draft_format_argument  # noqa: E402
 
+KV_CACHE_MB = 1024  # default budget of the conversation KV caches (engine.prefix_cache.DEFAULT_BUDGET_BYTES)
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
@@ -38,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tree-size", type=int, default=8, help="initial tree size in the UI (nodes, root included)")
     parser.add_argument("--depth", type=int, default=4, help="initial tree depth in the UI")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="initial answer budget in the UI")
+    parser.add_argument("--kv-cache-mb", type=int, default=KV_CACHE_MB,
+                        help=f"memory for KV caches kept between turns, all conversations together, one per "
+                             f"session, least recently used evicted ({KV_CACHE_MB}; 0 keeps none)")
     # development: a tiny random pair with the real tokenizer, to work on the UI without the weights
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -68,11 +73,13 @@ def build_worker(args: argparse.Namespace):
 
 def worker_policy(args: argparse.Namespace) -> dict:
     """What UI requests may load: local folders under --models-dir only; remote code only with
-    --trust-remote-code."""
+    --trust-remote-code. Also the memory the conversation KV caches may hold (--kv-cache-mb)."""
     from pathlib import Path
 
+    if args.kv_cache_mb < 0:
+        raise SystemExit("error: --kv-cache-mb must be >= 0")
     return {"models_dir": Path(args.models_dir).expanduser(), "allow_remote_code": args.trust_remote_code,
-            "draft_format": args.draft_format}
+            "draft_format": args.draft_format, "kv_cache_bytes": args.kv_cache_mb << 20}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,10 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         "tree_size": max(1, args.tree_size), "depth": max(1, args.depth),
         "max_new_tokens": max(1, args.max_new_tokens), "pair": pair,
         "predict": measured and not args.tiny})
-    _, local_url, share_url = ui.launch(demo, server_name=args.host, server_port=args.port, share=args.share,
-                                        inbrowser=args.inbrowser, prevent_thread_lock=True, quiet=True)
+    app, local_url, share_url = ui.launch(demo, server_name=args.host, server_port=args.port, share=args.share,
+                                          inbrowser=args.inbrowser, prevent_thread_lock=True, quiet=True)
+    from app import openai_api
+    openai_api.mount(app, worker, {"tree_size": max(1, args.tree_size), "depth": max(1, args.depth)})
     print(f"Sequoia Chat is running at {local_url}" + (f" (public link: {share_url})" if share_url else ""),
           flush=True)
+    print(f"OpenAI-compatible API: {local_url.rstrip('/')}/v1 (chat/completions, models)", flush=True)
     print("Press Ctrl-C to stop.", flush=True)
     try:
         demo.block_thread()

@@ -16,12 +16,20 @@ Events (``Event.kind``), in order:
   "dropped"}``) when a decoding phase begins; ``dropped``: the oldest messages left out of a
   conversation that did not fit the context;
 - ``step`` (data: a :class:`~engine.records.StepRecord`; ``phase`` says which run);
-- ``finished`` (data: ``{"phase", "steps", "tokens", "seconds", "prefill_s", "finish_reason"}``) per phase;
+- ``finished`` (data: ``{"phase", "steps", "tokens", "seconds", "prefill_s", "first_token_s",
+  "reused_tokens", "finish_reason"}``) per phase;
 - ``progress`` (data: a message) while loading models;
 - exactly one terminal event: ``done`` (data: summary dict), ``cancelled`` or ``error`` (data: message).
 
 Generation phases: ``main`` (the requested method and tree) and, in compare mode, ``compare``
 (the same prompt decoded by the target alone, ``tree=None``).
+
+Multi-turn reuse: the ``main`` phase of a job with a session (or a request's ``cache_key``) decodes
+with that conversation's KV caches (:mod:`engine.prefix_cache`), kept between its turns in one
+:class:`~engine.prefix_cache.CacheStore` (one conversation per key, least recently used evicted
+under ``kv_cache_bytes``), so a turn that extends the conversation prefills only its new tokens;
+an edit, a regenerate or an import reuses the longest common prefix. A model swap empties the
+store. Engines with preallocated static caches (CUDA) do not keep conversations.
 """
 from __future__ import annotations
 
@@ -45,6 +53,7 @@ import torch
 from app.conversation import ContextTooLong, fit_context
 from engine.errors import EngineError, GenerationCancelled, ModelLoadError
 from engine.kernels import prepare
+from engine.prefix_cache import DEFAULT_BUDGET_BYTES, CacheStore, ConversationCache
 from engine.quantize import draft_format
 from engine.speculative import SpeculativeEngine
 from engine.tree import Tree
@@ -81,6 +90,7 @@ class GenerationRequest:
     compare: bool = False
     system: str | None = None
     messages: list[dict] | None = None
+    cache_key: str | None = None  # whose conversation cache to use (default: the job's session)
 
 
 @dataclass
@@ -258,11 +268,13 @@ class Worker:
     def __init__(self, engine, tokenizer, info: dict | None = None,
                  loader: Callable | None = None, tuner=None, name: str = "sequoia-engine",
                  models_dir: Path | None = None, allow_remote_code: bool = False,
-                 draft_format: str = "auto") -> None:
+                 draft_format: str = "auto", kv_cache_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
         """``models_dir``: the only folder local models may be loaded from by UI requests;
         ``allow_remote_code``: whether a request may ask for ``trust_remote_code``;
-        ``draft_format``: how drafts loaded from the UI are quantised (``loader(..., draft_format=)``)."""
+        ``draft_format``: how drafts loaded from the UI are quantised (``loader(..., draft_format=)``);
+        ``kv_cache_bytes``: the budget of conversation KV caches kept between turns (0: none kept)."""
         self.engine = engine
+        self.kv_store = CacheStore(kv_cache_bytes)
         self.draft_format = draft_format
         self.models_dir = models_dir
         self.allow_remote_code = allow_remote_code
@@ -283,7 +295,8 @@ class Worker:
     @classmethod
     def from_models(cls, target, draft, tokenizer, target_name: str = "target", draft_name: str = "draft",
                     tuner=None, loader: Callable | None = None, **options) -> "Worker":
-        """``options``: ``models_dir``, ``allow_remote_code``, ``draft_format`` (see ``__init__``)."""
+        """``options``: ``models_dir``, ``allow_remote_code``, ``draft_format``, ``kv_cache_bytes``
+        (see ``__init__``)."""
         engine = make_engine(target, draft, tokenizer, tuner)
         return cls(engine, tokenizer, describe_pair(target, draft, target_name, draft_name), loader, tuner, **options)
 
@@ -394,7 +407,13 @@ class Worker:
         except ContextTooLong as exc:
             job._emit("error", f"Not sent: {exc}")
             return
-        main = self._decode(job, "main", request.tree, request.method, prompt)
+        key = request.cache_key or job.session
+        cache = self._take_cache(key)
+        try:
+            main = self._decode(job, "main", request.tree, request.method, prompt, cache)
+        finally:
+            if cache is not None:  # valid however the decoding ended (its record follows the engine)
+                self.kv_store.put(key, cache)
         if main is None:
             return
         summary = {"main": main, "compare": None}
@@ -413,6 +432,11 @@ class Worker:
         """``(input_ids, messages dropped)``: a conversation is tokenised now, with the pair in use."""
         if request.messages is None:
             return request.input_ids, 0
+        return fit_context(self.tokenizer, request.system, request.messages, self.context_limit(request))
+
+    def context_limit(self, request: GenerationRequest) -> int | None:
+        """Prompt tokens ``request`` may use with the pair in use: the context minus its max new
+        tokens and its tree's size (None: the model states no context)."""
         tree = request.tree
         if request.method == "autoregressive" or tree is None:
             size = 1
@@ -421,19 +445,36 @@ class Worker:
         else:
             size = getattr(tree, "size", 1)
         context = int(getattr(self.engine, "max_context", 0) or 0)
-        limit = context - request.max_new_tokens - size if context else None
-        return fit_context(self.tokenizer, request.system, request.messages, limit)
+        return context - request.max_new_tokens - size if context else None
 
-    def _decode(self, job: Job, phase: str, tree, method: str, prompt: tuple[list[int], int]) -> dict | None:
+    def _take_cache(self, key: str | None) -> ConversationCache | None:
+        """The conversation cache of ``key`` for the pair in use (a new, empty one when there is
+        none); None when nothing is to be kept (no key, no budget, a static-cache engine)."""
+        engine = self.engine
+        if key is None or self.kv_store.budget_bytes <= 0 or getattr(engine, "static_cache", False):
+            return None
+        cache = self.kv_store.take(key)
+        if cache is None or not cache.belongs_to(engine.target, engine.draft):
+            cache = ConversationCache(engine.target, engine.draft)
+        return cache
+
+    def forget(self, key: str) -> bool:
+        """Drop the conversation cache of ``key`` (a session or cache key); whether there was one."""
+        return self.kv_store.take(key) is not None
+
+    def _decode(self, job: Job, phase: str, tree, method: str, prompt: tuple[list[int], int],
+                cache: ConversationCache | None = None) -> dict | None:
         """One decoding run; its ``finished`` data, or None when it was cancelled or failed."""
         request: GenerationRequest = job.request
         engine = self.engine
         input_ids, dropped = prompt
         start = time.perf_counter()
+        first_token_s = None
+        extra = {"cache": cache} if cache is not None else {}
         try:
             stream = engine.stream(input_ids, max_new_tokens=request.max_new_tokens,
                                    temperature=request.temperature, top_p=request.top_p, tree=tree,
-                                   seed=request.seed, method=method, should_stop=lambda: job.cancelled)
+                                   seed=request.seed, method=method, should_stop=lambda: job.cancelled, **extra)
         except Exception as exc:  # noqa: BLE001 - bad parameters become an error event
             job._emit("error", _message(exc))
             return None
@@ -446,6 +487,8 @@ class Worker:
         decode_s = 0.0
         try:
             for record in stream:
+                if first_token_s is None:
+                    first_token_s = time.perf_counter() - start
                 steps += 1
                 tokens += len(record.committed)
                 decode_s += record.timings.total_s
@@ -468,6 +511,7 @@ class Worker:
             return None
         result = {"phase": phase, "steps": steps, "tokens": tokens, "seconds": time.perf_counter() - start,
                   "decode_s": decode_s, "prefill_s": getattr(engine, "last_prefill_s", 0.0),
+                  "first_token_s": first_token_s, "reused_tokens": getattr(engine, "last_reused_tokens", 0),
                   "finish_reason": finish_reason or "length",
                   "tree_choice": choice}
         job._emit("finished", result, phase)
@@ -531,6 +575,7 @@ class Worker:
         self.engine, self.tokenizer = loaded["engine"], loaded["tokenizer"]
         self.info = describe_pair(loaded["target"], loaded["draft"], target_id, draft_id)
         self.tuner = None  # a calibration belongs to the pair it was measured on
+        self.kv_store.clear()  # caches of the old pair's models: never reused, freed with it
         self.baseline_tokens_per_s = None
         self.pair_version += 1
         if self.loader is _default_loader:  # the loader's memo now holds this pair, and only it

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ContextOverflowError, GenerationCancelled, InvalidParameterError, VocabularyMismatchError
+from .prefix_cache import ConversationCache
 from .records import GenerationResult, StepRecord, StepTimings
 from .sampling import choose_level_children, logits_to_probs
 from .tree import Tree
@@ -63,6 +64,7 @@ class SpeculativeEngine:
         self.target = target.eval()
         self.tuner = tuner
         self.last_tree_choice = None
+        self.last_reused_tokens = 0  # prompt tokens the last generation took from a conversation cache
         self.draft = draft.eval() if draft is not None else None
         self.vocab_size = _output_vocab(target)
         if draft is not None and _output_vocab(draft) != self.vocab_size:
@@ -106,7 +108,8 @@ class SpeculativeEngine:
     def stream(self, input_ids: list[int], max_new_tokens: int = 64, temperature: float = 0.0,
                top_p: float = 1.0, tree: Tree | str | None = None, seed: int = 0,
                stop_token_ids: list[int] | None = None, method: str = "sequoia",
-               should_stop: Callable[[], bool] | None = None) -> Iterator[StepRecord]:
+               should_stop: Callable[[], bool] | None = None,
+               cache: ConversationCache | None = None) -> Iterator[StepRecord]:
         """Yield one :class:`StepRecord` per draft/verify step until a stop token or the budget.
 
         ``input_ids``: the prompt (non-empty list of token ids). ``tree=None`` decodes with the
@@ -126,11 +129,19 @@ class SpeculativeEngine:
         ``should_stop``: called before every prefill chunk (``prefill_chunk`` prompt tokens) and
         every step; when it returns true the iteration raises :class:`GenerationCancelled`, so a
         long prompt can be stopped within one chunk.
+
+        ``cache``: a :class:`~engine.prefix_cache.ConversationCache` of this engine's models kept
+        from earlier turns: the prompt's longest common prefix with the tokens it holds is not
+        prefilled again (``last_reused_tokens`` says how many), and it holds this generation's
+        tokens afterwards. Without it the engine's own caches are used and nothing is kept.
         """
         params = self._validate(input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids, method)
         if params.tree.depth > 0 and self.draft is None:
             raise InvalidParameterError("a tree with draft tokens needs a draft model: pass draft= or use tree=None")
-        return self._steps(_DecodeState(self, list(input_ids), params), should_stop)
+        if cache is not None and not (isinstance(cache, ConversationCache) and cache.belongs_to(self.target, self.draft)):
+            raise InvalidParameterError("cache must be a ConversationCache built for this engine's target and draft")
+        self.last_reused_tokens = 0
+        return self._steps(_DecodeState(self, list(input_ids), params, cache), should_stop)
 
     def _steps(self, state: "_DecodeState", should_stop: Callable[[], bool] | None = None) -> Iterator[StepRecord]:
         self.last_prefill_s = state.prefill(should_stop)
@@ -183,12 +194,19 @@ class _DecodeState:
     rest in the next step's first draft forward.
     """
 
-    def __init__(self, engine: SpeculativeEngine, prompt: list[int], params: DecodeParams) -> None:
-        self.engine, self.params = engine, params
+    def __init__(self, engine: SpeculativeEngine, prompt: list[int], params: DecodeParams,
+                 cache: ConversationCache | None = None) -> None:
+        self.engine, self.params, self.cache = engine, params, cache
         self.seq = prompt
         self.prompt_len = len(prompt)
-        self.target_runner = engine.runner("target", self)
-        self.draft_runner = engine.runner("draft", self) if engine.draft is not None and params.tree.depth else None
+        drafting = engine.draft is not None and params.tree.depth > 0
+        if cache is not None:
+            self.target_runner = cache.runner("target")
+            self.draft_runner = cache.runner("draft") if drafting else None
+        else:
+            self.target_runner = engine.runner("target", self)
+            self.draft_runner = engine.runner("draft", self) if drafting else None
+        self.target_len = 0
         self.draft_len = 0
         self.steps = 0
         self.generator = torch.Generator(device=engine.device).manual_seed(params.seed)
@@ -201,18 +219,27 @@ class _DecodeState:
     def prefill(self, should_stop: Callable[[], bool] | None = None) -> float:
         """Run the prompt minus its last token through the target, then the draft, in chunks of
         ``engine.prefill_chunk`` tokens (the same caches as one forward), consulting ``should_stop``
-        before each chunk (raises :class:`GenerationCancelled`); returns seconds."""
+        before each chunk (raises :class:`GenerationCancelled`); returns seconds.
+
+        With a conversation cache, each model starts after the prefix its cache already holds,
+        and the cache's record grows chunk by chunk (a stopped prefill leaves it valid)."""
         start = time.perf_counter()
         prompt = self.seq[:-1]
         with torch.inference_mode():
-            for runner in (self.target_runner, self.draft_runner):
+            for role, runner in (("target", self.target_runner), ("draft", self.draft_runner)):
                 if runner is None:
                     continue
+                first = self.cache.reuse(role, prompt) if self.cache is not None else 0
+                if role == "target":
+                    self.engine.last_reused_tokens = first
                 # a streamed (offloaded) model pays one pass over its weights per forward: fewer, longer chunks
                 chunk = max(1, int(self.engine.prefill_chunk)) * (16 if _streamed(runner.model) else 1)
-                for begin in range(0, len(prompt), chunk):
+                for begin in range(first, len(prompt), chunk):
                     _check_stop(should_stop)
                     runner.forward(prompt[begin:begin + chunk], start=begin, logits_to_keep=1, eager=True)
+                    if self.cache is not None:
+                        self.cache.record(role, prompt[:begin + chunk])
+            self.target_len = len(prompt)
             if self.draft_runner is not None:
                 self.draft_len = len(prompt)
         return time.perf_counter() - start
@@ -239,6 +266,7 @@ class _DecodeState:
             target_probs = _child_probs(tree, tokens, target_dists)
             self._compact(tree, prefix, accepted)
             committed = self._commit([tokens[a] for a in accepted[1:]] + [bonus])
+            self._record()
             t3 = time.perf_counter()
         timings.draft_s, timings.verify_s, timings.bookkeeping_s = t1 - t0, t2 - t1, t3 - t2
         record = StepRecord(index=self.steps, tokens=tokens, parents=list(tree.parents), ranks=list(tree.ranks),
@@ -301,10 +329,20 @@ class _DecodeState:
     def _compact(self, tree: Tree, prefix: int, accepted: list[int]) -> None:
         """Keep prefix + accepted path in the target cache, and the accepted nodes the draft saw."""
         self.target_runner.compact(prefix, accepted)
+        self.target_len = prefix + len(accepted)
         if tree.depth > 0:
             seen_by_draft = [a - 1 for a in accepted[1:] if tree.depths[a] < tree.depth]
             self.draft_runner.compact(prefix + 1, seen_by_draft)
             self.draft_len = prefix + 1 + len(seen_by_draft)
+
+    def _record(self) -> None:
+        """Tell the conversation cache (if any) which committed tokens its slots now hold: the
+        accepted path may run past a stop token, so at most ``seq`` itself."""
+        if self.cache is None:
+            return
+        self.cache.record("target", self.seq[:min(self.target_len, len(self.seq))])
+        if self.draft_runner is not None:
+            self.cache.record("draft", self.seq[:min(self.draft_len, len(self.seq))])
 
     def _commit(self, candidates: list[int]) -> list[int]:
         """Append tokens up to the first stop token or the budget; sets ``finish_reason``."""

@@ -45,8 +45,27 @@ def greedy_references(_stock_pair, chat_prompts) -> list[list[int]]:
     return refs
 
 
+SECOND_TURN = "Now explain the same idea in one short sentence for a beginner."
+
+
 @pytest.fixture(scope="session")
-def real_pair(_stock_pair, greedy_references):
+def multiturn_reference(_stock_pair, greedy_references) -> dict:
+    """A two-turn conversation on the first bundled prompt: its first answer is the greedy reference
+    (``greedy_references[0]``); the second prompt is the whole conversation with the chat template
+    re-applied (the answer's text as the assistant turn) plus :data:`SECOND_TURN`, and ``reference``
+    is the untouched target's own greedy continuation of it."""
+    target, _, tokenizer = _stock_pair
+    first = load_prompt_set("chat")[0]["messages"]
+    answer = tokenizer.decode(greedy_references[0], skip_special_tokens=True)
+    messages = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": SECOND_TURN}]
+    ids = encode_chat(tokenizer, messages)
+    with torch.inference_mode():
+        out = target.generate(torch.tensor([ids]), max_new_tokens=REFERENCE_TOKENS, do_sample=False)
+    return {"prompt": ids, "reference": out[0, len(ids):].tolist()}
+
+
+@pytest.fixture(scope="session")
+def real_pair(_stock_pair, greedy_references, multiturn_reference):
     """``(target, draft, tokenizer)`` of the embedded Qwen2.5-Coder pair, float32 on CPU, prepared
     for the engine as the app and CLIs load it (after the greedy references were taken)."""
     from engine.kernels import prepare

@@ -24,6 +24,14 @@ def test_a_missing_model_exits_2_with_one_line(monkeypatch, capsys):
 
 def test_ui_policy_follows_the_flags(tmp_path):
     policy = launch.worker_policy(launch.parse_args(["--models-dir", str(tmp_path)]))
-    assert policy == {"models_dir": tmp_path, "allow_remote_code": False, "draft_format": "auto"}
+    assert policy == {"models_dir": tmp_path, "allow_remote_code": False, "draft_format": "auto",
+                      "kv_cache_bytes": 1 << 30}
     assert launch.worker_policy(launch.parse_args(["--trust-remote-code"]))["allow_remote_code"] is True
     assert launch.worker_policy(launch.parse_args(["--draft-format", "int8"]))["draft_format"] == "int8"
+
+
+def test_the_conversation_cache_budget_flag():
+    from engine.prefix_cache import DEFAULT_BUDGET_BYTES
+    assert launch.worker_policy(launch.parse_args([]))["kv_cache_bytes"] == DEFAULT_BUDGET_BYTES
+    assert launch.worker_policy(launch.parse_args(["--kv-cache-mb", "64"]))["kv_cache_bytes"] == 64 << 20
+    assert launch.worker_policy(launch.parse_args(["--kv-cache-mb", "0"]))["kv_cache_bytes"] == 0

@@ -1,0 +1,210 @@
+"""The OpenAI-compatible endpoints on a real local server (tiny pair, real tokenizer), driven with the
+official ``openai`` client: answers equal the engine's own, streamed or not; parameters are
+honoured; bad input gets OpenAI's error shape with a 4xx status; clients run concurrently."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from app import openai_api, ui
+from app.worker import Worker, make_engine
+from engine.prompts import encode_chat
+from engine.tree_store import build_tree
+
+import test_app_support as support
+
+MODEL = "tiny-target"
+QUESTION = [{"role": "user", "content": "Write a haiku about trees"}]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    yield from support.one_torch_thread()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """``(worker, base_url)``: the app with the API mounted, as launch.py serves it (the engine wrapped
+    in :class:`test_app_support.SlowEngine`, which can slow its steps down)."""
+    tok = support.tokenizer()
+    target, draft = support.tiny_pair()
+    worker = Worker(support.SlowEngine(make_engine(target, draft, tok)), tok, {"target": MODEL, "draft": "tiny-draft"})
+    demo = ui.build_demo(worker, tok)
+    app, url, _ = ui.launch(demo, server_name="127.0.0.1", server_port=support.free_port(),
+                            prevent_thread_lock=True, quiet=True)
+    openai_api.mount(app, worker, {"tree_size": 8, "depth": 4})
+    yield worker, url.rstrip("/") + "/v1"
+    demo.close()
+    worker.close()
+
+
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def engine_answer(worker, messages, max_new=24, size=8, depth=4, **kwargs) -> tuple[str, list[int]]:
+    engine = make_engine(worker.engine.target, worker.engine.draft, worker.tokenizer)
+    tokens = engine.generate(encode_chat(worker.tokenizer, messages), max_new_tokens=max_new,
+                             tree=build_tree(size, depth), **kwargs).tokens
+    return worker.tokenizer.decode(tokens, skip_special_tokens=True), tokens
+
+
+def streamed(c: openai.OpenAI, **kwargs) -> tuple[str, list]:
+    chunks = list(c.chat.completions.create(model=MODEL, stream=True, **kwargs))
+    return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices), chunks
+
+
+def test_models_lists_the_target(server):
+    _, base = server
+    models = client(base).models.list()
+    assert [m.id for m in models.data] == [MODEL] and models.data[0].owned_by == "sequoia-chat"
+
+
+def test_non_streamed_greedy_answer_equals_the_engine(server):
+    worker, base = server
+    text, tokens = engine_answer(worker, QUESTION)
+    out = client(base).chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24)
+    assert out.object == "chat.completion" and out.model == MODEL
+    assert out.choices[0].message.content == text and out.choices[0].message.role == "assistant"
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == len(tokens) == 24
+    assert out.usage.prompt_tokens == len(encode_chat(worker.tokenizer, QUESTION))
+    spec = out.model_extra["sequoia"]
+    assert spec["tree"]["size"] == 8 and spec["tree"]["depth"] == 4 and spec["method"] == "sequoia"
+    assert spec["steps"] >= 1 and spec["tokens_per_step"] == pytest.approx(24 / spec["steps"])
+    assert 0 <= spec["accepted_draft_tokens"] <= spec["drafted_tokens"] == 7 * spec["steps"]
+    assert spec["first_token_s"] > 0 and spec["prefill_s"] >= 0
+
+
+def test_streamed_greedy_answer_equals_the_engine(server):
+    worker, base = server
+    text, _ = engine_answer(worker, QUESTION, max_new=40)
+    joined, chunks = streamed(client(base), messages=QUESTION, temperature=0, max_tokens=40,
+                              stream_options={"include_usage": True})
+    assert joined == text
+    content = [ch for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    assert len(content) >= 3, "the answer should arrive in several chunks"
+    last = [ch for ch in chunks if ch.choices][-1]
+    assert last.choices[0].finish_reason == "length" and last.model_extra["sequoia"]["steps"] >= 1
+    assert chunks[-1].usage.completion_tokens == 40
+
+
+def test_sampling_parameters_and_seed_are_honoured(server):
+    worker, base = server
+    c = client(base)
+    options = dict(temperature=0.9, top_p=0.8, max_new=20)
+    text7, _ = engine_answer(worker, QUESTION, seed=7, temperature=0.9, top_p=0.8, max_new=20)
+    text8, _ = engine_answer(worker, QUESTION, seed=8, temperature=0.9, top_p=0.8, max_new=20)
+    assert text7 != text8, "pick seeds whose samples differ"
+    for seed, text in ((7, text7), (8, text8)):
+        out = c.chat.completions.create(model=MODEL, messages=QUESTION, temperature=options["temperature"],
+                                        top_p=options["top_p"], max_tokens=options["max_new"], seed=seed)
+        assert out.choices[0].message.content == text
+
+
+def test_stop_strings_cut_the_answer(server):
+    worker, base = server
+    text, _ = engine_answer(worker, QUESTION, max_new=40)
+    start = next(i for i in range(8, len(text) - 3) if text.find(text[i:i + 3]) == i and text[i:i + 3].strip())
+    stop = text[start:start + 3]
+    c = client(base)
+    out = c.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=40,
+                                    stop=[stop, "never-in-the-answer"])
+    assert out.choices[0].message.content == text[:start] and out.choices[0].finish_reason == "stop"
+    joined, chunks = streamed(c, messages=QUESTION, temperature=0, max_tokens=40, stop=stop)
+    assert joined == text[:start] and [ch for ch in chunks if ch.choices][-1].choices[0].finish_reason == "stop"
+    assert support.wait_until(lambda: worker.busy == 0, 10), "the job should end at the stop string"
+
+
+def test_two_clients_at_once_get_their_own_answers(server):
+    worker, base = server
+    a = [{"role": "user", "content": "Question from client A"}]
+    b = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Question from client B"}]
+    expected = [engine_answer(worker, a, max_new=32)[0], engine_answer(worker, b, max_new=32, size=5, depth=2)[0]]
+    got = support.run_in_threads([
+        lambda: streamed(client(base), messages=a, temperature=0, max_tokens=32)[0],
+        lambda: client(base).chat.completions.create(
+            model=MODEL, messages=b, temperature=0, max_tokens=32,
+            extra_body={"sequoia": {"tree_size": 5, "depth": 2}}).choices[0].message.content])
+    assert got == expected
+
+
+def test_a_user_key_reuses_its_conversation_cache(server):
+    worker, base = server
+    c = client(base)
+    first = c.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=8, user="alice")
+    assert first.model_extra["sequoia"]["reused_prompt_tokens"] == 0
+    follow = QUESTION + [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "Another one"}]
+    second = c.chat.completions.create(model=MODEL, messages=follow, temperature=0, max_tokens=8, user="alice")
+    assert second.model_extra["sequoia"]["reused_prompt_tokens"] >= len(encode_chat(worker.tokenizer, QUESTION))
+    assert second.choices[0].message.content == engine_answer(worker, follow, max_new=8)[0]
+    assert "api-user:alice" in worker.kv_store.keys()
+
+
+@pytest.mark.parametrize("body, status, param, code", [
+    ({"model": MODEL, "messages": QUESTION, "temperature": 3}, 400, "temperature", "invalid_value"),
+    ({"model": MODEL, "messages": QUESTION, "top_p": 0}, 400, "top_p", "invalid_value"),
+    ({"model": MODEL, "messages": QUESTION, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ({"model": MODEL, "messages": QUESTION, "seed": 1.5}, 400, "seed", "invalid_value"),
+    ({"model": MODEL, "messages": QUESTION, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
+    ({"model": MODEL, "messages": QUESTION, "n": 2}, 400, "n", "unsupported_parameter"),
+    ({"model": MODEL, "messages": []}, 400, "messages", "invalid_value"),
+    ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", "invalid_value"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "invalid_value"),
+    ({"model": MODEL, "messages": QUESTION + [{"role": "assistant", "content": "x"}]}, 400, "messages",
+     "invalid_value"),
+    ({"model": MODEL, "messages": QUESTION, "max_tokens": 10 ** 6}, 400, "messages", "context_length_exceeded"),
+    ({"model": MODEL, "messages": QUESTION, "sequoia": {"method": "magic"}}, 400, "sequoia.method", "invalid_value"),
+    ({"model": MODEL, "messages": QUESTION, "sequoia": {"tree_size": 4, "depth": 9}}, 400, "sequoia.depth",
+     "invalid_value"),
+    ({"model": MODEL, "messages": QUESTION, "sequoia": {"auto": "yes"}}, 400, "sequoia.auto", "invalid_value"),
+    ({"model": "gpt-4o", "messages": QUESTION}, 404, "model", "model_not_found"),
+], ids=["temperature", "top_p", "max_tokens", "seed", "stop", "n", "empty", "role", "content", "last-assistant",
+        "context", "method", "depth", "auto", "model"])
+def test_bad_input_gets_an_openai_error(server, body, status, param, code):
+    worker, base = server
+    response = httpx.post(f"{base}/chat/completions", json=body, timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error")
+    assert error["message"] and "\n" not in error["message"]
+    assert worker.busy == 0  # nothing was queued
+
+
+def test_the_official_client_raises_the_matching_errors(server):
+    _, base = server
+    c = client(base)
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.chat.completions.create(model=MODEL, messages=QUESTION, temperature=-1)
+    assert bad.value.status_code == 400 and bad.value.code == "invalid_value" and bad.value.param == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="no-such-model", messages=QUESTION)
+    with pytest.raises(openai.BadRequestError):
+        streamed(c, messages=[{"role": "assistant", "content": "no question"}])
+
+
+def test_malformed_requests_and_unknown_paths(server):
+    _, base = server
+    bad = httpx.post(f"{base}/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.post(f"{base}/chat/completions", json=[1, 2]).status_code == 400
+    missing = httpx.get(f"{base}/completions")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert httpx.get(f"{base}/chat/completions").status_code == 405
+
+
+def test_a_streaming_client_that_goes_away_frees_the_engine(server):
+    worker, base = server
+    worker.engine.delay = 0.03
+    try:
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 2000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{base}/chat/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert '"role": "assistant"' in next(line for line in lines if line)
+            assert support.wait_until(lambda: worker.engine.steps_run > 0 and worker.busy == 1, 30)
+        assert support.wait_until(lambda: worker.busy == 0, 10), "the engine kept decoding for a closed stream"
+    finally:
+        worker.engine.delay = 0.0
