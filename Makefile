@@ -5,19 +5,25 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test bench venv browser clean-venv peer
+.PHONY: run test bench venv browser clean-venv peer kernels
 
-run: $(STAMP)
+run: $(STAMP) kernels
 	$(PY) launch.py $(ARGS)
 
 # pytest's exit code 5 ("no tests collected") is non-zero, so make fails on it too.
-test: $(STAMP) browser
+test: $(STAMP) browser kernels
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m engine.bench --quick
 
 venv: $(STAMP)
+
+# The int4 target's C++ kernels (engine/csrc/kquant.cpp), built once into the user cache with torch's
+# extension loader (about 80 s; needs a C++ compiler). Without one the app still runs, on slower
+# pure-torch fallbacks, so this says so instead of failing.
+kernels: $(STAMP)
+	@$(PY) -c "from engine.kquant import build_kernels; print(build_kernels())" || echo "kernels: not built (no C++ compiler?); the int4 target falls back to pure torch"
 
 # llama.cpp as a peer for `python -m engine.bench --peer llama.cpp`: built from the source vendored in
 # the llama-cpp-python sdist (PyPI, pinned by SHA-256) into the user cache; about 15 minutes on 2
