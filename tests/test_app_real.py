@@ -1,6 +1,7 @@
 """The app on the real default pair: a local server driven by gradio_client, and a browser screenshot."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -52,16 +53,23 @@ def test_greedy_chat_turn_equals_the_engine_alone(server, real_pair):
     assert "Done" in final[STATUS]
 
 
-def test_browser_screenshot_on_the_real_pair(server):
+@contextlib.contextmanager
+def browser_page(width: int, height: int):
+    """``(page, expect)``: a real chromium page of this viewport (skips when chromium is missing)."""
     if CHROMIUM is None:
         pytest.skip("chromium is not installed (make browser installs it)")
     playwright = pytest.importorskip("playwright.sync_api")
-    expect, sync_playwright = playwright.expect, playwright.sync_playwright
-
     ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
+    with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1500, "height": 1000})
+        try:
+            yield browser.new_page(viewport={"width": width, "height": height}), playwright.expect
+        finally:
+            browser.close()
+
+
+def test_browser_screenshot_on_the_real_pair(server):
+    with browser_page(1500, 1000) as (page, expect):
         page.goto(server[1])
         box = page.get_by_placeholder("Message", exact=False)
         box.fill("Write a Python function that reverses a string.")
@@ -70,22 +78,13 @@ def test_browser_screenshot_on_the_real_pair(server):
         page.get_by_text("Done:", exact=False).first.wait_for(timeout=600_000)
         page.screenshot(path=str(ARTIFACTS / "real-pair-chat.png"), full_page=True)
         assert "def" in page.content()
-        browser.close()
 
 
 def test_tree_in_the_first_viewport_of_a_small_laptop_on_the_real_pair(server):
     """1024 x 768, settings closed (the default below 1280 px): after a real answer the whole tree
     is in the first viewport, nothing scrolls sideways, and the header names the real models. The
     screenshot is the README's (assets/screenshot-1024.png is copied from it)."""
-    if CHROMIUM is None:
-        pytest.skip("chromium is not installed (make browser installs it)")
-    playwright = pytest.importorskip("playwright.sync_api")
-    expect, sync_playwright = playwright.expect, playwright.sync_playwright
-
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1024, "height": 768})
+    with browser_page(1024, 768) as (page, expect):
         page.goto(server[1])
         page.wait_for_selector("#sc-msg textarea", timeout=60_000)
         expect(page.locator("#sc-header")).to_contain_text("Qwen2.5-Coder-1.5B-Instruct")
@@ -100,7 +99,6 @@ def test_tree_in_the_first_viewport_of_a_small_laptop_on_the_real_pair(server):
             return {top: r.top, bottom: r.bottom, height: innerHeight, width: innerWidth,
                     scrollWidth: document.scrollingElement.scrollWidth}; }""")
         page.screenshot(path=str(ARTIFACTS / "real-pair-1024x768.png"))
-        browser.close()
     assert 0 <= tree["top"] and tree["bottom"] <= tree["height"], tree
     assert tree["scrollWidth"] <= tree["width"], tree
 
