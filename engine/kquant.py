@@ -22,6 +22,8 @@ import copy
 import hashlib
 import logging
 import os
+import shutil
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -55,6 +57,9 @@ def _extension():
 
     from .models import cache_dir
 
+    venv_bin = Path(sys.executable).parent  # pip's ninja lands beside the interpreter, maybe off PATH
+    if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
+        os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
     digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
     build = cache_dir() / "kernels" / f"kquant-{digest}"
     build.mkdir(parents=True, exist_ok=True)
