@@ -71,7 +71,7 @@ def browser_page(width: int, height: int):
 def test_browser_screenshot_on_the_real_pair(server):
     with browser_page(1500, 1000) as (page, expect):
         page.goto(server[1])
-        box = page.get_by_placeholder("Message", exact=False)
+        box = page.locator("#sc-msg textarea")
         box.fill("Write a Python function that reverses a string.")
         box.press("Enter")
         expect(page.locator(".js-plotly-plot .nodes, .js-plotly-plot text").first).to_be_visible(timeout=300_000)
