@@ -106,7 +106,8 @@ def test_tree_in_the_first_viewport_of_a_small_laptop_on_the_real_pair(server):
 def test_forty_turns_in_one_conversation_keep_memory_flat(server):
     """A long session on the real pair: 40 turns in one conversation. RSS after turn 40 stays within
     10% of RSS after turn 5, and the only KV caches alive between requests are the session's own
-    conversation caches (target and draft), kept for the next turn. Every fifth turn speculates (the
+    conversation caches (target and draft), kept for the next turn (caches that earlier tests'
+    engines still hold are left out). Every fifth turn speculates (the
     others use the target alone, which keeps the test to a few minutes)."""
     import gc
 
@@ -116,6 +117,8 @@ def test_forty_turns_in_one_conversation_keep_memory_flat(server):
 
     worker, url = server
     client = gradio_client.Client(url, verbose=False, download_files=False)
+    gc.collect()
+    earlier = [o for o in gc.get_objects() if type(o) is DynamicCache]  # other tests' engines hold theirs
     rss = {}
     for turn in range(1, 41):
         size = 4 if turn % 5 == 0 else 1
@@ -126,8 +129,8 @@ def test_forty_turns_in_one_conversation_keep_memory_flat(server):
             rss[turn] = rss_bytes()
             kept = {id(runner.cache) for key in worker.kv_store.keys()
                     for runner in worker.kv_store.peek(key).runners.values()}
-            live = {id(o) for o in gc.get_objects() if type(o) is DynamicCache}
-            assert kept and live == kept, "a KV cache outlived its request"
+            born = {id(o) for o in gc.get_objects() if type(o) is DynamicCache} - {id(o) for o in earlier}
+            assert kept and born <= kept, "a KV cache outlived its request"
     assert len(final[CHATBOT]) == 80
     assert rss[40] < 1.10 * rss[5], f"RSS {rss[5] / 2**30:.2f} GiB after turn 5, {rss[40] / 2**30:.2f} GiB after 40"
     print(f"RSS after turn 5: {rss[5] / 2**30:.2f} GiB, after turn 40: {rss[40] / 2**30:.2f} GiB")
