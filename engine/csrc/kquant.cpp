@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -54,66 +55,6 @@ void quantize_rows(const float* x, int64_t R, int64_t K, int8_t* xq, float* sx, 
       }
     }
   }
-}
-
-// ---- integer dot products of one sub-block for one row: 16 lanes, one per output ----------
-
-// q4k: dot[o] = sum over the 32 inputs of sub-block j of q[o][i] * xq[i].
-inline void dot_q4(const uint8_t* qs, const int8_t* xq, int32_t* dot) {
-#ifdef KQ_VNNI
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512i acc = _mm512_setzero_si512();
-  for (int l = 0; l < 4; ++l) {
-    const __m512i w = _mm512_loadu_si512(qs + l * 64);
-    int32_t x0, x1;
-    std::memcpy(&x0, xq + l * 8, 4);
-    std::memcpy(&x1, xq + l * 8 + 4, 4);
-    acc = _mm512_dpbusd_epi32(acc, _mm512_and_si512(w, low), _mm512_set1_epi32(x0));
-    acc = _mm512_dpbusd_epi32(acc, _mm512_and_si512(_mm512_srli_epi16(w, 4), low), _mm512_set1_epi32(x1));
-  }
-  _mm512_storeu_si512(dot, acc);
-#else
-  for (int o = 0; o < TILE; ++o) {
-    int32_t s = 0;
-    for (int l = 0; l < 4; ++l)
-      for (int i = 0; i < 4; ++i) {
-        const uint8_t byte = qs[l * 64 + o * 4 + i];
-        s += (byte & 0x0F) * xq[l * 8 + i] + (byte >> 4) * xq[l * 8 + 4 + i];
-      }
-    dot[o] = s;
-  }
-#endif
-}
-
-// q6k: dot[o] = sum over the 16 inputs of sub-block j of q[o][i] * xq[i].
-inline void dot_q6(const uint8_t* qs, const int8_t* xq, int32_t* dot) {
-#ifdef KQ_VNNI
-  __m512i acc = _mm512_setzero_si512();
-  for (int l = 0; l < 4; ++l) {
-    int32_t x0;
-    std::memcpy(&x0, xq + l * 4, 4);
-    acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(qs + l * 64), _mm512_set1_epi32(x0));
-  }
-  _mm512_storeu_si512(dot, acc);
-#else
-  for (int o = 0; o < TILE; ++o) {
-    int32_t s = 0;
-    for (int l = 0; l < 4; ++l)
-      for (int i = 0; i < 4; ++i) s += qs[l * 64 + o * 4 + i] * xq[l * 4 + i];
-    dot[o] = s;
-  }
-#endif
-}
-
-// ---- the float part: identical per lane whatever the row count -----------------------------
-
-inline void accumulate(float* y, const float* d, float sx, const int32_t* a) {
-  for (int o = 0; o < TILE; ++o) y[o] = y[o] + (sx * d[o]) * (float)a[o];
-}
-
-inline void accumulate_min(float* y, const float* d, const float* dmin, float sx, const int32_t* a,
-                           const int32_t* b) {
-  for (int o = 0; o < TILE; ++o) y[o] = y[o] + ((sx * d[o]) * (float)a[o] - (sx * dmin[o]) * (float)b[o]);
 }
 
 struct Rows {
@@ -223,33 +164,66 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& r
   for (int rr = 0; rr < NR; ++rr) _mm512_storeu_ps(out + (r0 + rr) * N + tile * TILE, y[rr]);
 }
 
-constexpr int ROW_BLOCK = 4;
-
-template <typename F1, typename F2, typename F3, typename F4>
-void by_row_blocks(int64_t R, F1 f1, F2 f2, F3 f3, F4 f4) {
+// Rows in blocks of 4 (the last one 1-3): ``rows_of(block, r)`` runs rows r .. r+block-1, with
+// ``block`` a compile-time std::integral_constant so each block size gets its own unrolled code.
+template <typename F>
+void by_row_blocks(int64_t R, F rows_of) {
   int64_t r = 0;
-  for (; r + 4 <= R; r += 4) f4(r);
-  if (R - r == 3) f3(r);
-  else if (R - r == 2) f2(r);
-  else if (R - r == 1) f1(r);
+  for (; r + 4 <= R; r += 4) rows_of(std::integral_constant<int, 4>{}, r);
+  if (R - r == 3) rows_of(std::integral_constant<int, 3>{}, r);
+  else if (R - r == 2) rows_of(std::integral_constant<int, 2>{}, r);
+  else if (R - r == 1) rows_of(std::integral_constant<int, 1>{}, r);
 }
 
 void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const float* d, const float* dmin,
               const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
-  by_row_blocks(R, [&](int64_t r) { rows_q4k<1>(qs, sc, mn, d, dmin, rows, r, out, N, tile); },
-                [&](int64_t r) { rows_q4k<2>(qs, sc, mn, d, dmin, rows, r, out, N, tile); },
-                [&](int64_t r) { rows_q4k<3>(qs, sc, mn, d, dmin, rows, r, out, N, tile); },
-                [&](int64_t r) { rows_q4k<4>(qs, sc, mn, d, dmin, rows, r, out, N, tile); });
+  by_row_blocks(R, [&](auto block, int64_t r) {
+    rows_q4k<decltype(block)::value>(qs, sc, mn, d, dmin, rows, r, out, N, tile);
+  });
 }
 
 void tile_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& rows, int64_t R, float* out,
               int64_t N, int64_t tile) {
-  by_row_blocks(R, [&](int64_t r) { rows_q6k<1>(qs, sc, d, rows, r, out, N, tile); },
-                [&](int64_t r) { rows_q6k<2>(qs, sc, d, rows, r, out, N, tile); },
-                [&](int64_t r) { rows_q6k<3>(qs, sc, d, rows, r, out, N, tile); },
-                [&](int64_t r) { rows_q6k<4>(qs, sc, d, rows, r, out, N, tile); });
+  by_row_blocks(R, [&](auto block, int64_t r) { rows_q6k<decltype(block)::value>(qs, sc, d, rows, r, out, N, tile); });
 }
 #else
+// The portable path: the same integers and the same float steps per lane, one row at a time.
+
+// Integer dot products of one sub-block for one row: 16 lanes, one per output.
+
+// q4k: dot[o] = sum over the 32 inputs of sub-block j of q[o][i] * xq[i].
+inline void dot_q4(const uint8_t* qs, const int8_t* xq, int32_t* dot) {
+  for (int o = 0; o < TILE; ++o) {
+    int32_t s = 0;
+    for (int l = 0; l < 4; ++l)
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t byte = qs[l * 64 + o * 4 + i];
+        s += (byte & 0x0F) * xq[l * 8 + i] + (byte >> 4) * xq[l * 8 + 4 + i];
+      }
+    dot[o] = s;
+  }
+}
+
+// q6k: dot[o] = sum over the 16 inputs of sub-block j of q[o][i] * xq[i].
+inline void dot_q6(const uint8_t* qs, const int8_t* xq, int32_t* dot) {
+  for (int o = 0; o < TILE; ++o) {
+    int32_t s = 0;
+    for (int l = 0; l < 4; ++l)
+      for (int i = 0; i < 4; ++i) s += qs[l * 64 + o * 4 + i] * xq[l * 4 + i];
+    dot[o] = s;
+  }
+}
+
+// The float part: identical per lane whatever the row count.
+inline void accumulate(float* y, const float* d, float sx, const int32_t* a) {
+  for (int o = 0; o < TILE; ++o) y[o] = y[o] + (sx * d[o]) * (float)a[o];
+}
+
+inline void accumulate_min(float* y, const float* d, const float* dmin, float sx, const int32_t* a,
+                           const int32_t* b) {
+  for (int o = 0; o < TILE; ++o) y[o] = y[o] + ((sx * d[o]) * (float)a[o] - (sx * dmin[o]) * (float)b[o]);
+}
+
 // One tile of 16 outputs for every row: out [R, N] float at column tile*16.
 void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const float* d, const float* dmin,
               const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
