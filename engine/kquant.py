@@ -399,20 +399,9 @@ def _read_cache(path: Path, model: torch.nn.Module) -> dict[str, KQuantLinear] |
 def _write_cache(path: Path, layers: dict[str, KQuantLinear]) -> None:
     """Write the packed layers atomically; a failure only costs packing again at the next start."""
     import json
-    import tempfile
 
-    from safetensors.torch import save_file
+    from .quantize import save_cache_atomically
 
     tensors = {f"{name}.{key}": t for name, layer in layers.items() for key, t in layer.packed().items()}
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".partial")
-        os.close(fd)
-        save_file(tensors, tmp, metadata={"kinds": json.dumps({n: layer.kind for n, layer in layers.items()})})
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("could not cache the int4 target (%s); it is packed again at every start", exc)
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.remove(tmp)
+    save_cache_atomically(path, tensors, "the int4 target",
+                          metadata={"kinds": json.dumps({n: layer.kind for n, layer in layers.items()})})

@@ -126,20 +126,27 @@ def _read_int4_cache(path: Path, layers: dict[str, torch.nn.Linear]
 
 
 def _write_int4_cache(path: Path, layers: dict[str, Int4Linear]) -> None:
-    """Write the layers' packed weights atomically (a half-written cache is never read, nor left)."""
-    from safetensors.torch import save_file
-
+    """Write the layers' packed weights (see :func:`save_cache_atomically`)."""
     tensors = {f"{name}.{key}": getattr(layer, key) for name, layer in layers.items()
                for key in ("packed", "scales_zeros")}
+    save_cache_atomically(path, tensors, "the int4 draft")
+
+
+def save_cache_atomically(path: Path, tensors: dict[str, torch.Tensor], what: str,
+                          metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` as safetensors at ``path`` atomically: a half-written cache is never read,
+    nor left behind. A failure is only a warning: ``what`` is quantised again at the next start."""
+    from safetensors.torch import save_file
+
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".partial")
         os.close(fd)
-        save_file(tensors, tmp)
+        save_file(tensors, tmp, metadata=metadata)
         os.replace(tmp, path)
     except OSError as exc:
-        logging.getLogger(__name__).warning("could not cache the int4 draft (%s); it is quantised at every start", exc)
+        logging.getLogger(__name__).warning("could not cache %s (%s); it is quantised at every start", what, exc)
     finally:
         if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
