@@ -48,6 +48,13 @@ def browser():
         browser.close()
 
 
+def ask(page, message: str) -> None:
+    """Send ``message`` from the message box and wait until the answer is done."""
+    page.fill("#sc-msg textarea", message)
+    page.keyboard.press("Enter")
+    expect(page.locator("#sc-status")).to_contain_text("Done", timeout=120_000)
+
+
 def box_in_first_viewport(page, selector) -> dict:
     return page.evaluate("""(sel) => {
         window.scrollTo(0, 0);
@@ -75,9 +82,7 @@ def test_tree_is_in_the_first_viewport(url, browser, width, height):
         if width >= 1280:
             page.get_by_label("Compare with the target alone").check()
             page.get_by_label("Colour draft vs. target tokens").check()
-        page.fill("#sc-msg textarea", "What is a hash map?")
-        page.keyboard.press("Enter")
-        expect(page.locator("#sc-status")).to_contain_text("Done", timeout=120_000)
+        ask(page, "What is a hash map?")
         expect(page.locator("#sc-tree .gtitle")).to_contain_text("Step", timeout=10_000)
         page.wait_for_timeout(300)
 
@@ -106,9 +111,7 @@ def test_presentation_mode_shows_the_tree_and_the_answer_large(url, browser):
     try:
         page.goto(url)
         page.wait_for_selector("#sc-msg textarea", timeout=60_000)
-        page.fill("#sc-msg textarea", "Explain trees")
-        page.keyboard.press("Enter")
-        expect(page.locator("#sc-status")).to_contain_text("Done", timeout=120_000)
+        ask(page, "Explain trees")
         size = lambda: page.evaluate(  # noqa: E731
             "() => parseFloat(getComputedStyle(document.querySelector('#sc-tree g.annotation text')).fontSize)")
         before = size()
@@ -150,9 +153,7 @@ def test_play_replays_the_steps_and_pause_stops(url, browser):
     try:
         page.goto(url)
         page.wait_for_selector("#sc-msg textarea", timeout=60_000)
-        page.fill("#sc-msg textarea", "Play it back")
-        page.keyboard.press("Enter")
-        expect(page.locator("#sc-status")).to_contain_text("Done", timeout=120_000)
+        ask(page, "Play it back")
         page.locator("#sc-pace").click()
         page.get_by_role("option", name="fast (0.6 s/step)").click()
         page.click("#sc-play")  # from the last step: starts over at step 1

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import test_app_support as support
 import tiny_models as tm
 from engine import SpeculativeEngine, Tree
 from engine.sampling import logits_to_probs
@@ -22,10 +23,7 @@ SAMPLES = 20_000
 
 @pytest.fixture(scope="module", autouse=True)
 def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    yield from support.one_torch_thread()
 
 
 def sharpened(model: torch.nn.Module, factor: float) -> torch.nn.Module:

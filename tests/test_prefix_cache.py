@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+import test_app_support as support
 import tiny_models as tm
 from engine.errors import GenerationCancelled, InvalidParameterError
 from engine.prefix_cache import CacheStore, ConversationCache, common_prefix
@@ -21,10 +22,7 @@ TREES = {"none": None, "chain3": Tree.chain(3), "2ary2": Tree.k_ary(2, 2)}
 
 @pytest.fixture(scope="module", autouse=True)
 def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    yield from support.one_torch_thread()
 
 
 @pytest.fixture(scope="module")
