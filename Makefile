@@ -15,21 +15,21 @@ test: $(STAMP) browser kernels
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) -m engine.bench --quick
+	$(PY) -m engine.cli.bench --quick
 
 venv: $(STAMP)
 
-# The int4 target's C++ kernels (engine/csrc/kquant.cpp), built once into the user cache with torch's
+# The int4 target's C++ kernels (engine/backends/csrc/kquant.cpp), built once into the user cache with torch's
 # extension loader (about 80 s; needs a C++ compiler). Without one the app still runs, on slower
 # pure-torch fallbacks, so this says so instead of failing.
 kernels: $(STAMP)
-	@$(PY) -c "from engine.kquant import build_kernels; print(build_kernels())" || echo "kernels: not built (no C++ compiler?); the int4 target falls back to pure torch"
+	@$(PY) -c "from engine.backends.kquant import build_kernels; print(build_kernels())" || echo "kernels: not built (no C++ compiler?); the int4 target falls back to pure torch"
 
-# llama.cpp as a peer for `python -m engine.bench --peer llama.cpp`: built from the source vendored in
+# llama.cpp as a peer for `python -m engine.cli.bench --peer llama.cpp`: built from the source vendored in
 # the llama-cpp-python sdist (PyPI, pinned by SHA-256) into the user cache; about 15 minutes on 2
 # cores the first time, instant after. Needs cmake and a C++ compiler; never run by `make test`.
 peer:
-	PEER_PYTHON="$$(test -x $(PY) && echo $(PY) || command -v $(PYTHON))" nice -n 19 sh engine/peer_build.sh
+	PEER_PYTHON="$$(test -x $(PY) && echo $(PY) || command -v $(PYTHON))" nice -n 19 sh engine/peer/build.sh
 
 # The CPU wheel of torch goes in first, so the range in requirements.txt is already met and pip
 # never pulls a multi-GB CUDA build. The model parts are data-only packages, pinned by hash.

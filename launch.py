@@ -9,15 +9,16 @@ import argparse
 import os
 import sys
 
-from engine.hugepages import restart_with_huge_pages
+from engine.backends.hugepages import restart_with_huge_pages
 
 if __name__ == "__main__":  # before torch loads: glibc reads its tunables when a process starts
     restart_with_huge_pages()
 
-from engine.errors import EngineError  # noqa: E402
-from engine.generate import DTYPES, add_draft_format_argument  # noqa: E402
+from engine.cli.arguments import add_format_arguments  # noqa: E402
+from engine.core.errors import EngineError  # noqa: E402
+from engine.models.loading import DTYPES  # noqa: E402
 
-KV_CACHE_MB = 1024  # default budget of the conversation KV caches (engine.prefix_cache.DEFAULT_BUDGET_BYTES)
+KV_CACHE_MB = 1024  # default budget of the conversation KV caches (engine.core.prefix_cache.DEFAULT_BUDGET_BYTES)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--offload", action="store_true",
                         help="keep the target's layers in pinned CPU memory and stream them to the GPU (needs --device cuda)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    add_draft_format_argument(parser)
+    add_format_arguments(parser)
     parser.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub (HF_HUB_OFFLINE=1)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model repos to run their own code")
     parser.add_argument("--models-dir", default=os.environ.get("SEQUOIA_MODELS_DIR", "~/models"),
@@ -49,8 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_worker(args: argparse.Namespace):
-    from engine.optimizer import load_tuner
     from app.worker import Worker
+    from engine.tuning.optimizer import load_tuner
 
     if args.tiny:
         import torch
@@ -62,7 +63,7 @@ def build_worker(args: argparse.Namespace):
         return Worker.from_models(target, draft, tokenizer, "tiny-random-qwen2 (dev)",
                                   "tiny-random-qwen2-perturbed (dev)", **worker_policy(args))
 
-    from engine.models import load_pair, pair_name
+    from engine.models.loading import load_pair, pair_name
     print("loading models (the first start assembles and dequantises the weights: a few minutes)...", flush=True)
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
                                          args.trust_remote_code, offload=args.offload,
@@ -95,9 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     from app import ui
-
-    from engine.calibrate import find_acceptance
-    from engine.models import pair_name
+    from engine.models.loading import pair_name
+    from engine.tuning.calibrate import find_acceptance
 
     pair = pair_name(args.target, args.draft, worker.engine.draft, worker.engine.target)
     measured = bool(find_acceptance(pair))

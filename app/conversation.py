@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import html
 import json
-from html.parser import HTMLParser
 import re
 import time
 from collections.abc import Sequence
+from html.parser import HTMLParser
 
-from engine.prompts import encode_chat
-from engine.records import StepRecord
+from engine.core.records import StepRecord
+from engine.models.prompts import encode_chat
 
 ROLES = ("user", "assistant")
 MAX_IMPORT_BYTES = 1_000_000
@@ -233,7 +233,7 @@ def import_steps(data: bytes | str) -> tuple[list[StepRecord], dict[int, str]]:
         return [], {}
     from dataclasses import fields
 
-    from engine.records import StepTimings
+    from engine.core.records import StepTimings
     names = {f.name for f in fields(StepRecord)}
     steps = []
     try:

@@ -1,6 +1,6 @@
 """Pure functions from engine step records to plotly figures and summary lines.
 
-Nothing here touches models or the UI: the inputs are :class:`engine.records.StepRecord` objects
+Nothing here touches models or the UI: the inputs are :class:`engine.core.records.StepRecord` objects
 and the text of their tokens, the outputs plotly figures or Markdown strings.
 
 Node statuses in a step's tree:
@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from engine.records import StepRecord
+from engine.core.records import StepRecord
 
 ROOT, ACCEPTED, REJECTED, UNREACHED, UNUSED, BONUS = "root", "accepted", "rejected", "unreached", "unused", "bonus"
 

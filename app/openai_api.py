@@ -32,9 +32,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.conversation import MAX_IMPORT_MESSAGES, MAX_MESSAGE_CHARS, ContextTooLong, fit_context
 from app.worker import Event, GenerationRequest, Job, Worker
-from engine.speculative import METHODS
-from engine.tree import Tree
-from engine.tree_store import build_tree
+from engine.core.speculative import METHODS
+from engine.trees.tree import Tree
+from engine.tuning.tree_store import build_tree
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOPS = 4

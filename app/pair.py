@@ -1,5 +1,5 @@
 """Model pairs for the app: a tiny random pair (with the real Qwen tokenizer) for trying the UI
-without the real weights. The auto-tuner comes from :func:`engine.optimizer.load_tuner`."""
+without the real weights. The auto-tuner comes from :func:`engine.tuning.optimizer.load_tuner`."""
 from __future__ import annotations
 
 import os
@@ -16,7 +16,7 @@ def load_tokenizer(path: str | os.PathLike | None = None):
     """
     from transformers import AutoTokenizer
 
-    from engine.models import CACHE_FORMAT, DEFAULT_DRAFT, DEFAULT_TARGET, assemble_gguf, cache_dir
+    from engine.models.loading import CACHE_FORMAT, DEFAULT_DRAFT, DEFAULT_TARGET, assemble_gguf, cache_dir
 
     if path is not None:
         return AutoTokenizer.from_pretrained(str(path))

@@ -18,16 +18,25 @@ from pathlib import Path
 
 import gradio as gr
 
-from engine.acceptance import EMBEDDED_PAIR, Calibration, calibration_for
-from engine.errors import EngineError
-from engine.models import pair_name
-from engine.speculative import METHODS
-from engine.tree import Tree
-from engine.tree_store import build_tree
+from engine.core.errors import EngineError
+from engine.core.speculative import METHODS
+from engine.models.loading import pair_name
+from engine.trees.tree import Tree
+from engine.tuning.acceptance import EMBEDDED_PAIR, Calibration, calibration_for
+from engine.tuning.tree_store import build_tree
 
 from . import figures
-from .conversation import (MAX_IMPORT_BYTES, ContextTooLong, clean_text, display_messages, export_conversation,
-                           fit_context, highlight_html, import_conversation, import_steps)
+from .conversation import (
+    MAX_IMPORT_BYTES,
+    ContextTooLong,
+    clean_text,
+    display_messages,
+    export_conversation,
+    fit_context,
+    highlight_html,
+    import_conversation,
+    import_steps,
+)
 from .worker import GenerationRequest, Job, SessionBusy, Worker
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -389,7 +398,7 @@ class ChatApp:
 
     def calibration(self, temperature: float, top_p: float) -> Calibration:
         """The acceptance calibration of the pair in use nearest to (temperature, top_p): what trees
-        are built for and predictions use (:func:`engine.acceptance.calibration_for`)."""
+        are built for and predictions use (:func:`engine.tuning.acceptance.calibration_for`)."""
         pair = self.options["pair"]
         if self.worker.pair_version:  # swapped in the Models panel since launch
             info = self.worker.info

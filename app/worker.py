@@ -15,7 +15,7 @@ Events (``Event.kind``), in order:
 - ``started`` (data: ``{"phase", "tree", "tree_choice", "tokenizer", "pair_version", "prompt_tokens",
   "dropped"}``) when a decoding phase begins; ``dropped``: the oldest messages left out of a
   conversation that did not fit the context;
-- ``step`` (data: a :class:`~engine.records.StepRecord`; ``phase`` says which run);
+- ``step`` (data: a :class:`~engine.core.records.StepRecord`; ``phase`` says which run);
 - ``finished`` (data: ``{"phase", "steps", "tokens", "seconds", "prefill_s", "first_token_s",
   "reused_tokens", "finish_reason"}``) per phase;
 - ``progress`` (data: a message) while loading models;
@@ -25,8 +25,8 @@ Generation phases: ``main`` (the requested method and tree) and, in compare mode
 (the same prompt decoded by the target alone, ``tree=None``).
 
 Multi-turn reuse: the ``main`` phase of a job with a session (or a request's ``cache_key``) decodes
-with that conversation's KV caches (:mod:`engine.prefix_cache`), kept between its turns in one
-:class:`~engine.prefix_cache.CacheStore` (one conversation per key, least recently used evicted
+with that conversation's KV caches (:mod:`engine.core.prefix_cache`), kept between its turns in one
+:class:`~engine.core.prefix_cache.CacheStore` (one conversation per key, least recently used evicted
 under ``kv_cache_bytes``), so a turn that extends the conversation prefills only its new tokens;
 an edit, a regenerate or an import reuses the longest common prefix. A model swap empties the
 store. Engines with preallocated static caches (CUDA) do not keep conversations.
@@ -43,25 +43,25 @@ import threading
 import time
 import traceback
 from collections import deque
-from pathlib import Path
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from app.conversation import ContextTooLong, fit_context
-from engine.errors import EngineError, GenerationCancelled, ModelLoadError
-from engine.kernels import prepare
-from engine.prefix_cache import DEFAULT_BUDGET_BYTES, CacheStore, ConversationCache
-from engine.quantize import draft_format
-from engine.speculative import SpeculativeEngine
-from engine.tree import Tree
+from engine.backends.kernels import prepare
+from engine.backends.quantize import draft_format
+from engine.core.errors import EngineError, GenerationCancelled, ModelLoadError
+from engine.core.prefix_cache import DEFAULT_BUDGET_BYTES, CacheStore, ConversationCache
+from engine.core.speculative import SpeculativeEngine
+from engine.models.loading import DTYPES
+from engine.trees.tree import Tree
 
 log = logging.getLogger(__name__)
 
 TERMINAL = ("done", "cancelled", "error")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -180,7 +180,7 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 
 def make_engine(target, draft, tokenizer, tuner=None) -> SpeculativeEngine:
     """The engine the app uses for a pair it loaded: the models are prepared for the CPU fast path
-    first (:func:`engine.kernels.prepare`), and the engine stops on the tokenizer's end-of-turn
+    first (:func:`engine.backends.kernels.prepare`), and the engine stops on the tokenizer's end-of-turn
     tokens too."""
     prepare(target, draft)
     return SpeculativeEngine(target, draft, stop_token_ids=stop_token_ids(target, tokenizer), tuner=tuner)
@@ -252,10 +252,10 @@ def _refuse_local_path(value: str, models_dir: Path | None) -> None:
 
 def _default_loader(model_id: str, dtype: torch.dtype, device: str, trust_remote_code: bool,
                     draft_format: str = "none"):
-    """:func:`engine.models.load_model` for ids :func:`validate_model_id` passed: an absolute folder
+    """:func:`engine.models.loading.load_model` for ids :func:`validate_model_id` passed: an absolute folder
     under the models folder, an embedded name, or a hub id, which must reach the hub (or its cache)
     only, so one that names a path here is refused again right before loading."""
-    from engine.models import DEFAULT_IDS, load_model
+    from engine.models.loading import DEFAULT_IDS, load_model
     if not os.path.isabs(model_id) and model_id not in DEFAULT_IDS:
         _refuse_local_path(model_id, None)
     return load_model(model_id, dtype, device, trust_remote_code, draft_format)
@@ -301,7 +301,7 @@ class Worker:
         return cls(engine, tokenizer, describe_pair(target, draft, target_name, draft_name), loader, tuner, **options)
 
     def set_tuner(self, tuner) -> None:
-        """Enable ``tree="auto"`` (an :class:`engine.optimizer.AutoTuner` for the current pair) or disable it."""
+        """Enable ``tree="auto"`` (an :class:`engine.tuning.optimizer.AutoTuner` for the current pair) or disable it."""
         self.tuner = tuner
         target = getattr(self.engine, "_engine", self.engine)  # through test wrappers
         target.tuner = tuner
@@ -579,7 +579,7 @@ class Worker:
         self.baseline_tokens_per_s = None
         self.pair_version += 1
         if self.loader is _default_loader:  # the loader's memo now holds this pair, and only it
-            from engine.models import keep_pair
+            from engine.models.loading import keep_pair
             keep_pair((loaded["target"], loaded["tokenizer"]), (loaded["draft"], loaded["draft_tokenizer"]))
         job._emit("done", {"info": dict(self.info)})
 
@@ -608,7 +608,7 @@ class Worker:
         job._emit("progress", f"loading draft {draft_id} …")
         draft, draft_tokenizer = self.loader(draft_id, dtype, device, trust_remote_code,
                                              draft_format=self.draft_format)
-        from engine.models import check_same_vocabulary
+        from engine.models.loading import check_same_vocabulary
         check_same_vocabulary(tokenizer, draft_tokenizer, target_id, draft_id)
         if job.cancelled:
             return None

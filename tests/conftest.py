@@ -1,14 +1,14 @@
 """Shared fixtures. The real default pair is loaded once per test session.
 
 Greedy references come from the target as loaded, before anything prepares it for the engine
-(:func:`engine.kernels.prepare`) or builds an engine on it: Hugging Face's own ``generate`` on
+(:func:`engine.backends.kernels.prepare`) or builds an engine on it: Hugging Face's own ``generate`` on
 stock weights through torch's own ``nn.Linear``."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.prompts import encode_chat, load_prompt_set
+from engine.models.prompts import encode_chat, load_prompt_set
 
 REFERENCE_TOKENS = 64   # new tokens of each greedy reference
 REFERENCE_PROMPTS = 5   # the first five bundled prompts; the fifth ends with EOS well before the budget
@@ -17,7 +17,7 @@ REFERENCE_PROMPTS = 5   # the first five bundled prompts; the fifth ends with EO
 @pytest.fixture(scope="session")
 def _stock_pair():
     """``(target, draft, tokenizer)`` as loaded, not yet prepared for the engine."""
-    from engine.models import load_default_pair
+    from engine.models.loading import load_default_pair
     return load_default_pair(dtype=torch.float32, prepare=False)
 
 
@@ -32,7 +32,7 @@ def chat_prompts(_stock_pair) -> list[list[int]]:
 def greedy_references(_stock_pair, chat_prompts) -> list[list[int]]:
     """The target's own greedy continuation (``generate(do_sample=False)``) of the first prompts,
     computed on the untouched target (checked: no layer is packed, no method patched)."""
-    from engine.kernels import is_packed
+    from engine.backends.kernels import is_packed
 
     target = _stock_pair[0]
     assert not any(is_packed(m) or "forward" in vars(m) for m in target.modules()), \
@@ -68,7 +68,7 @@ def multiturn_reference(_stock_pair, greedy_references) -> dict:
 def real_pair(_stock_pair, greedy_references, multiturn_reference):
     """``(target, draft, tokenizer)`` of the embedded Qwen2.5-Coder pair, float32 on CPU, prepared
     for the engine as the app and CLIs load it (after the greedy references were taken)."""
-    from engine.kernels import prepare
+    from engine.backends.kernels import prepare
 
     target, draft, tokenizer = _stock_pair
     prepare(target, draft)

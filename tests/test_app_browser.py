@@ -10,10 +10,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+import test_app_support as support
 
 from app.worker import Worker, make_engine
-
-import test_app_support as support
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 CHROMIUM = os.environ.get("SEQUOIA_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")

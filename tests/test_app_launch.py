@@ -31,7 +31,7 @@ def test_ui_policy_follows_the_flags(tmp_path):
 
 
 def test_the_conversation_cache_budget_flag():
-    from engine.prefix_cache import DEFAULT_BUDGET_BYTES
+    from engine.core.prefix_cache import DEFAULT_BUDGET_BYTES
     assert launch.worker_policy(launch.parse_args([]))["kv_cache_bytes"] == DEFAULT_BUDGET_BYTES
     assert launch.worker_policy(launch.parse_args(["--kv-cache-mb", "64"]))["kv_cache_bytes"] == 64 << 20
     assert launch.worker_policy(launch.parse_args(["--kv-cache-mb", "0"]))["kv_cache_bytes"] == 0

@@ -4,12 +4,11 @@ share a cache, and the store stays within its byte budget."""
 from __future__ import annotations
 
 import pytest
+import test_app_support as support
 
 from app.worker import GenerationRequest, Worker, make_engine
-from engine.prompts import encode_chat
-from engine.tree_store import build_tree
-
-import test_app_support as support
+from engine.models.prompts import encode_chat
+from engine.tuning.tree_store import build_tree
 
 TREE = build_tree(8, 4)
 

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import gradio_client
 import pytest
+import test_app_support as support
+from test_app_server import CHATBOT, STATUS, TREE_PLOT, answer_text, chat_args
 
 from app.conversation import safe_markdown
 from app.worker import Worker, make_engine
-from engine.tree_store import build_tree
-
-import test_app_support as support
-from test_app_server import CHATBOT, STATUS, TREE_PLOT, answer_text, chat_args
+from engine.tuning.tree_store import build_tree
 
 pytestmark = pytest.mark.real_pair
 PROMPT = "In two sentences, what is a hash map?"
@@ -111,9 +110,8 @@ def test_forty_turns_in_one_conversation_keep_memory_flat(server):
     others use the target alone, which keeps the test to a few minutes)."""
     import gc
 
-    from transformers import DynamicCache
-
     from test_hardening import rss_bytes
+    from transformers import DynamicCache
 
     worker, url = server
     client = gradio_client.Client(url, verbose=False, download_files=False)

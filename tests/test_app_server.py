@@ -5,14 +5,12 @@ import json
 from pathlib import Path
 
 import pytest
+import test_app_support as support
+from gradio_client import Client  # noqa: E402
 
 from app.conversation import safe_markdown
 from app.worker import make_engine
-from engine.tree_store import build_tree
-
-import test_app_support as support
-
-from gradio_client import Client  # noqa: E402
+from engine.tuning.tree_store import build_tree
 
 # outputs of the /chat endpoint (gr.State outputs are not part of the API)
 CHATBOT, MSG, TREE_PLOT, SLIDER, STEPS_PLOT, STATS, STATUS, COMPARE, HIGHLIGHT, EXPORT = range(10)

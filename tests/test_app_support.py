@@ -108,7 +108,7 @@ def tiny_server(delay: float = 0.0):
 
 def reference_text(engine, tokenizer, messages: list[dict], **kwargs) -> tuple[str, list[int]]:
     """What the engine alone answers (text with special tokens skipped, and the tokens)."""
-    from engine.prompts import encode_chat
+    from engine.models.prompts import encode_chat
     result = engine.generate(encode_chat(tokenizer, messages), **kwargs)
     return tokenizer.decode(result.tokens, skip_special_tokens=True), result.tokens
 

@@ -7,14 +7,13 @@ import json
 import re
 
 import pytest
+import test_app_support as support
+from test_app_worker import fake_tuner
 
 from app import ui
 from app.conversation import export_conversation, highlight_html, import_steps
 from app.worker import Worker, make_engine
-from engine.records import StepRecord, StepTimings
-
-import test_app_support as support
-from test_app_worker import fake_tuner
+from engine.core.records import StepRecord, StepTimings
 
 
 @pytest.fixture(scope="module", autouse=True)

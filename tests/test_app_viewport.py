@@ -10,11 +10,9 @@ and the draft/target colouring start in the first viewport too.
 from __future__ import annotations
 
 import pytest
-
 import test_app_support as support
-from test_app_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS  # skips the module without chromium
-
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
+from test_app_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS  # skips the module without chromium
 
 SIZES = [(1440, 960), (1024, 768), (390, 844)]
 

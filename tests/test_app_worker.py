@@ -4,15 +4,14 @@ from __future__ import annotations
 import gc
 
 import pytest
+import test_app_support as support
 import torch
 
 from app.worker import GenerationRequest, Worker, make_engine, validate_model_id
-from engine.errors import ModelLoadError
-from engine.tree_store import build_tree
-from engine.prompts import encode_chat
-from engine.tree import Tree
-
-import test_app_support as support
+from engine.core.errors import ModelLoadError
+from engine.models.prompts import encode_chat
+from engine.trees.tree import Tree
+from engine.tuning.tree_store import build_tree
 
 TREE = build_tree(8, 4)
 
@@ -211,8 +210,8 @@ def test_remote_code_requests_are_refused_unless_the_app_allows_them(pair):
 
 
 def fake_tuner():
-    from engine.optimizer import AutoTuner
-    from engine.profile import HardwareProfile
+    from engine.tuning.optimizer import AutoTuner
+    from engine.tuning.profile import HardwareProfile
     profile = HardwareProfile(device="test", pair="tiny", dtype="float32", prefix_len=128,
                               target={1: 0.010, 4: 0.011, 16: 0.013, 64: 0.030},
                               draft={1: 0.001, 4: 0.0012, 16: 0.0015})
@@ -239,7 +238,7 @@ def test_auto_tree_reports_the_optimizer_choice(worker, pair):
 def test_models_panel_counts_and_names_a_quantised_draft(fmt):
     from app.ui import pair_markdown
     from app.worker import describe_pair
-    from engine.quantize import quantize_draft
+    from engine.backends.quantize import quantize_draft
 
     target, draft = support.tiny_pair()
     floats = sum(p.numel() for p in draft.parameters())
@@ -310,7 +309,7 @@ def test_a_failed_pair_load_keeps_no_model_of_the_attempt_referenced(pair, tmp_p
     that attempt is referenced anywhere (no loader cache pins the target); the pair stays usable."""
     import weakref
 
-    from engine import models as engine_models
+    from engine.models import loading as engine_models
 
     root = tmp_path / "models"
     _save_tiny_model(root / "org" / "target", 31, seed=0)

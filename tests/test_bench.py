@@ -1,14 +1,13 @@
-"""``python -m engine.bench`` on the tiny pair: our engine and Hugging Face's generate / assisted
+"""``python -m engine.cli.bench`` on the tiny pair: our engine and Hugging Face's generate / assisted
 generation side by side, outputs compared, figures saved."""
 from __future__ import annotations
 
 import json
 
 import pytest
-
-from engine import bench
-
 import test_app_support as support
+
+from engine.cli import bench
 
 
 def test_bench_runs_ours_and_hugging_face_side_by_side(tmp_path, capsys):
@@ -46,8 +45,9 @@ def test_bench_samples_at_a_temperature(tmp_path):
 
 def test_step_profile_lists_the_operators_of_real_steps():
     import tiny_models as tm
+
     from engine import SpeculativeEngine, Tree
-    from engine.step_profile import profile_steps
+    from engine.cli.step_profile import profile_steps
 
     target = tm.qwen2(seed=1)
     engine = SpeculativeEngine(target, tm.perturbed(target, 0.01), stop_token_ids=[])

@@ -1,13 +1,12 @@
-"""engine.bench_multiturn's conversation runner on the tiny pair (the benchmark itself runs on the real one)."""
+"""engine.cli.bench_multiturn's conversation runner on the tiny pair (the benchmark itself runs on the real one)."""
 from __future__ import annotations
 
 import pytest
-
-from engine.bench_multiturn import markdown_table, run
-from engine.speculative import SpeculativeEngine
-from engine.tree import Tree
-
 import test_app_support as support
+
+from engine.cli.bench_multiturn import markdown_table, run
+from engine.core.speculative import SpeculativeEngine
+from engine.trees.tree import Tree
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
 from engine import SpeculativeEngine, Tree
-from engine.calibrate import Acceptance, calibrate
-from engine.optimizer import AutoTuner, choose_tree, predict
-from engine.profile import HardwareProfile, measure_profile
+from engine.tuning.calibrate import Acceptance, calibrate
+from engine.tuning.optimizer import AutoTuner, choose_tree, predict
+from engine.tuning.profile import HardwareProfile, measure_profile
 
 PROMPTS = [[5, 17, 3, 42, 9, 11], [7, 8, 9], [1, 2, 3, 4]]
 
@@ -62,7 +62,7 @@ def test_measured_profile_has_every_point(models):
 
 def test_profile_times_sizes_round_robin_and_keeps_medians(models, monkeypatch):
     """Rounds over all sizes (a slow spell hits every size alike), medians per size."""
-    import engine.profile as profile_module
+    import engine.tuning.profile as profile_module
 
     target, noisy, _ = models
     calls, readings = [], iter([5, 1, 7, 9, 2, 8, 6, 3, 4])

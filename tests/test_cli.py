@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from engine.generate import main
+from engine.cli.generate import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "engine.generate", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "engine.cli.generate", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

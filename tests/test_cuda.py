@@ -8,13 +8,13 @@ within a stated tolerance instead, because random weights make near ties common.
 from __future__ import annotations
 
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
 from engine import SpeculativeEngine, Tree
-from engine.offload import stream_layers
-from engine.runner import StaticRunner
-from engine.synthetic import synthetic_model
+from engine.backends.offload import stream_layers
+from engine.core.runner import StaticRunner
+from engine.models.synthetic import synthetic_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -111,7 +111,7 @@ def test_offloaded_target_is_exact_and_leaves_weights_on_the_host(models):
 
 def test_device_map_auto_places_the_target_and_stays_exact(models):
     """``--device auto`` (accelerate's device map): on one GPU everything lands on it; exact as before."""
-    from engine.models import place
+    from engine.models.loading import place
     target = place(tm.clone(models["target"]).cpu(), "auto")
     assert {p.device.type for p in target.parameters()} == {"cuda"}
     engine = SpeculativeEngine(target, models["close"], stop_token_ids=[])
@@ -126,7 +126,6 @@ def test_sampling_on_cuda_follows_the_targets_law(method, tree):
     """The sampled path on the GPU (CUDA generator, graphs): the joint law of the first two tokens
     is the target's, chi-square p > 1e-3 and total variation < 0.03 over 8,000 samples."""
     import numpy as np
-
     from test_engine_sampling import PROMPT, VOCAB, exact_joint, sharpened
     from test_verify_stats import P_MIN, exactness_stats
 

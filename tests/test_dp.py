@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from engine.errors import InvalidTreeError
-from engine.tree import Tree, expected_tokens_table
+from engine.core.errors import InvalidTreeError
+from engine.trees.tree import Tree, expected_tokens_table
 
 
 @functools.lru_cache(maxsize=None)

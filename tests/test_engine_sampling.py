@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-
 import test_app_support as support
 import tiny_models as tm
-from engine import SpeculativeEngine, Tree
-from engine.sampling import logits_to_probs
+import torch
 from test_verify_stats import P_MIN, TV_MAX, exactness_stats
+
+from engine import SpeculativeEngine, Tree
+from engine.core.sampling import logits_to_probs
 
 VOCAB = 16
 PROMPT = [3, 1, 4, 1, 5]
@@ -155,7 +155,7 @@ def test_the_six_token_test_catches_a_biased_sampler(pair):
 def q4k_pair():
     """A tiny target in the k-quant format (its layers quantised to Q4_K, batch-invariant kernels)
     and a float draft near it: the int4 target's own law is what sampling must follow."""
-    from engine.kquant import kquant_model
+    from engine.backends.kquant import kquant_model
 
     float_target = sharpened(tm.qwen2(seed=4, vocab_size=VOCAB, hidden_size=256, layers=1), 30.0)
     return kquant_model(float_target), tm.perturbed(float_target, 0.05, seed=1)

@@ -15,15 +15,20 @@ from __future__ import annotations
 import math
 
 import pytest
+import tiny_models as tm
 import torch
 from transformers import DynamicCache
 
-import tiny_models as tm
 from engine import SpeculativeEngine, Tree
-from engine.errors import (ContextOverflowError, EngineError, InvalidParameterError, InvalidTreeError,
-                           VocabularyMismatchError)
-from engine.sampling import logits_to_probs
-from engine.speculative import _DecodeState
+from engine.core.errors import (
+    ContextOverflowError,
+    EngineError,
+    InvalidParameterError,
+    InvalidTreeError,
+    VocabularyMismatchError,
+)
+from engine.core.sampling import logits_to_probs
+from engine.core.speculative import _DecodeState
 
 PROMPT = [5, 17, 3, 42, 9, 11]
 SHORT_PROMPT = [7]
@@ -508,7 +513,7 @@ def test_sliding_window_models_are_refused_clearly():
 
 # ----- static cache: the attention window grows with the context --------------------------------
 def test_window_bucket():
-    from engine.runner import window_bucket
+    from engine.core.runner import window_bucket
     assert [window_bucket(n, 4096) for n in (1, 256, 257, 600, 4000, 5000)] == [256, 256, 512, 1024, 4096, 4096]
 
 

@@ -6,9 +6,16 @@ import json
 import pytest
 
 from app import figures
-from app.conversation import (ContextTooLong, display_messages, export_conversation, fit_context, import_conversation,
-                              safe_markdown, token_origins)
-from engine.records import StepRecord, StepTimings
+from app.conversation import (
+    ContextTooLong,
+    display_messages,
+    export_conversation,
+    fit_context,
+    import_conversation,
+    safe_markdown,
+    token_origins,
+)
+from engine.core.records import StepRecord, StepTimings
 
 #        0 (root)
 #       /        \

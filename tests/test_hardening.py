@@ -15,16 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
+import test_app_support as support
+from gradio_client import Client  # noqa: E402
+from gradio_client.exceptions import AppError  # noqa: E402
 
 from app.conversation import clean_text, import_conversation
 from app.worker import GenerationRequest, make_engine
-from engine.tree_store import build_tree
-from engine.prompts import encode_chat
-
-import test_app_support as support
-
-from gradio_client import Client  # noqa: E402
-from gradio_client.exceptions import AppError  # noqa: E402
+from engine.models.prompts import encode_chat
+from engine.tuning.tree_store import build_tree
 
 CHATBOT, STATUS, EXPORT = 0, 6, 9
 TREE = build_tree(8, 4)

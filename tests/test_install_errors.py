@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import pytest
+import test_app_support as support
 
 import app.pair
-import test_app_support as support
-from engine.errors import ModelLoadError
+from engine.core.errors import ModelLoadError
 
 
 def test_a_corrupted_model_install_fails_the_app_tests_instead_of_skipping_them(monkeypatch):

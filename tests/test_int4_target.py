@@ -1,16 +1,16 @@
-"""The int4 target (``--target-format int4``): the k-quant model of :mod:`engine.kquant`, whose
+"""The int4 target (``--target-format int4``): the k-quant model of :mod:`engine.backends.kquant`, whose
 whole forward is batch-invariant, so the engine reproduces its own greedy decoding exactly on any
 tree; and the draft's int4 product, whose rows do not depend on the rest of the batch either."""
 from __future__ import annotations
 
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
 from engine import SpeculativeEngine, Tree
-from engine.kquant import kquant_model
-from engine.models import pair_name
-from engine.quantize import TARGET_FORMATS, Int4Linear, int4_draft, target_quantization
+from engine.backends.kquant import kquant_model
+from engine.backends.quantize import TARGET_FORMATS, Int4Linear, int4_draft, target_quantization
+from engine.models.loading import pair_name
 
 # the target's linear shapes (out, in): q, k/v, o, gate/up, down, and the output head
 TARGET_SHAPES = [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960), (151936, 1536)]
@@ -71,7 +71,7 @@ def batch_spread(model: torch.nn.Module, prompt: list[int], n: int = 8) -> float
     same tokens decoded one at a time, after ``prompt``."""
     from transformers import DynamicCache
 
-    from engine.speculative import forward
+    from engine.core.speculative import forward
 
     tokens, p = prompt[-1:] + [3, 9, 27, 1, 12, 7, 30][:n - 1], len(prompt) - 1
     with torch.inference_mode():

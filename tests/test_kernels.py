@@ -5,12 +5,12 @@ from __future__ import annotations
 import copy
 
 import pytest
+import tiny_models as tm
 import torch
 import torch.nn.functional as F
 
-import tiny_models as tm
 from engine import SpeculativeEngine, Tree
-from engine.kernels import is_packed, pack_linears, packing_available, prepare, unpack_linears
+from engine.backends.kernels import is_packed, pack_linears, packing_available, prepare, unpack_linears
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 

@@ -1,4 +1,4 @@
-"""The k-quant target's kernels (engine/kquant.py, engine/csrc/kquant.cpp): exact packing of GGUF
+"""The k-quant target's kernels (engine/backends/kquant.py, engine/backends/csrc/kquant.cpp): exact packing of GGUF
 blocks, the compiled kernel equal bit for bit to the pure-torch reference, and rows that never
 depend on the rest of the batch."""
 from __future__ import annotations
@@ -9,9 +9,17 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from engine import kquant
-from engine.kquant import (KQuantLinear, kquant_attention, kquant_model, pack_q4k, pack_q6k, quantize_q4k,
-                           reference_linear, unpack_weight)
+from engine.backends import kquant
+from engine.backends.kquant import (
+    KQuantLinear,
+    kquant_attention,
+    kquant_model,
+    pack_q4k,
+    pack_q6k,
+    quantize_q4k,
+    reference_linear,
+    unpack_weight,
+)
 
 ROW_COUNTS = list(range(1, 33))
 

@@ -6,12 +6,12 @@ import copy
 
 import pytest
 import torch
+from conftest import REFERENCE_PROMPTS
 from transformers import DynamicCache
 
-from conftest import REFERENCE_PROMPTS
 from engine import SpeculativeEngine, Tree
-from engine.kquant import KQuantLinear, kquant_model
-from engine.models import DEFAULT_TARGET, assemble_gguf
+from engine.backends.kquant import KQuantLinear, kquant_model
+from engine.models.loading import DEFAULT_TARGET, assemble_gguf
 
 pytestmark = pytest.mark.real_pair
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 import sys
 
 import pytest
+import tiny_models as tm
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import hugepages
-from engine.kernels import pack_linears, unpack_linears
-from engine.mapped import backing_file, file_mappings, own_copy, returning_freed_memory
-
-import tiny_models as tm
+from engine.backends import hugepages
+from engine.backends.kernels import pack_linears, unpack_linears
+from engine.backends.mapped import backing_file, file_mappings, own_copy, returning_freed_memory
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 
@@ -84,12 +83,12 @@ def test_restart_only_where_it_helps(monkeypatch, tmp_path):
 @pytest.mark.skipif(not hugepages.huge_pages_requested() and not hugepages.should_restart(),
                     reason="no transparent huge pages on request here")
 def test_entry_point_restarts_with_the_tunable(tmp_path):
-    """A real entry point (engine.generate --help) restarts itself with the tunable and still runs."""
+    """A real entry point (engine.cli.generate --help) restarts itself with the tunable and still runs."""
     import os
     import subprocess
 
     script = tmp_path / "probe.py"
-    script.write_text("import os, sys\nfrom engine.hugepages import restart_with_huge_pages\n"
+    script.write_text("import os, sys\nfrom engine.backends.hugepages import restart_with_huge_pages\n"
                       "restart_with_huge_pages()\nprint(os.environ.get('GLIBC_TUNABLES', ''), sys.argv[1:])\n")
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     env["PYTHONPATH"] = os.getcwd()

@@ -10,8 +10,8 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from engine.errors import ModelLoadError, VocabularyMismatchError
-from engine.models import GGUFSource, assemble_gguf, check_same_vocabulary, find_parts, load_model
+from engine.core.errors import ModelLoadError, VocabularyMismatchError
+from engine.models.loading import GGUFSource, assemble_gguf, check_same_vocabulary, find_parts, load_model
 
 
 def make_parts(root: Path, prefix: str, chunks: list[bytes]) -> None:
@@ -103,14 +103,15 @@ def test_vocabulary_mismatch_is_refused_with_the_reason():
 
 
 def test_offload_needs_a_cuda_device_and_says_so():
-    from engine.models import load_pair
+    from engine.models.loading import load_pair
     with pytest.raises(ModelLoadError, match="CUDA"):
         load_pair("default-target", "default-draft", device="cpu", offload=True)
 
 
 def test_device_auto_without_a_gpu_leaves_the_model_on_cpu():
     import tiny_models as tm
-    from engine.models import place
+
+    from engine.models.loading import place
     model = tm.qwen2()
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
@@ -119,7 +120,8 @@ def test_device_auto_without_a_gpu_leaves_the_model_on_cpu():
 
 def test_split_or_streamed_models_run_without_cuda_graphs():
     import tiny_models as tm
-    from engine.speculative import graphable
+
+    from engine.core.speculative import graphable
     model = tm.qwen2()
     assert graphable(model)
     model.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}
@@ -134,7 +136,7 @@ def test_disk_full_while_caching_weights_leaves_no_half_written_cache(tmp_path, 
     half-way, nothing appears under the cache's name (so nothing half-written is ever loaded)."""
     import errno
 
-    from engine import models
+    from engine.models import loading as models
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -166,10 +168,10 @@ def test_a_failed_pair_load_leaves_only_the_pair_in_use_referenced(tmp_path, mon
     import gc
     import weakref
 
-    from engine import models
-    from engine.errors import VocabularyMismatchError
-    from engine.speculative import SpeculativeEngine
-    from engine.tree import Tree
+    from engine.core.errors import VocabularyMismatchError
+    from engine.core.speculative import SpeculativeEngine
+    from engine.models import loading as models
+    from engine.trees.tree import Tree
 
     _save_tiny(tmp_path / "good-target", 31, seed=0)
     _save_tiny(tmp_path / "good-draft", 31, seed=1)

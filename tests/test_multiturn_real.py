@@ -4,11 +4,11 @@ Hugging Face greedy decoding of the whole conversation."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import REFERENCE_TOKENS
+
 from engine import SpeculativeEngine
-from engine.prefix_cache import ConversationCache
-from engine.tree_store import build_tree
+from engine.core.prefix_cache import ConversationCache
+from engine.tuning.tree_store import build_tree
 
 pytestmark = pytest.mark.real_pair
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+import test_app_support as support
 
 from app import openai_api, ui
 from app.worker import Worker, make_engine
-from engine.prompts import encode_chat
-from engine.tree_store import build_tree
-
-import test_app_support as support
+from engine.models.prompts import encode_chat
+from engine.tuning.tree_store import build_tree
 
 MODEL = "tiny-target"
 QUESTION = [{"role": "user", "content": "Write a haiku about trees"}]

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.optimizer import choose_tree, predict
-from engine.profile import HardwareProfile
-from engine.tree import Tree
+from engine.trees.tree import Tree
+from engine.tuning.optimizer import choose_tree, predict
+from engine.tuning.profile import HardwareProfile
 
 ACCEPTANCE = [0.7, 0.12, 0.05, 0.03, 0.02, 0.01]
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]

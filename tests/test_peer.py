@@ -1,4 +1,4 @@
-"""llama.cpp as a peer (engine/peer.py, `python -m engine.bench --peer llama.cpp`), without building it:
+"""llama.cpp as a peer (engine/peer/llama_cpp.py, `python -m engine.cli.bench --peer llama.cpp`), without building it:
 command lines, the not-built path, parsing of recorded llama.cpp output, and process cleanup. One
 test runs the real build on the real GGUF when `make peer` has been run, and skips otherwise."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-
-from engine import bench, peer
-from engine.peer import PeerConfig, PeerError, PeerResult, PeerRuns, PeerServer
-
 import test_app_support as support
+
+from engine.cli import bench
+from engine.peer import llama_cpp as peer
+from engine.peer.llama_cpp import PeerConfig, PeerError, PeerResult, PeerRuns, PeerServer
 
 DATA = Path(__file__).parent / "data" / "peer"
 TARGET, DRAFT = Path("/models/target.gguf"), Path("/models/draft.gguf")
@@ -307,7 +307,7 @@ def test_real_target_only_decodes(tmp_path):
     binaries, reason = peer.peer_binaries()
     if binaries is None:
         pytest.skip(reason)
-    from engine.models import DEFAULT_DRAFT, DEFAULT_TARGET, cache_dir
+    from engine.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, cache_dir
     ggufs = tuple(cache_dir() / "gguf" / s.filename for s in (DEFAULT_TARGET, DEFAULT_DRAFT))
     if not ggufs[0].exists():
         pytest.skip(f"{ggufs[0]} not assembled yet (any `make run` or `make test` assembles it)")

@@ -3,13 +3,13 @@ request is honoured between chunks."""
 from __future__ import annotations
 
 import pytest
+import tiny_models as tm
 import torch
 from transformers import DynamicCache
 
-import tiny_models as tm
-from engine.errors import GenerationCancelled
-from engine.speculative import SpeculativeEngine, _DecodeState, forward
-from engine.tree import Tree
+from engine.core.errors import GenerationCancelled
+from engine.core.speculative import SpeculativeEngine, _DecodeState, forward
+from engine.trees.tree import Tree
 
 PROMPT = [(7 * i + 3) % tm.VOCAB for i in range(150)]
 

@@ -4,15 +4,15 @@ every answer stays the target's own greedy decoding."""
 from __future__ import annotations
 
 import pytest
+import test_app_support as support
+import tiny_models as tm
 import torch
 from transformers import DynamicCache
 
-import test_app_support as support
-import tiny_models as tm
-from engine.errors import GenerationCancelled, InvalidParameterError
-from engine.prefix_cache import CacheStore, ConversationCache, common_prefix
-from engine.speculative import SpeculativeEngine, forward
-from engine.tree import Tree
+from engine.core.errors import GenerationCancelled, InvalidParameterError
+from engine.core.prefix_cache import CacheStore, ConversationCache, common_prefix
+from engine.core.speculative import SpeculativeEngine, forward
+from engine.trees.tree import Tree
 
 TURN1 = [5, 17, 3, 42, 9, 11, 30, 2, 8]
 USER2 = [21, 4, 33, 12, 6]

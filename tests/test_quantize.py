@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
 from engine import SpeculativeEngine, Tree
-from engine.kernels import is_packed, prepare
-from engine.quantize import DRAFT_FORMATS, Int4Linear, cpu_has_bf16, draft_format, fastest_format, int4_draft, int8_draft, \
-    pack_int4, quantize_draft
+from engine.backends.kernels import is_packed, prepare
+from engine.backends.quantize import (
+    DRAFT_FORMATS,
+    Int4Linear,
+    cpu_has_bf16,
+    draft_format,
+    fastest_format,
+    int4_draft,
+    int8_draft,
+    pack_int4,
+    quantize_draft,
+)
 
 QUANTIZERS = {"int4": int4_draft, "int8": int8_draft}
 

@@ -5,12 +5,12 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import REFERENCE_PROMPTS, REFERENCE_TOKENS
 from transformers import DynamicCache
 
-from conftest import REFERENCE_PROMPTS, REFERENCE_TOKENS
 from engine import SpeculativeEngine, Tree
-from engine.quantize import draft_format
-from engine.speculative import _DecodeState, forward
+from engine.backends.quantize import draft_format
+from engine.core.speculative import _DecodeState, forward
 
 pytestmark = pytest.mark.real_pair
 

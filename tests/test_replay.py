@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
 from engine import SpeculativeEngine, Tree
-from engine.replay import draft_ranks, greedy_acceptance, replay, tokens_per_step
+from engine.tuning.replay import draft_ranks, greedy_acceptance, replay, tokens_per_step
 
 PROMPT = [5, 17, 3, 42, 9, 11]
 

@@ -1,10 +1,10 @@
-"""engine.sampling's top-p: the top-k shortcut gives the full sort's nucleus exactly."""
+"""engine.core.sampling's top-p: the top-k shortcut gives the full sort's nucleus exactly."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.sampling import _top_p_filter, logits_to_probs
+from engine.core.sampling import _top_p_filter, logits_to_probs
 
 
 def full_sort_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -50,6 +50,6 @@ def test_sampling_keeps_only_what_the_engine_uses():
     verifiers; top-k filtering of the target's law is not a parameter of this project."""
     import inspect
 
-    import engine.sampling as sampling
+    import engine.core.sampling as sampling
     assert not hasattr(sampling, "sample")
     assert "top_k" not in inspect.signature(logits_to_probs).parameters

@@ -1,4 +1,4 @@
-"""Token-tree topology, validation and tree attention (engine/tree.py). No models involved."""
+"""Token-tree topology, validation and tree attention (engine/trees/tree.py). No models involved."""
 from __future__ import annotations
 
 from collections import Counter
@@ -6,8 +6,8 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.errors import EngineError, InvalidTreeError
-from engine.tree import Tree
+from engine.core.errors import EngineError, InvalidTreeError
+from engine.trees.tree import Tree
 
 IRREGULAR_NON_BFS = [-1, 0, 1, 0, 2, 3]  # valid (parents[i] < i) but depths go 0,1,2,1,3,2
 
@@ -262,12 +262,12 @@ def test_position_ids(tree):
 
 def test_every_tree_mask_comes_from_one_function():
     """Verification, draft levels, CUDA-graph buffers and the sampled replay all mask through
-    ``engine.tree.additive_mask``; written in place it equals the fresh one."""
-    import engine.runner
-    import engine.sampled_replay
-    from engine.tree import additive_mask
+    ``engine.trees.tree.additive_mask``; written in place it equals the fresh one."""
+    import engine.core.runner
+    import engine.tuning.sampled_replay
+    from engine.trees.tree import additive_mask
 
-    assert engine.runner.additive_mask is additive_mask and engine.sampled_replay.additive_mask is additive_mask
+    assert engine.core.runner.additive_mask is additive_mask and engine.tuning.sampled_replay.additive_mask is additive_mask
     tree = Tree.k_ary(2, 2)
     tail = tree.ancestor_matrix[3:, 1:]
     fresh = additive_mask(tail, start=5 + 2, width=12, dtype=torch.float32)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from engine.tree import Tree
-from engine.tree_store import optimal_tree, tree_key
+from engine.trees.tree import Tree
+from engine.tuning.tree_store import optimal_tree, tree_key
 
 ACCEPTANCE = [0.7, 0.15, 0.05]
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.sampling import logits_to_probs, sample_children
-from engine.tree import Tree
-from engine.verify import verify_stochastic, verify_topk
+from engine.core.sampling import logits_to_probs, sample_children
+from engine.core.verify import verify_stochastic, verify_topk
+from engine.trees.tree import Tree
 
 VOCAB = 6
 SAMPLES = 20_000

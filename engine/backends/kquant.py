@@ -1,0 +1,407 @@
+"""A target kept in its GGUF k-quant blocks, with batch-invariant CPU kernels.
+
+The embedded target's GGUF stores most matrices as Q4_K (super-blocks of 256 inputs, sub-blocks of
+32 with 6-bit scales and mins: ``w = d*sc*q - dmin*m``, q in 0..15) and the rest as Q6_K
+(sub-blocks of 16 with int8 scales: ``w = d*sc*(q - 32)``). :class:`KQuantLinear` keeps those
+integers exactly and multiplies them with activations quantised to int8 per super-block, as
+llama.cpp does, in a C++ kernel (``engine/backends/csrc/kquant.cpp``, AVX-512 VNNI where the CPU has it).
+
+Exactness by construction: each output row is computed by the same instructions in the same
+order whatever the number of rows, and :func:`kquant_attention` does the same for attention, so a
+row of an n-token verification is bit-identical to decoding that token alone (see
+``tests/test_kquant.py``). Greedy tree decoding then reproduces the model's own greedy decoding
+exactly, not by luck at near-ties.
+
+Without a C++ compiler the linear layers run :func:`reference_linear` (pure torch, the same
+numbers, slower) and attention falls back to torch's SDPA (then rows are no longer guaranteed
+batch-invariant; :func:`kernels_available` says which).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import os
+import shutil
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+SUPER_BLOCK = 256
+TILE = 16
+SOURCE = Path(__file__).with_name("csrc") / "kquant.cpp"
+ATTENTION_NAME = "kquant"
+CACHE_FORMAT = 1  # bump when the packed layout changes
+
+# GGUF tensor name (after ``blk.N.``) -> Hugging Face module path (after ``model.layers.N.``), for
+# the llama-style architectures whose converters keep q/k unpermuted (qwen2).
+GGUF_LINEARS = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+# ---- the compiled kernels -------------------------------------------------------------------
+
+@lru_cache(maxsize=1)
+def _extension():
+    """The compiled kernels, built once into the cache (about a minute), or None when they cannot
+    be built here (no compiler); the reason is logged."""
+    from torch.utils.cpp_extension import load
+
+    from engine.models.loading import cache_dir
+
+    venv_bin = Path(sys.executable).parent  # pip's ninja lands beside the interpreter, maybe off PATH
+    if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
+        os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    build = cache_dir() / "kernels" / f"kquant-{digest}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        return load(name="sequoia_kquant", sources=[str(SOURCE)], build_directory=str(build),
+                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=os.environ.get("SEQUOIA_VERBOSE_BUILD") == "1")
+    except (OSError, RuntimeError, ImportError) as exc:
+        log.warning("the k-quant kernels could not be built (%s); using the pure-torch reference", exc)
+        return None
+
+
+def kernels_available() -> bool:
+    """True when the compiled kernels load (built on first use)."""
+    return _extension() is not None
+
+
+def build_kernels() -> str:
+    """Build the kernels now (``make kernels``); returns a line saying what was built."""
+    ext = _extension()
+    if ext is None:
+        raise RuntimeError("the k-quant kernels could not be built; see the log above")
+    return f"k-quant kernels ready ({'AVX-512 VNNI' if ext.has_vnni() else 'portable C++'})"
+
+
+# ---- packing GGUF blocks into the kernel's tiles ----------------------------------------------
+
+def _tiles(per_output: np.ndarray) -> np.ndarray:
+    """``[N, NB, ...] -> [N/16, NB, ..., 16]``: the 16 outputs of a tile become the last axis."""
+    n, nb = per_output.shape[:2]
+    tiled = per_output.reshape(n // TILE, TILE, nb, *per_output.shape[2:])
+    return np.moveaxis(tiled, 1, -1)
+
+
+def pack_q4k(blocks: np.ndarray) -> dict[str, torch.Tensor]:
+    """GGUF Q4_K blocks ``[N, K/256, 144]`` (uint8) -> the kernel's tensors (exact)."""
+    from gguf.quants import Q4_K
+
+    n, nb, _ = blocks.shape
+    flat = blocks.reshape(n * nb, -1)
+    d = flat[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(n, nb)
+    dmin = flat[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(n, nb)
+    sc, mn = Q4_K.get_scale_min(flat[:, 4:16].copy())
+    qs = flat[:, 16:].reshape(n * nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(n, nb, SUPER_BLOCK)
+    return _tile_q4k(q, sc.reshape(n, nb, 8), mn.reshape(n, nb, 8), d, dmin)
+
+
+def quantize_q4k(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The kernel's Q4_K tensors for a float ``weight [N, K]`` of a model that has no GGUF: per
+    sub-block of 32 an affine 4-bit grid over [min(w, 0), max(w)], its step and offset rounded to
+    6 bits of the super-block's fp16 ``d`` and ``dmin`` (GGUF's Q4_K form, simpler rounding)."""
+    n, k = weight.shape
+    if k % SUPER_BLOCK:
+        raise ValueError(f"Q4_K needs the input size ({k}) to be a multiple of {SUPER_BLOCK}")
+    w = weight.detach().float().reshape(n, k // SUPER_BLOCK, 8, 32)
+    low = w.amin(-1).clamp(max=0)
+    step = (w.amax(-1) - low) / 15
+    d = (step.amax(-1) / 63).half().float()
+    dmin = ((-low).amax(-1) / 63).half().float()
+    sc = torch.where(d[..., None] > 0, torch.round(step / d[..., None].clamp(min=1e-30)), 0).clamp(0, 63)
+    mn = torch.where(dmin[..., None] > 0, torch.round(-low / dmin[..., None].clamp(min=1e-30)), 0).clamp(0, 63)
+    scale, offset = (d[..., None] * sc)[..., None], (dmin[..., None] * mn)[..., None]
+    q = torch.where(scale > 0, torch.round((w + offset) / scale.clamp(min=1e-30)), 0).clamp(0, 15)
+    as_np = lambda t, dtype: t.numpy().astype(dtype)  # noqa: E731
+    return _tile_q4k(as_np(q.reshape(n, -1, SUPER_BLOCK), np.uint8), as_np(sc, np.uint8), as_np(mn, np.uint8),
+                     as_np(d, np.float32), as_np(dmin, np.float32))
+
+
+def _tile_q4k(q: np.ndarray, sc: np.ndarray, mn: np.ndarray, d: np.ndarray, dmin: np.ndarray) -> dict[str, torch.Tensor]:
+    """``q [N, NB, 256]`` (0..15), ``sc, mn [N, NB, 8]`` (0..63), ``d, dmin [N, NB]`` -> tiles."""
+    n, nb = q.shape[:2]
+    if n % TILE:
+        raise ValueError(f"the Q4_K kernel needs outputs in multiples of {TILE}, got {n}")
+    q = q.reshape(n, nb, 8, 4, 2, 4)  # [out, block, sub-block j, load l, nibble, i]
+    nibbles = (q[..., 0, :] | (q[..., 1, :] << 4)).astype(np.uint8)  # [n, nb, 8, 4, 4]
+    packed = np.moveaxis(_tiles(nibbles), -1, -2)  # [NT, nb, 8, 4, 16 outputs, 4 inputs]
+    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(-1)  # noqa: E731
+    return {"qs": as_tensor(packed), "sc": as_tensor(_tiles(sc.astype(np.uint8))),
+            "mn": as_tensor(_tiles(mn.astype(np.uint8))), "d": as_tensor(_tiles(d.astype(np.float32))),
+            "dmin": as_tensor(_tiles(dmin.astype(np.float32)))}
+
+
+def pack_q6k(blocks: np.ndarray) -> dict[str, torch.Tensor]:
+    """GGUF Q6_K blocks ``[N, K/256, 210]`` (uint8) -> the kernel's tensors (exact)."""
+    n, nb, _ = blocks.shape
+    if n % TILE:
+        raise ValueError(f"Q6_K kernel needs outputs in multiples of {TILE}, got {n}")
+    flat = blocks.reshape(n * nb, -1)
+    ql, qh = flat[:, :128], flat[:, 128:192]
+    sc = flat[:, 192:208].copy().view(np.int8).reshape(n, nb, 16)
+    d = flat[:, 208:210].copy().view(np.float16).astype(np.float32).reshape(n, nb)
+    low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    q = (low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)).reshape(n, nb, 16, 4, 4)
+    packed = np.moveaxis(_tiles(q.astype(np.uint8)), -1, -2)  # [NT, nb, 16, 4, 16 outputs, 4 inputs]
+    return {
+        "qs": torch.from_numpy(np.ascontiguousarray(packed)).reshape(-1),
+        "sc": torch.from_numpy(np.ascontiguousarray(_tiles(sc))).reshape(-1),
+        "d": torch.from_numpy(np.ascontiguousarray(_tiles(d))).reshape(-1),
+    }
+
+
+def unpack_weight(kind: str, tensors: dict[str, torch.Tensor], out_features: int, in_features: int) -> torch.Tensor:
+    """The float32 weight ``[N, K]`` that packed tensors stand for, by GGUF's own formula
+    (``d*sc*q - dmin*m`` for Q4_K, ``d*sc*(q-32)`` for Q6_K): for tests and the float reference."""
+    q, scale, offset = _integer_weight(kind, tensors, out_features, in_features)
+    return (scale * q.float() - offset).reshape(out_features, in_features)
+
+
+def _integer_weight(kind: str, t: dict[str, torch.Tensor], n: int, k: int):
+    """``(q [N, NB, S, G] int, scale [N, NB, S, 1] float, offset [N, NB, S, 1] float)`` with
+    ``w = scale*q - offset`` per sub-block of ``G`` inputs (S sub-blocks a super-block)."""
+    nt, nb = n // TILE, k // SUPER_BLOCK
+    subs, group = (8, 32) if kind == "q4k" else (16, 16)
+    untile = lambda x, *inner: x.reshape(nt, nb, *inner, TILE).movedim(-1, 1).reshape(n, nb, *inner)  # noqa: E731
+    d = untile(t["d"])[..., None, None]
+    if kind == "q4k":
+        raw = t["qs"].reshape(nt, nb, 8, 4, TILE, 4).movedim(4, 1).reshape(n, nb, 8, 4, 4)
+        q = torch.stack([raw & 0x0F, raw >> 4], dim=-2).reshape(n, nb, subs, group)
+        sc, mn = untile(t["sc"], subs).float()[..., None], untile(t["mn"], subs).float()[..., None]
+        return q, d * sc, untile(t["dmin"])[..., None, None] * mn
+    q = t["qs"].reshape(nt, nb, 16, 4, TILE, 4).movedim(4, 1).reshape(n, nb, subs, group)
+    scale = d * untile(t["sc"], subs).float()[..., None]
+    return q, scale, 32 * scale
+
+
+# ---- the pure-torch reference (the kernel's numbers, bit for bit) ----------------------------
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [R, K]`` float32 -> ``(xq [R, K] int, sx [R, K/256] float32)``, ``x ~= sx * xq`` per
+    super-block, ``xq = round(x * 127 / max|x|)`` (half to even), as the kernel does."""
+    r, k = x.shape
+    blocks = x.reshape(r, k // SUPER_BLOCK, SUPER_BLOCK)
+    amax = blocks.abs().amax(-1)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    xq = torch.round(torch.clamp(blocks * inv[..., None], -127, 127)).to(torch.int64)
+    return xq.reshape(r, k), amax / 127
+
+
+def reference_linear(kind: str, x: torch.Tensor, tensors: dict[str, torch.Tensor], out_features: int) -> torch.Tensor:
+    """``x [..., K] @ W.T`` for a packed weight, bit-identical to the C++ kernel (integer products
+    are exact; the float work per super-block is the same IEEE operations in the same order)."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    r, k = rows.shape
+    xq, sx = quantize_activations(rows)
+    q, _, _ = _integer_weight(kind, tensors, out_features, k)
+    nb, subs, group = q.shape[1], q.shape[2], q.shape[3]
+    xg = xq.reshape(r, nb, subs, group).double()
+    dots = torch.einsum("nbsg,rbsg->rnbs", q.double(), xg).round().long()  # exact: |dot| < 2^53
+    sums = xq.reshape(r, nb, subs, group).sum(-1)  # [r, nb, subs]
+    tile = lambda name, *inner: tensors[name].reshape(out_features // TILE, nb, *inner, TILE).movedim(-1, 1) \
+        .reshape(out_features, nb, *inner)  # noqa: E731
+    d = tile("d")
+    if kind == "q4k":
+        a = (tile("sc", subs).long()[None] * dots).sum(-1)
+        b = (tile("mn", subs).long()[None] * sums[:, None]).sum(-1)
+        dmin = tile("dmin")
+    else:
+        a = (tile("sc", subs).long()[None] * (dots - 32 * sums[:, None])).sum(-1)
+    y = torch.zeros(r, out_features)
+    for blk in range(nb):
+        step = (sx[:, blk, None] * d[None, :, blk]) * a[:, :, blk].float()
+        if kind == "q4k":
+            step = step - (sx[:, blk, None] * dmin[None, :, blk]) * b[:, :, blk].float()
+        y = y + step
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+# ---- modules -----------------------------------------------------------------------------------
+
+class KQuantLinear(torch.nn.Module):
+    """``y = x @ W.T + b`` with ``W [out, in]`` kept as GGUF Q4_K or Q6_K integers (see the module
+    docstring). ``forward``: ``x [..., in]`` float32 -> ``[..., out]`` float32; every row is
+    independent of the other rows of ``x``."""
+
+    def __init__(self, kind: str, tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if kind not in ("q4k", "q6k"):
+            raise ValueError(f"unknown k-quant kind {kind!r}")
+        self.kind, self.in_features, self.out_features = kind, in_features, out_features
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def packed(self) -> dict[str, torch.Tensor]:
+        names = ("qs", "sc", "mn", "d", "dmin") if self.kind == "q4k" else ("qs", "sc", "d")
+        return {name: getattr(self, name) for name in names}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ext = _extension()
+        t = self.packed()
+        if ext is None:
+            out = reference_linear(self.kind, x, t, self.out_features)
+        elif self.kind == "q4k":
+            out = ext.q4k_linear(x.float(), t["qs"], t["sc"], t["mn"], t["d"], t["dmin"], self.out_features)
+        else:
+            out = ext.q6k_linear(x.float(), t["qs"], t["sc"], t["d"], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+def kquant_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs):
+    """Attention for Hugging Face models (registered as ``"kquant"``): ``query [1, H, R, D]``,
+    ``key/value [1, KVH, L, D]``, mask ``[1, 1, R, L]`` (bool: True attends; float: additive) or
+    None (causal). Returns ``([1, R, H, D], None)``; each row is computed alone, in a fixed order."""
+    ext = _extension()
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if ext is None or query.shape[0] != 1 or query.dtype != torch.float32:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    r, l = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        mask = torch.empty(0)
+    else:
+        mask = attention_mask[0, 0, :, -l:] if attention_mask.shape[-1] >= l else attention_mask[0, 0]
+        mask = torch.where(mask, 0.0, float("-inf")) if mask.dtype == torch.bool else mask.float()
+        mask = mask.expand(r, l).contiguous()
+    out = ext.attention(query[0].contiguous(), key[0].contiguous(), value[0].contiguous(), mask, float(scaling))
+    return out[None], None
+
+
+def register_attention() -> None:
+    """Make ``"kquant"`` an attention implementation Hugging Face models can be switched to."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, kquant_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+# ---- a whole target ----------------------------------------------------------------------------
+
+def gguf_quantized_linears(gguf_path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """Hugging Face module name -> (kind, raw blocks ``[N, K/256, bytes]``) for every Q4_K/Q6_K
+    matrix of a llama-style GGUF (the output head included); other types are left out."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    kinds = {GGMLQuantizationType.Q4_K: "q4k", GGMLQuantizationType.Q6_K: "q6k"}
+    linears = {}
+    for tensor in GGUFReader(str(gguf_path)).tensors:
+        kind = kinds.get(tensor.tensor_type)
+        parts = tensor.name.split(".")
+        if kind is None or parts[-1] != "weight":
+            continue
+        if parts[0] == "blk" and parts[2] in GGUF_LINEARS:
+            name = f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"
+        elif tensor.name == "output.weight":
+            name = "lm_head"
+        else:
+            continue
+        k, n = (int(v) for v in tensor.shape[:2])
+        linears[name] = (kind, np.asarray(tensor.data).reshape(n, k // SUPER_BLOCK, -1))
+    return linears
+
+
+def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None, cache_file: Path | None = None
+                 ) -> torch.nn.Module:
+    """A copy of the CPU float32 ``model`` whose linear layers are :class:`KQuantLinear` and whose
+    attention is :func:`kquant_attention`; ``model`` is not changed, and no float32 weight of a
+    replaced layer is read.
+
+    With ``gguf_path`` (the GGUF ``model`` was dequantised from) the layers keep that file's own
+    Q4_K/Q6_K blocks, exactly; other layers (and every layer without a GGUF) are quantised to
+    Q4_K by :func:`quantize_q4k` when their shape allows (inputs a multiple of 256, outputs of 16).
+    ``cache_file``: where the packed layers of *these exact* weights are kept (the caller names
+    it after them): read when present and fitting, written otherwise, so later starts skip packing."""
+    from engine.backends.kernels import on_cpu_fp32, own_memory
+
+    if not on_cpu_fp32(model):
+        raise ValueError("the int4 target is built from a CPU float32 model; this one is elsewhere")
+    register_attention()
+    layers = (cache_file and _read_cache(cache_file, model)) or _pack_layers(model, gguf_path)
+    if cache_file and not cache_file.exists():
+        _write_cache(cache_file, layers)
+    memo = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    memo.update({id(model.get_submodule(name)): layer for name, layer in layers.items()})
+    quantized = copy.deepcopy(model, memo)  # shares every tensor left; the replaced layers are the new ones
+    own_memory(quantized)
+    quantized.set_attn_implementation(ATTENTION_NAME)
+    return quantized.eval()
+
+
+def _pack_layers(model: torch.nn.Module, gguf_path: Path | None) -> dict[str, KQuantLinear]:
+    from_file = gguf_quantized_linears(gguf_path) if gguf_path else {}
+    layers = {}
+    for name, linear in model.named_modules():
+        if type(linear) is not torch.nn.Linear:
+            continue
+        if name in from_file:
+            kind, blocks = from_file[name]
+            if blocks.shape[0] != linear.out_features or blocks.shape[1] * SUPER_BLOCK != linear.in_features:
+                raise ValueError(f"{gguf_path.name}: {name} does not match the model's layer")
+            layers[name] = KQuantLinear(kind, pack_q4k(blocks) if kind == "q4k" else pack_q6k(blocks),
+                                        linear.in_features, linear.out_features, linear.bias)
+        elif linear.in_features % SUPER_BLOCK == 0 and linear.out_features % TILE == 0:
+            weight = linear.weight.detach()
+            layers[name] = KQuantLinear("q4k", quantize_q4k(weight.to_dense() if weight.is_mkldnn else weight),
+                                        linear.in_features, linear.out_features, linear.bias)
+    return layers
+
+
+def _read_cache(path: Path, model: torch.nn.Module) -> dict[str, KQuantLinear] | None:
+    """The cached layers when the file exists and fits ``model``'s linear layers, else None."""
+    import json
+
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            kinds = json.loads(f.metadata()["kinds"])
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except (OSError, SafetensorError, KeyError, ValueError):
+        return None
+    layers = {}
+    for name, kind in kinds.items():
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:
+            return None
+        if type(linear) is not torch.nn.Linear:
+            return None
+        parts = {key.rpartition(".")[2]: t for key, t in tensors.items() if key.rpartition(".")[0] == name}
+        if parts.get("qs") is None or parts["qs"].numel() * (2 if kind == "q4k" else 1) != \
+                linear.in_features * linear.out_features:
+            return None
+        layers[name] = KQuantLinear(kind, parts, linear.in_features, linear.out_features, linear.bias)
+    return layers
+
+
+def _write_cache(path: Path, layers: dict[str, KQuantLinear]) -> None:
+    """Write the packed layers atomically; a failure only costs packing again at the next start."""
+    import json
+
+    from engine.backends.quantize import save_cache_atomically
+
+    tensors = {f"{name}.{key}": t for name, layer in layers.items() for key, t in layer.packed().items()}
+    save_cache_atomically(path, tensors, "the int4 target",
+                          metadata={"kinds": json.dumps({n: layer.kind for n, layer in layers.items()})})

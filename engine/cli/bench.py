@@ -1,0 +1,358 @@
+"""Benchmark: target-only decoding, Hugging Face's ``generate`` and assisted generation, and tree
+speculative decoding, side by side in one process.
+
+``python -m engine.cli.bench --quick`` prints a table (tokens/s, ratio to target-only, tokens/step,
+draft share) and writes the raw figures to ``results/bench-*.json``. Runs are interleaved per
+prompt so machine noise hits every configuration alike; figures are medians. ``--temperature``
+samples (outputs are compared with target-only decoding at temperature 0 only). With
+``--device cuda`` it runs the GPU benchmark (:mod:`engine.cli.bench_gpu`). ``--peer llama.cpp`` also
+runs llama.cpp (:mod:`engine.peer.llama_cpp`, built by ``make peer``) on the same GGUF files, prompts, token
+counts and sampling, after our configurations, and adds a "vs llama.cpp target-only" ratio to
+every row.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import platform
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.trees.tree import Tree
+
+
+@dataclass
+class ConfigRuns:
+    """Per-prompt measurements of one configuration: our engine with ``tree`` (a Tree, ``"auto"``
+    for the hardware-aware optimizer's, None for the target alone) and ``method``, or Hugging
+    Face's ``generate`` with ``hf`` keyword arguments (``{}``: target only; ``assistant_model``:
+    assisted)."""
+
+    name: str
+    tree: Tree | str | None
+    hf: dict | None = None
+    method: str = "sequoia"
+    tokens_per_s: list[float] = field(default_factory=list)
+    tokens_per_step: list[float] = field(default_factory=list)
+    draft_share: list[float] = field(default_factory=list)
+    step_ms: list[dict[str, float]] = field(default_factory=list)  # per prompt: mean ms per step by phase
+    outputs: list[list[int]] = field(default_factory=list)
+    predicted_speedup: float | None = None  # the optimizer's, for tree="auto"
+    predicted_tokens_per_step: float | None = None
+    predicted_step_ms: float | None = None
+    chosen: Tree | None = None               # the tree "auto" resolved to
+
+    def summary(self, baseline_tps: float) -> dict:
+        tps = statistics.median(self.tokens_per_s)
+        tree = self.chosen or (self.tree if isinstance(self.tree, Tree) else None)
+        step_ms = {phase: statistics.median(run[phase] for run in self.step_ms)
+                   for phase in ("draft", "verify", "bookkeeping")} if self.step_ms else None
+        return {"name": self.name, "method": self.method, "tree": tree.to_dict() if tree else None,
+                "tree_size": tree.size if tree else None, "tree_depth": tree.depth if tree else None,
+                "tokens_per_s": tps, "ms_per_token": 1e3 / tps, "speedup": tps / baseline_tps,
+                "predicted_speedup": self.predicted_speedup,
+                "measured_over_predicted": tps / baseline_tps / self.predicted_speedup if self.predicted_speedup else None,
+                "predicted_tokens_per_step": self.predicted_tokens_per_step,
+                "predicted_step_ms": self.predicted_step_ms,
+                "step_ms_total": sum(step_ms.values()) if step_ms else None,
+                "tokens_per_step": statistics.median(self.tokens_per_step) if self.tokens_per_step else None,
+                "draft_share": statistics.median(self.draft_share) if self.draft_share else None,
+                "step_ms": step_ms, "runs_tokens_per_s": self.tokens_per_s}
+
+
+def configurations(quick: bool, draft=None, acceptance: list[float] | None = None, auto: bool = False,
+                   greedy: bool = True, hf: bool = True) -> list[ConfigRuns]:
+    """Baselines first (target-only is the reference of every ratio), then ours. ``acceptance``
+    shapes the fixed-size Sequoia trees (default: the embedded pair's greedy calibration);
+    ``hf=False`` leaves out Hugging Face's generate and assisted generation."""
+    if acceptance is None:
+        from engine.tuning.acceptance import default_acceptance
+
+        acceptance = default_acceptance()
+    configs = [ConfigRuns("target-only", None)] + ([ConfigRuns("HF generate, target only", None, hf={})] if hf else [])
+    if draft is not None and hf:
+        configs.append(ConfigRuns("HF assisted generation (default schedule)", None, hf={"assistant_model": draft}))
+        configs += [ConfigRuns(f"HF assisted generation, {k} draft tokens", None,
+                               hf={"assistant_model": draft, "num_assistant_tokens": k,
+                                   "num_assistant_tokens_schedule": "constant"}) for k in ((4,) if quick else (2, 4, 6))]
+    if draft is not None:
+        if auto:
+            configs.append(ConfigRuns("sequoia, optimizer's tree", "auto"))
+        sizes = ((8, 4), (16, 6)) if quick else ((8, 4), (16, 6), (32, 8))
+        configs += [ConfigRuns(f"sequoia n={n} d={d}", Tree.optimal(acceptance, n, d)) for n, d in sizes]
+        if not greedy:
+            configs += [ConfigRuns(f"specinfer n={n} d={d}", Tree.optimal(acceptance, n, d), method="specinfer")
+                        for n, d in sizes[-1:]]
+        depths = (2, 3, 5) if quick else (2, 3, 4, 5, 6)
+        configs += [ConfigRuns(f"chain d={d}", Tree.chain(d), method="chain" if not greedy else "sequoia")
+                    for d in depths]
+    return configs
+
+
+def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple | None = None,
+        temperature: float = 0.0, top_p: float = 1.0, repeats: int = 1, peer: str | None = None,
+        peer_ggufs: tuple[Path, Path] | None = None, target_format: str = "float32", hf: bool = True) -> dict:
+    """The benchmark on ``pair`` = (target, draft, tokenizer), by default the embedded pair (its
+    target in ``target_format``): ``repeats`` rounds over the prompts (each round runs every
+    configuration on a prompt before the next prompt); medians over all runs. Outputs are compared
+    with target-only decoding at temperature 0 only. ``peer="llama.cpp"`` then runs llama.cpp's
+    configurations on the pair's GGUF files (``peer_ggufs``, by default the embedded pair's); when
+    it is not built, one line says so and the benchmark goes on without it."""
+    from engine.core.speculative import SpeculativeEngine
+    from engine.models.loading import load_default_pair, pair_name
+    from engine.models.prompts import encode_chat, load_prompt_set
+    from engine.tuning.acceptance import acceptance_for
+    from engine.tuning.optimizer import load_tuner
+
+    target, draft, tokenizer = pair or load_default_pair(target_format=target_format)
+    name = pair_name("default-target", "default-draft", draft, target) if pair is None else None
+    tuner = load_tuner(name, target) if name else None
+    engine = SpeculativeEngine(target, draft, tuner=tuner)
+    prompt_ids = [encode_chat(tokenizer, p["messages"]) for p in load_prompt_set("chat")[:prompts]]
+    configs = configurations(quick, draft, acceptance_for(name, temperature, top_p) if name else None,
+                             auto=tuner is not None, greedy=temperature == 0, hf=hf)
+    engine.generate(prompt_ids[0], max_new_tokens=4, tree=Tree.chain(2))  # warm-up
+    ours, theirs = [c for c in configs if c.hf is None], [c for c in configs if c.hf is not None]
+    runs = [(round_, i, ids) for round_ in range(repeats) for i, ids in enumerate(prompt_ids)]
+    for round_, i, ids in runs:
+        for config in ours:
+            result = engine.generate(ids, max_new_tokens=new_tokens, tree=config.tree, temperature=temperature,
+                                     top_p=top_p, seed=i + 1000 * round_, method=config.method)
+            if config.tree == "auto":
+                choice = engine.last_tree_choice
+                config.chosen, config.predicted_speedup = choice.tree, choice.predicted_speedup
+                config.predicted_tokens_per_step, config.predicted_step_ms = choice.expected_tokens, 1e3 * choice.step_time_s
+            config.tokens_per_s.append(result.tokens_per_second)
+            config.tokens_per_step.append(result.tokens_per_step)
+            config.draft_share.append(sum(s.timings.draft_s for s in result.steps) / result.decode_s)
+            config.step_ms.append({phase: 1e3 * statistics.fmean(getattr(s.timings, f"{phase}_s") for s in result.steps)
+                                   for phase in ("draft", "verify", "bookkeeping")})
+            config.outputs.append(result.tokens)
+            print(f"prompt {i}: {config.name:<42} {result.tokens_per_second:6.2f} tok/s "
+                  f"{result.tokens_per_step:5.2f} tok/step", flush=True)
+        with stock_weights(target):  # Hugging Face as its users run it: torch's own linear layers
+            prefill_s = timed_prefill(target, ids)
+            for config in theirs:
+                tokens, seconds = hf_generate(target, tokenizer, ids, new_tokens, config.hf, temperature, top_p)
+                config.tokens_per_s.append(len(tokens) / max(seconds - prefill_s, 1e-9))  # decode rate
+                config.outputs.append(tokens)
+                print(f"prompt {i}: {config.name:<42} {config.tokens_per_s[-1]:6.2f} tok/s", flush=True)
+    peer_runs, peer_info = [], None
+    if peer:
+        peer_runs, peer_info = run_peer(peer, prompt_ids, tokenizer, new_tokens, temperature, top_p, repeats,
+                                        peer_ggufs if peer_ggufs or pair is not None else "default")
+    baseline = statistics.median(configs[0].tokens_per_s)
+    greedy = temperature == 0
+    identical = greedy and all(c.outputs == configs[0].outputs for c in configs if c.hf is None)
+    hf_identical = greedy and all(c.outputs == configs[0].outputs for c in configs if c.hf is not None)
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "prompts": prompts, "repeats": repeats,
+        "new_tokens": new_tokens, "temperature": temperature, "top_p": top_p, "pair": name,
+        "outputs_identical_to_target_only": identical,
+        "hf_outputs_identical_to_target_only": hf_identical,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "results": [c.summary(baseline) for c in configs] + [peer_summary(r, baseline) for r in peer_runs],
+    }
+    if peer_info is not None:
+        report["peer"] = peer_info
+    peer_reference = next((r["tokens_per_s"] for r in report["results"] if r["name"] == PEER_TARGET_ONLY), None)
+    for r in report["results"]:
+        r["vs_llamacpp_target_only"] = r["tokens_per_s"] / peer_reference if peer_reference else None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(report, indent=2))
+    plot(report, path.with_suffix(".html"))
+    print()
+    print(markdown_table(report))
+    print(f"\noutputs identical to target-only: {identical} (HF generate and assisted: {hf_identical}); peak RSS {report['peak_rss_gib']:.1f} GiB; saved {path} and .html")
+    if peer_runs and greedy:
+        print(f"llama.cpp outputs identical to llama.cpp target-only: {peer_info['outputs_identical_to_target_only']}")
+    return report
+
+
+PEER_TARGET_ONLY = "llama.cpp target-only"
+
+
+def run_peer(peer: str, prompt_ids: list[list[int]], tokenizer, new_tokens: int, temperature: float, top_p: float,
+             repeats: int, ggufs) -> tuple[list, dict]:
+    """llama.cpp's configurations (:func:`engine.peer.llama_cpp.run_peer`) on the bench's prompts, or none with
+    one line saying why (not built, no GGUF files for a non-default pair, or a failed run)."""
+    from engine.peer import llama_cpp as peer_mod
+    if peer != "llama.cpp":
+        raise ValueError(f"unknown peer {peer!r} (only llama.cpp)")
+    binaries, reason = peer_mod.peer_binaries()
+    if binaries is None:
+        print(reason, flush=True)
+        return [], {"name": peer, "skipped": reason}
+    if ggufs is None:
+        reason = "llama.cpp peer skipped: it runs on GGUF files, and this pair has none (pass peer_ggufs)"
+        print(reason, flush=True)
+        return [], {"name": peer, "skipped": reason}
+    try:
+        ggufs = peer_mod.default_ggufs() if ggufs == "default" else tuple(Path(g) for g in ggufs)
+        texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
+        runs = peer_mod.run_peer(prompt_ids, new_tokens, temperature, top_p, prompt_texts=texts, repeats=repeats,
+                                 binaries=binaries, ggufs=ggufs)
+    except Exception as exc:  # the peer must never cost us our own figures
+        reason = f"llama.cpp peer failed: {exc}"
+        print(reason, flush=True)
+        return [], {"name": peer, "skipped": reason}
+    flags = [r.identical_to_target_only() for r in runs]
+    return runs, {"name": peer, "skipped": None, "version": f"llama-cpp-python {peer_mod.PEER_VERSION} sdist, vendor/llama.cpp",
+                  "threads": peer_mod.DEFAULT_THREADS, "ggufs": [str(g) for g in ggufs],
+                  "binaries": binaries.as_dict(),
+                  "outputs_identical_to_target_only": None if any(f is None for f in flags) else all(flags)}
+
+
+def peer_summary(runs, baseline_tps: float) -> dict:
+    """A peer configuration's row in the report's format (our-engine-only fields left empty)."""
+    from dataclasses import asdict
+
+    tps = runs.median_tokens_per_s()
+    acceptance = [r.draft_accepted / r.draft_tokens for r in runs.results if r.draft_tokens]
+    return {"name": runs.name, "method": "llama.cpp", "peer": "llama.cpp", "peer_config": asdict(runs.config),
+            "tree": None, "tree_size": None, "tree_depth": None,
+            "tokens_per_s": tps, "ms_per_token": 1e3 / tps, "speedup": tps / baseline_tps,
+            "predicted_speedup": None, "measured_over_predicted": None, "predicted_tokens_per_step": None,
+            "predicted_step_ms": None, "step_ms_total": None, "tokens_per_step": None, "draft_share": None,
+            "step_ms": None, "runs_tokens_per_s": runs.tokens_per_s,
+            "runs_tokens_generated": [r.tokens for r in runs.results],
+            "draft_acceptance": statistics.median(acceptance) if acceptance else None,
+            "outputs_identical_to_peer_target_only": runs.identical_to_target_only()}
+
+
+def hf_generate(target, tokenizer, ids: list[int], new_tokens: int, options: dict, temperature: float = 0.0,
+                top_p: float = 1.0) -> tuple[list[int], float]:
+    """Hugging Face's own ``generate`` (target only, or assisted): new tokens and seconds.
+
+    Assisted generation reads its schedule from the assistant's ``generation_config`` (and its
+    default "heuristic" schedule carries over between calls): each run starts from the
+    assistant's original config, with ``num_assistant_tokens*`` options applied there."""
+    options = dict(options)
+    assistant = options.get("assistant_model")
+    schedule = {k: options.pop(k) for k in ("num_assistant_tokens", "num_assistant_tokens_schedule") if k in options}
+    inputs = torch.tensor([ids])
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else \
+        {"do_sample": False}
+    saved = copy.deepcopy(assistant.generation_config) if assistant is not None else None
+    try:
+        if assistant is not None:
+            for key, value in schedule.items():
+                setattr(assistant.generation_config, key, value)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = target.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens,
+                                  pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling, **options)
+        seconds = time.perf_counter() - start
+    finally:
+        if assistant is not None:
+            assistant.generation_config = saved
+    return out[0, len(ids):].tolist(), seconds
+
+
+def timed_prefill(model, ids: list[int]) -> float:
+    """Seconds of one forward over the whole prompt (what ``generate`` does first)."""
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model(torch.tensor([ids]))
+    return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def stock_weights(model):
+    """``model`` with torch's own linear layers inside the block, packed again after it."""
+    from engine.backends.kernels import pack_linears, unpack_linears
+
+    packed = unpack_linears(model)
+    try:
+        yield model
+    finally:
+        if packed:
+            pack_linears(model)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Tokens/s of every configuration (ours and Hugging Face's), target-only as the reference line."""
+    import plotly.graph_objects as go
+
+    results = report["results"]
+    colours = ["#e07b39" if r.get("peer") else "#9aa5b1" if r["name"].startswith("HF")
+               else "#2f6fdf" if r["name"].startswith("sequoia")
+               else "#7a7f87" if r["name"] == "target-only" else "#5fa8d3" for r in results]
+    fig = go.Figure(go.Bar(x=[r["name"] for r in results], y=[r["tokens_per_s"] for r in results], marker_color=colours,
+                           text=[f"{r['speedup']:.2f}×" for r in results], textposition="outside"))
+    fig.add_hline(y=results[0]["tokens_per_s"], line_dash="dot", annotation_text="target-only")
+    peer_reference = next((r for r in results if r["name"] == PEER_TARGET_ONLY), None)
+    if peer_reference is not None:
+        fig.add_hline(y=peer_reference["tokens_per_s"], line_dash="dash", line_color="#e07b39",
+                      annotation_text="llama.cpp target-only", annotation_position="bottom right")
+    fig.update_layout(title=f"Decoding speed, T = {report['temperature']:g}, top-p {report['top_p']:g} "
+                            f"({report['prompts']} prompts x {report['new_tokens']} tokens x {report.get('repeats', 1)} "
+                            f"rounds, medians; {report['date']})",
+                      yaxis_title="tokens/s", template="plotly_white", height=520)
+    fig.write_html(path)  # plotly.js embedded: the plot opens offline
+
+
+def markdown_table(report: dict) -> str:
+    """One row per configuration; with a peer, a "vs llama.cpp target-only" column for every row."""
+    with_peer = any(r.get("vs_llamacpp_target_only") is not None for r in report["results"])
+    rows = ["| configuration | tree (n, d) | tokens/s | ms/token | vs target-only | "
+            + ("vs llama.cpp target-only | " if with_peer else "") + "predicted | tokens/step | draft share |",
+            "|---|---|---|---|---|---|---|---|" + ("---|" if with_peer else "")]
+    for r in report["results"]:
+        tree = "" if r.get("tree_size") is None else f"{r['tree_size']}, {r['tree_depth']}"
+        predicted = "" if r.get("predicted_speedup") is None else f"{r['predicted_speedup']:.2f}×"
+        per_step = "" if r["tokens_per_step"] is None else f"{r['tokens_per_step']:.2f}"
+        share = "" if r["draft_share"] is None else f"{r['draft_share']:.0%}"
+        peer_ratio = f"{r['vs_llamacpp_target_only']:.2f}× | " if with_peer else ""
+        rows.append(f"| {r['name']} | {tree} | {r['tokens_per_s']:.2f} | {r['ms_per_token']:.0f} | {r['speedup']:.2f}× | "
+                    f"{peer_ratio}{predicted} | {per_step} | {share} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m engine.cli.bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="2 prompts x 64 tokens, chains only")
+    parser.add_argument("--prompts", type=int, default=None, help="number of bundled prompts (default 2 quick, 6 full)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens per run (default 64 quick, 128 full)")
+    parser.add_argument("--repeats", type=int, default=None, help="rounds over the prompts (default 1 quick, 2 full)")
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are then compared)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--target-format", choices=("float32", "int4", "auto"), default="auto",
+                        help="the target's weights on CPU (see python -m engine.cli.generate --help)")
+    parser.add_argument("--no-hf", action="store_true", help="leave out Hugging Face's generate and assisted generation")
+    parser.add_argument("--peer", choices=["llama.cpp"], default=None,
+                        help="also run llama.cpp on the same GGUF files, prompts and sampling (build it with `make peer`)")
+    parser.add_argument("--device", default="cpu", help="cpu (the default pair) or cuda (see --synthetic)")
+    parser.add_argument("--synthetic", default=None, metavar="TARGET+DRAFT",
+                        help="GPU benchmark on random-weight models of these shapes, e.g. llama2-7b+llama-68m "
+                             "(python -m engine.cli.bench_gpu --help for its options)")
+    args, rest = parser.parse_known_args(argv)
+    if args.device != "cpu" or args.synthetic:
+        from engine.cli import bench_gpu
+        return bench_gpu.main(["--synthetic", args.synthetic or "llama2-7b+llama-68m", "--out", str(args.out), *rest])
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    prompts = args.prompts or (2 if args.quick else 6)
+    new_tokens = args.new_tokens or (64 if args.quick else 128)
+    repeats = args.repeats or (1 if args.quick else 2)
+    if min(prompts, new_tokens, repeats) < 1:
+        parser.error("--prompts, --new-tokens and --repeats must be at least 1")
+    run(prompts, new_tokens, args.quick, args.out, temperature=args.temperature, top_p=args.top_p, repeats=repeats,
+        peer=args.peer, target_format=args.target_format, hf=not args.no_hf)
+
+
+if __name__ == "__main__":
+    from engine.backends.hugepages import restart_with_huge_pages
+
+    restart_with_huge_pages()
+    main()

@@ -1,0 +1,91 @@
+"""Command line: ``python -m engine.cli.generate --prompt "..."`` prints the answer and per-step acceptance."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from engine.cli.arguments import add_format_arguments
+from engine.core.errors import EngineError
+from engine.models.loading import DTYPES
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m engine.cli.generate", description=__doc__)
+    parser.add_argument("--prompt", required=True, help="the user message (the chat template is applied)")
+    parser.add_argument("--system", default=None, help="system prompt (default: the model's own)")
+    parser.add_argument("--target", default="default-target", help="HF id or local dir (default: embedded 1.5B)")
+    parser.add_argument("--draft", default="default-draft", help="HF id or local dir (default: embedded 0.5B)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--method", default="sequoia", help="sequoia, specinfer, chain, topk or autoregressive")
+    parser.add_argument("--tree-size", type=int, default=5, help="nodes verified per step, root included; 1 = no draft")
+    parser.add_argument("--depth", type=int, default=None, help="max draft tokens on a path (default: size - 1)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--device", default="cpu")
+    add_format_arguments(parser)
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow model repos to run their own code")
+    parser.add_argument("--json", action="store_true", help="print the full result (tokens, steps) as JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return _run(args)
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from engine.core.speculative import SpeculativeEngine, check_params
+    from engine.models.loading import load_pair, pair_name
+    from engine.models.prompts import encode_chat
+    from engine.tuning.acceptance import acceptance_for
+    from engine.tuning.tree_store import build_tree
+
+    if not args.prompt.strip():
+        raise EngineError("--prompt is empty: give the message to answer, e.g. --prompt \"Hello\"")
+    check_params(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.method)
+    if args.tree_size < 1:
+        raise EngineError(f"--tree-size must be >= 1, got {args.tree_size}")
+    tree = build_tree(args.tree_size, args.depth)  # checks size and depth before the models load
+    if args.method == "autoregressive":
+        tree = None
+    elif args.method == "chain" and tree is not None and tree.size != tree.depth + 1:
+        raise EngineError("--method chain needs a chain: leave --depth unset or set it to --tree-size - 1")
+    target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
+                                         args.trust_remote_code, draft_format=args.draft_format,
+                                         target_format=args.target_format)
+    if tree is not None and tree.size != tree.depth + 1:  # Sequoia's tree for this pair's calibration
+        tree = build_tree(args.tree_size, args.depth,
+                          acceptance_for(pair_name(args.target, args.draft, draft, target), args.temperature, args.top_p))
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+               [{"role": "user", "content": args.prompt}]
+    input_ids = encode_chat(tokenizer, messages)
+    engine = SpeculativeEngine(target, draft if tree is not None else None)
+    result = engine.generate(input_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             top_p=args.top_p, tree=tree, seed=args.seed, method=args.method)
+    if args.json:
+        print(json.dumps({"text": tokenizer.decode(result.tokens, skip_special_tokens=True),
+                          "tree": tree.to_dict() if tree else None, **result.to_dict()}))
+        return 0
+    print(tokenizer.decode(result.tokens, skip_special_tokens=True))
+    print()
+    for step in result.steps:
+        print(f"step {step.index:3d}: accepted {step.accepted_draft_tokens}/{step.tree_size - 1} drafts, "
+              f"+{len(step.committed)} tokens  (draft {step.timings.draft_s * 1e3:.0f} ms, "
+              f"verify {step.timings.verify_s * 1e3:.0f} ms)")
+    print(f"{len(result.tokens)} tokens in {len(result.steps)} steps ({result.tokens_per_step:.2f} tokens/step), "
+          f"{result.tokens_per_second:.2f} tokens/s, finish: {result.finish_reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    from engine.backends.hugepages import restart_with_huge_pages
+
+    restart_with_huge_pages()
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Command line: ``python -m engine.cli.profile`` measures a pair's hardware profile
+(:mod:`engine.tuning.profile`: t_T(n) and t_D(w)) and caches it per device, pair and dtype."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from engine.cli.arguments import add_format_arguments
+from engine.models.loading import DTYPES, cache_dir, load_pair, pair_name
+from engine.models.prompts import encode_chat, load_prompt_set
+from engine.tuning.profile import measure_profile, powers_of_two, profile_path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m engine.cli.profile", description=__doc__)
+    parser.add_argument("--target", default="default-target")
+    parser.add_argument("--draft", default="default-draft")
+    parser.add_argument("--max-tokens", type=int, default=256, help="largest n measured (powers of two)")
+    parser.add_argument("--max-width", type=int, default=32, help="largest draft level width measured")
+    parser.add_argument("--prefix", type=int, default=128, help="prefix length before the tree")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds over all sizes (medians)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (CUDA profiles use static caches and graphs)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    add_format_arguments(parser)
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: the user cache)")
+    args = parser.parse_args(argv)
+    target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
+                                         draft_format=args.draft_format, target_format=args.target_format)
+    text = " ".join(m["content"] for p in load_prompt_set("chat") for m in p["messages"])
+    prefix = (encode_chat(tokenizer, [{"role": "user", "content": text}]) * 4)[: args.prefix]
+    pair = pair_name(args.target, args.draft, draft, target)
+    profile = measure_profile(target, draft, prefix, powers_of_two(args.max_tokens), powers_of_two(args.max_width),
+                              pair, args.repeats)
+    path = args.out or profile_path(cache_dir() / "profiles", profile.device, pair, profile.dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.to_json())
+    for n, t in profile.target.items():
+        print(f"target n={n:5d}: {t * 1e3:8.1f} ms  ({t / profile.target[1]:.2f}x one token)")
+    for w, t in profile.draft.items():
+        print(f"draft  w={w:5d}: {t * 1e3:8.1f} ms")
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    from engine.backends.hugepages import restart_with_huge_pages
+
+    restart_with_huge_pages()
+    main()

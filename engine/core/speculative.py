@@ -1,0 +1,450 @@
+"""The decoding loop: draft a token tree level by level, verify it in one target forward, commit.
+
+The engine knows nothing of text: it takes and returns token ids. ``tree=None`` (or a root-only
+tree) is plain autoregressive decoding of the target through the same code path.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.errors import ContextOverflowError, GenerationCancelled, InvalidParameterError, VocabularyMismatchError
+from engine.core.prefix_cache import ConversationCache
+from engine.core.records import GenerationResult, StepRecord, StepTimings
+from engine.core.runner import DynamicRunner, StaticRunner, run_model, synchronize
+from engine.core.sampling import choose_level_children, logits_to_probs
+from engine.core.verify import verify_greedy, verify_stochastic, verify_topk
+from engine.trees.tree import Tree
+
+ROOT_ONLY = Tree.chain(0)
+METHODS = ("sequoia", "specinfer", "chain", "topk", "autoregressive")
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    """Validated generation parameters."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    tree: Tree
+    seed: int
+    stop_token_ids: frozenset[int]
+    method: str = "sequoia"
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SpeculativeEngine:
+    """Tree speculative decoding for a target/draft pair of HF causal LMs sharing a vocabulary."""
+
+    prefill_chunk = 256  # prompt tokens per prefill forward; ``should_stop`` is consulted between chunks
+
+    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None = None,
+                 stop_token_ids: list[int] | None = None, tuner=None, static_cache: bool | None = None,
+                 cuda_graphs: bool | None = None, max_cache_len: int | None = None) -> None:
+        """``tuner``: an :class:`engine.tuning.optimizer.AutoTuner`, needed for ``tree="auto"``.
+
+        ``static_cache`` preallocates both KV caches once (``max_cache_len`` slots, default the
+        target's context capped at 8192) and reuses them for every generation; ``cuda_graphs``
+        replays one CUDA graph per forward width. Both default to on for CUDA models, off on CPU.
+
+        The engine never changes the models it is given: their weights and forward stay as
+        they were. The CPU fast path (oneDNN-packed linears, :func:`engine.backends.kernels.prepare`) is a
+        step the caller takes before, as :func:`engine.models.loading.load_pair` does."""
+        for model in (target, draft):
+            if model is not None:
+                _refuse_sliding_window(model)
+        self.target = target.eval()
+        self.tuner = tuner
+        self.last_tree_choice = None
+        self.last_reused_tokens = 0  # prompt tokens the last generation took from a conversation cache
+        self.draft = draft.eval() if draft is not None else None
+        self.vocab_size = _output_vocab(target)
+        if draft is not None and _output_vocab(draft) != self.vocab_size:
+            raise VocabularyMismatchError(
+                f"the draft predicts {_output_vocab(draft)} tokens but the target {self.vocab_size}: "
+                f"choose a draft from the same model family as the target")
+        self.stop_token_ids = _stop_set(stop_token_ids) if stop_token_ids is not None else \
+            frozenset(_default_stop_ids(target))
+        self.max_context = int(getattr(target.config, "max_position_embeddings", 0) or 0)
+        self.device = next(target.parameters()).device
+        on_cuda = self.device.type == "cuda"
+        self.static_cache = on_cuda if static_cache is None else bool(static_cache)
+        self.cuda_graphs = self.static_cache and (on_cuda if cuda_graphs is None else bool(cuda_graphs))
+        self.max_cache_len = int(max_cache_len or min(self.max_context or 8192, 8192))
+        self._static_runners: dict[str, StaticRunner] = {}
+
+    def runner(self, role: str, owner: object):
+        """The runner of ``"target"`` or ``"draft"`` for one generation ``owner``: the engine's
+        preallocated static runner (now owned by ``owner``) or a fresh dynamic one."""
+        model = self.target if role == "target" else self.draft
+        if not self.static_cache:
+            return DynamicRunner(model)
+        if role not in self._static_runners:
+            self._static_runners[role] = StaticRunner(model, self.max_cache_len, self.cuda_graphs and graphable(model))
+        runner = self._static_runners[role]
+        runner.owner = owner
+        return runner
+
+    # ----- public API ---------------------------------------------------------------------
+    def generate(self, input_ids: list[int], **kwargs) -> GenerationResult:
+        """Decode up to ``max_new_tokens`` tokens; see :meth:`stream` for the arguments."""
+        steps, tokens, prefill_s = [], [], 0.0
+        stream = self.stream(input_ids, **kwargs)
+        for step in stream:
+            steps.append(step)
+            tokens.extend(step.committed)
+            prefill_s = self.last_prefill_s
+        return GenerationResult(tokens=tokens, steps=steps, prompt_tokens=len(input_ids),
+                                prefill_s=prefill_s, finish_reason=steps[-1].finish_reason or "length")
+
+    def stream(self, input_ids: list[int], max_new_tokens: int = 64, temperature: float = 0.0,
+               top_p: float = 1.0, tree: Tree | str | None = None, seed: int = 0,
+               stop_token_ids: list[int] | None = None, method: str = "sequoia",
+               should_stop: Callable[[], bool] | None = None,
+               cache: ConversationCache | None = None) -> Iterator[StepRecord]:
+        """Yield one :class:`StepRecord` per draft/verify step until a stop token or the budget.
+
+        ``input_ids``: the prompt (non-empty list of token ids). ``tree=None`` decodes with the
+        target alone. ``temperature == 0`` is greedy and token-identical to the target's own
+        greedy decoding; ``temperature > 0`` samples exactly from the target's distribution
+        (after temperature and top-p) with the verifier of ``method``:
+
+        - ``sequoia``: children drawn without replacement, residual verification with q renormalised;
+        - ``specinfer``: children drawn i.i.d. (with replacement), q never renormalised;
+        - ``chain``: classic speculative sampling (the tree must be a chain);
+        - ``topk``: children are the draft's top-k, the target samples and matches;
+        - ``autoregressive``: the target alone (the tree is ignored).
+
+        ``tree="auto"`` lets the hardware-aware optimizer choose (needs ``tuner``). Parameters are
+        validated here, before the first step, so bad input raises at call time.
+
+        ``should_stop``: called before every prefill chunk (``prefill_chunk`` prompt tokens) and
+        every step; when it returns true the iteration raises :class:`GenerationCancelled`, so a
+        long prompt can be stopped within one chunk.
+
+        ``cache``: a :class:`~engine.core.prefix_cache.ConversationCache` of this engine's models kept
+        from earlier turns: the prompt's longest common prefix with the tokens it holds is not
+        prefilled again (``last_reused_tokens`` says how many), and it holds this generation's
+        tokens afterwards. Without it the engine's own caches are used and nothing is kept.
+        """
+        params = self._validate(input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids, method)
+        if params.tree.depth > 0 and self.draft is None:
+            raise InvalidParameterError("a tree with draft tokens needs a draft model: pass draft= or use tree=None")
+        if cache is not None and not (isinstance(cache, ConversationCache) and cache.belongs_to(self.target, self.draft)):
+            raise InvalidParameterError("cache must be a ConversationCache built for this engine's target and draft")
+        self.last_reused_tokens = 0
+        return self._steps(_DecodeState(self, list(input_ids), params, cache), should_stop)
+
+    def _steps(self, state: "_DecodeState", should_stop: Callable[[], bool] | None = None) -> Iterator[StepRecord]:
+        self.last_prefill_s = state.prefill(should_stop)
+        while not state.finished:
+            _check_stop(should_stop)
+            yield state.step()
+
+    # ----- validation -----------------------------------------------------------------------
+    def _validate(self, input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids,
+                  method: str = "sequoia") -> DecodeParams:
+        if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
+            raise InvalidParameterError("input_ids must be a non-empty list of token ids (the prompt is empty)")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in input_ids):
+            raise InvalidParameterError(f"input_ids must be integers in [0, {self.vocab_size})")
+        check_params(max_new_tokens, temperature, top_p, seed, method)
+        if isinstance(tree, str) and tree == "auto":
+            tree = self._auto_tree(temperature, top_p, method)
+        tree = tree if tree is not None and method != "autoregressive" else ROOT_ONLY
+        if not isinstance(tree, Tree):
+            raise InvalidParameterError(f"tree must be an engine.Tree or None, got {type(tree).__name__}")
+        if method == "chain" and tree.size != tree.depth + 1:
+            raise InvalidParameterError("method 'chain' needs a chain tree: use Tree.chain(depth)")
+        needed = len(input_ids) + max_new_tokens + tree.size
+        limit, what = (self.max_context, "the target's context") if self.max_context else (0, "")
+        if self.static_cache and (not limit or self.max_cache_len < limit):
+            limit, what = self.max_cache_len, "the static KV cache (max_cache_len)"
+        if limit and needed > limit:
+            raise ContextOverflowError(
+                f"prompt ({len(input_ids)} tokens) + max_new_tokens ({max_new_tokens}) + tree ({tree.size}) "
+                f"exceeds {what} of {limit} tokens: shorten the prompt or lower max_new_tokens")
+        stops = _stop_set(stop_token_ids) if stop_token_ids is not None else self.stop_token_ids
+        return DecodeParams(max_new_tokens, float(temperature), float(top_p), tree, seed, stops, method)
+
+
+    def _auto_tree(self, temperature: float, top_p: float, method: str) -> Tree:
+        """The hardware-aware optimizer's tree for this setting that ``method`` verifies (kept in
+        ``last_tree_choice``)."""
+        if self.tuner is None:
+            raise InvalidParameterError("tree='auto' needs a calibration and a hardware profile: build the engine "
+                                        "with tuner=engine.tuning.optimizer.AutoTuner(...) (see python -m engine.cli.profile)")
+        self.last_tree_choice = self.tuner.choose(temperature, top_p, method)
+        return self.last_tree_choice.tree
+
+
+class _DecodeState:
+    """Caches and committed tokens of one generation.
+
+    Invariants between steps: the target cache holds ``seq[:-1]`` (the root ``seq[-1]`` is fed
+    in the next verification); the draft cache holds ``seq[:draft_len]`` and catches up on the
+    rest in the next step's first draft forward.
+    """
+
+    def __init__(self, engine: SpeculativeEngine, prompt: list[int], params: DecodeParams,
+                 cache: ConversationCache | None = None) -> None:
+        self.engine, self.params, self.cache = engine, params, cache
+        self.seq = prompt
+        self.prompt_len = len(prompt)
+        drafting = engine.draft is not None and params.tree.depth > 0
+        if cache is not None:
+            self.target_runner = cache.runner("target")
+            self.draft_runner = cache.runner("draft") if drafting else None
+        else:
+            self.target_runner = engine.runner("target", self)
+            self.draft_runner = engine.runner("draft", self) if drafting else None
+        self.target_len = 0
+        self.draft_len = 0
+        self.steps = 0
+        self.generator = torch.Generator(device=engine.device).manual_seed(params.seed)
+        self.finished = False
+
+    @property
+    def generated(self) -> int:
+        return len(self.seq) - self.prompt_len
+
+    def prefill(self, should_stop: Callable[[], bool] | None = None) -> float:
+        """Run the prompt minus its last token through the target, then the draft, in chunks of
+        ``engine.prefill_chunk`` tokens (the same caches as one forward), consulting ``should_stop``
+        before each chunk (raises :class:`GenerationCancelled`); returns seconds.
+
+        With a conversation cache, each model starts after the prefix its cache already holds,
+        and the cache's record grows chunk by chunk (a stopped prefill leaves it valid)."""
+        start = time.perf_counter()
+        prompt = self.seq[:-1]
+        with torch.inference_mode():
+            for role, runner in (("target", self.target_runner), ("draft", self.draft_runner)):
+                if runner is None:
+                    continue
+                first = self.cache.reuse(role, prompt) if self.cache is not None else 0
+                if role == "target":
+                    self.engine.last_reused_tokens = first
+                # a streamed (offloaded) model pays one pass over its weights per forward: fewer, longer chunks
+                chunk = max(1, int(self.engine.prefill_chunk)) * (16 if _streamed(runner.model) else 1)
+                for begin in range(first, len(prompt), chunk):
+                    _check_stop(should_stop)
+                    runner.forward(prompt[begin:begin + chunk], start=begin, logits_to_keep=1, eager=True)
+                    if self.cache is not None:
+                        self.cache.record(role, prompt[:begin + chunk])
+            self.target_len = len(prompt)
+            if self.draft_runner is not None:
+                self.draft_len = len(prompt)
+        return time.perf_counter() - start
+
+    def step(self) -> StepRecord:
+        for runner in (self.target_runner, self.draft_runner):
+            if getattr(runner, "owner", self) is not self:
+                raise RuntimeError("another generation started on this engine and took its preallocated caches: "
+                                   "with static_cache, finish (or drop) one generation before starting the next")
+        timings = StepTimings()
+        tree = self.params.tree
+        prefix = len(self.seq) - 1  # position of the root
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            tokens, draft_probs, draft_dists = self._draft_tree(tree)
+            t1 = time.perf_counter()
+            target_logits = self.target_runner.forward(tokens, start=prefix, tail=tree.ancestor_matrix,
+                                                       positions=tree.position_ids(prefix))
+            synchronize(self.engine.device)  # so that verify_s is the forward's own time on a GPU
+            t2 = time.perf_counter()
+            target_dists = logits_to_probs(target_logits, self.params.temperature, self.params.top_p)
+            used: dict[int, tuple[float, float | None]] = {}
+            accepted, bonus = self._verify(tree, tokens, target_logits, target_dists, draft_dists, used)
+            target_probs = _child_probs(tree, tokens, target_dists)
+            self._compact(tree, prefix, accepted)
+            committed = self._commit([tokens[a] for a in accepted[1:]] + [bonus])
+            self._record()
+            t3 = time.perf_counter()
+        timings.draft_s, timings.verify_s, timings.bookkeeping_s = t1 - t0, t2 - t1, t3 - t2
+        record = StepRecord(index=self.steps, tokens=tokens, parents=list(tree.parents), ranks=list(tree.ranks),
+                            draft_probs=draft_probs, target_probs=target_probs, accepted=accepted,
+                            committed=committed, timings=timings, finish_reason=self.finish_reason,
+                            method=self.params.method, greedy=self.params.greedy,
+                            verifier_p=[used[n][0] if n in used else None for n in range(len(tokens))],
+                            verifier_q=[used[n][1] if n in used else None for n in range(len(tokens))])
+        self.steps += 1
+        return record
+
+    # ----- drafting -----------------------------------------------------------------------
+    def _draft_tree(self, tree: Tree) -> tuple[list[int], list[float], dict[int, torch.Tensor]]:
+        """Expand the tree level by level with the draft.
+
+        Returns node tokens, q(token | parent) per node, and the draft distribution ``[V]`` each
+        node's children were drawn from (nodes with children only).
+        """
+        tokens, probs, dists = [self.seq[-1]], [1.0], {}
+        if tree.depth == 0:
+            return tokens, probs, dists
+        runner = self.draft_runner
+        # Catch-up: committed tokens the draft has not seen yet, the root last.
+        level_logits = runner.forward(self.seq[self.draft_len:], start=self.draft_len, logits_to_keep=1)
+        self.draft_len = len(self.seq)
+        for level in range(1, tree.depth + 1):
+            parents = tree.level_slices[level - 1]
+            level_probs = logits_to_probs(level_logits, self.params.temperature, self.params.top_p)
+            expanding = [p for p in range(parents.start, parents.stop) if tree.children[p]]
+            drawn = choose_level_children(level_probs, [p - parents.start for p in expanding],
+                                          [len(tree.children[p]) for p in expanding],
+                                          self.params.method, self.params.greedy, self.generator)
+            choices = dict(zip(expanding, drawn))
+            for parent in expanding:
+                dists[parent] = level_probs[parent - parents.start]
+            nodes = tree.level_slices[level]
+            level_parents = [tree.parents[node] for node in range(nodes.start, nodes.stop)]
+            level_tokens = [choices[parent][tree.ranks[node] - 1] for node, parent in zip(range(nodes.start, nodes.stop), level_parents)]
+            tokens.extend(level_tokens)
+            probs.extend(level_probs[[p - parents.start for p in level_parents], level_tokens].tolist())  # one sync
+            if level < tree.depth:
+                # the draft cache holds seq, then tree nodes 1.. in order: this level goes after them
+                level_logits = runner.forward(tokens[nodes], start=len(self.seq) + nodes.start - 1,
+                                              tail=tree.ancestor_matrix[nodes, 1:nodes.stop],
+                                              positions=tree.position_ids(len(self.seq) - 1, nodes=nodes))
+        return tokens, probs, dists
+
+    def _verify(self, tree: Tree, tokens: list[int], target_logits: torch.Tensor, target_dists: torch.Tensor,
+                draft_dists: dict[int, torch.Tensor], used: dict) -> tuple[list[int], int]:
+        """Accepted path and bonus token; ``used`` gets what each tried child was judged on."""
+        if self.params.greedy:
+            return verify_greedy(tree, tokens, target_logits.argmax(dim=-1))
+        if self.params.method == "topk":
+            return verify_topk(tree, tokens, target_dists, self.generator, used)
+        return verify_stochastic(tree, tokens, target_dists, draft_dists,
+                                 without_replacement=self.params.method != "specinfer", generator=self.generator,
+                                 used=used)
+
+    # ----- bookkeeping --------------------------------------------------------------------
+    def _compact(self, tree: Tree, prefix: int, accepted: list[int]) -> None:
+        """Keep prefix + accepted path in the target cache, and the accepted nodes the draft saw."""
+        self.target_runner.compact(prefix, accepted)
+        self.target_len = prefix + len(accepted)
+        if tree.depth > 0:
+            seen_by_draft = [a - 1 for a in accepted[1:] if tree.depths[a] < tree.depth]
+            self.draft_runner.compact(prefix + 1, seen_by_draft)
+            self.draft_len = prefix + 1 + len(seen_by_draft)
+
+    def _record(self) -> None:
+        """Tell the conversation cache (if any) which committed tokens its slots now hold: the
+        accepted path may run past a stop token, so at most ``seq`` itself."""
+        if self.cache is None:
+            return
+        self.cache.record("target", self.seq[:min(self.target_len, len(self.seq))])
+        if self.draft_runner is not None:
+            self.cache.record("draft", self.seq[:min(self.draft_len, len(self.seq))])
+
+    def _commit(self, candidates: list[int]) -> list[int]:
+        """Append tokens up to the first stop token or the budget; sets ``finish_reason``."""
+        committed = []
+        self.finish_reason = None
+        for token in candidates:
+            committed.append(token)
+            if token in self.params.stop_token_ids:
+                self.finish_reason = "stop"
+                break
+            if self.generated + len(committed) >= self.params.max_new_tokens:
+                self.finish_reason = "length"
+                break
+        self.seq = self.seq + committed
+        self.finished = self.finish_reason is not None
+        return committed
+
+
+def forward(model, cache, token_ids: list[int], start: int, mask: torch.Tensor | None = None,
+             positions: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+    """One forward of ``token_ids`` after ``start`` cached positions; float32 logits ``[q, V]``.
+
+    Without ``mask`` the tokens are a causal chunk at positions ``start..start+q-1``; with it,
+    ``mask [1, 1, q, cache_len + q]`` and ``positions [1, q]`` describe tree attention.
+    """
+    device = next(model.parameters()).device
+    ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+    if positions is None:
+        positions = torch.arange(start, start + len(token_ids))[None]
+    return run_model(model, cache, ids, positions.to(device),
+                     None if mask is None else mask.to(device=device, dtype=model.dtype), logits_to_keep)
+
+
+def _child_probs(tree: Tree, tokens: list[int], parent_probs: torch.Tensor) -> list[float]:
+    """``parent_probs[parent(i), tokens[i]]`` for every node; 1.0 for the root."""
+    if tree.size == 1:
+        return [1.0]
+    parents = torch.tensor(tree.parents[1:])
+    children = torch.tensor(tokens[1:])
+    return [1.0] + parent_probs[parents, children].tolist()
+
+
+def _check_stop(should_stop: Callable[[], bool] | None) -> None:
+    if should_stop is not None and should_stop():
+        raise GenerationCancelled("generation stopped on request")
+
+
+def _streamed(model: torch.nn.Module) -> bool:
+    return getattr(model, "_layer_streamer", None) is not None
+
+
+def graphable(model: torch.nn.Module) -> bool:
+    """CUDA graphs need the whole model on one GPU and no host-side hooks: not for targets split
+    with ``device_map`` or streamed from the host (those run eagerly)."""
+    streamed = getattr(model, "_layer_streamer", None) is not None
+    devices = set(getattr(model, "hf_device_map", {}).values())
+    return not streamed and len(devices) <= 1
+
+
+def check_params(max_new_tokens: int, temperature: float, top_p: float, seed: int, method: str) -> None:
+    """Raise :class:`InvalidParameterError` for out-of-range scalar generation parameters."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InvalidParameterError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise InvalidParameterError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise InvalidParameterError(f"top_p must be in (0, 1], got {top_p!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InvalidParameterError(f"seed must be an integer, got {seed!r}")
+    if method not in METHODS:
+        raise InvalidParameterError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _stop_set(stop_token_ids) -> frozenset[int]:
+    if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__") or \
+            any(isinstance(t, bool) or not isinstance(t, int) for t in stop_token_ids):
+        raise InvalidParameterError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
+    return frozenset(stop_token_ids)
+
+
+def _refuse_sliding_window(model: torch.nn.Module) -> None:
+    """Tree verification keeps every prefix position; sliding-window caches drop them."""
+    config = model.config
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        raise InvalidParameterError(
+            f"{type(model).__name__} uses sliding-window attention, which tree verification does not support "
+            f"yet: choose a model with full attention")
+
+
+def _output_vocab(model: torch.nn.Module) -> int:
+    head = model.get_output_embeddings()
+    return int(getattr(head, "out_features", 0) or head.weight.shape[0])
+
+
+def _default_stop_ids(model: torch.nn.Module) -> list[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]

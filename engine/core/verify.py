@@ -1,0 +1,134 @@
+"""Acceptance rules: walk the drafted tree against the target's outputs.
+
+Each verifier takes the tree, the node tokens and the target's per-node outputs and returns
+``(accepted_nodes, bonus_token)``: a root-to-node path (root first) and the token the target
+contributes after it. Pure functions, no model calls. The sampling verifiers also fill ``used``,
+when given, with what each child they tried was judged on: ``used[node] = (p, q)``, the target's
+(residual) and the draft's (renormalised) probability of its token at that moment (q is None for
+top-k matching, where the child is kept when the target's sample equals it, probability p).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.core.errors import InvalidDistributionError
+from engine.trees.tree import Tree
+
+
+def verify_greedy(tree: Tree, tokens: list[int], target_argmax: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy (temperature 0): follow the child whose token equals the target's argmax.
+
+    ``target_argmax [size]`` is the target's most likely next token after each node. The bonus
+    token is the argmax after the last accepted node, so the committed sequence is exactly what
+    the target's own greedy decoding produces.
+    """
+    argmax = target_argmax.tolist()
+    node = 0
+    path = [0]
+    while True:
+        wanted = argmax[node]
+        match = next((c for c in tree.children[node] if tokens[c] == wanted), None)
+        if match is None:
+            return path, wanted
+        node = match
+        path.append(node)
+
+
+Used = dict[int, tuple[float, float | None]]  # node -> (p, q) it was judged on
+
+
+def verify_stochastic(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
+                      draft_probs: dict[int, torch.Tensor], without_replacement: bool,
+                      generator: torch.Generator | None = None, used: Used | None = None) -> tuple[list[int], int]:
+    """Multi-draft speculative sampling over a tree; the committed tokens follow the target exactly.
+
+    ``target_probs [size, V]``: the target's distribution after each node (temperature/top-p
+    applied). ``draft_probs[node] [V]``: the draft distribution the children of ``node`` were
+    drawn from. At each node the children are tried in rank order: child x is accepted with
+    probability ``min(1, p[x] / q[x])``; on rejection ``p <- normalize(relu(p - q))`` and, when the
+    children were drawn without replacement (Sequoia), ``q[x] <- 0`` renormalised. If no child is
+    accepted (or the node is a leaf) the bonus token is sampled from the residual ``p``.
+    """
+    check_distributions(target_probs)
+    node, path = 0, [0]
+    while True:
+        kids = tree.children[node]
+        q = draft_probs[node] if kids else None
+        tried: list[tuple[float, float]] = []
+        choice, p = accept_child(target_probs[node], q, [tokens[c] for c in kids], without_replacement, generator,
+                                 tried)
+        if used is not None:
+            used.update(zip(kids, tried))
+        if choice is None:
+            return path, int(torch.multinomial(p, 1, generator=generator).item())
+        node = kids[choice]
+        path.append(node)
+
+
+def accept_child(p: torch.Tensor, q: torch.Tensor | None, child_tokens: list[int], without_replacement: bool,
+                 generator: torch.Generator | None = None,
+                 tried: list[tuple[float, float]] | None = None) -> tuple[int | None, torch.Tensor]:
+    """One node of :func:`verify_stochastic`: try the children (tokens in rank order) against the
+    target distribution ``p [V]`` and the draft distribution ``q [V]`` they were drawn from.
+
+    Returns ``(index of the accepted child, p)`` or ``(None, residual p)`` to draw the bonus from.
+    ``tried`` gets ``(p[x], q[x])`` of each child tried, as the acceptance test used them.
+    """
+    if not child_tokens:
+        return None, p
+    check_distributions(q)
+    q = q.clone()
+    for index, x in enumerate(child_tokens):
+        if q[x] <= 0:  # support of q exhausted: the remaining children carry no mass
+            break
+        u = torch.rand((), generator=generator, dtype=torch.float64, device=p.device).item()
+        px, qx = p[x].item(), q[x].item()
+        if tried is not None:
+            tried.append((px, qx))
+        if u * qx < px:  # u < p/q without dividing
+            return index, p
+        p = _residual(p, q)
+        if without_replacement:
+            q[x] = 0.0
+            total = q.sum()
+            if total <= 0:
+                break
+            q = q / total
+    return None, p
+
+
+def check_distributions(probs: torch.Tensor) -> None:
+    """Rows of ``probs [..., V]`` must be finite, non-negative and carry mass."""
+    if not torch.isfinite(probs).all() or (probs < 0).any() or (probs.sum(dim=-1) <= 0).any():
+        raise InvalidDistributionError("a verifier distribution has NaN/inf, negative entries or no mass")
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``normalize(relu(p - q))``; if rounding leaves no mass, ``p`` itself (impossible exactly)."""
+    residual = torch.clamp(p - q, min=0.0)
+    total = residual.sum()
+    return residual / total if total > 0 else p
+
+
+def verify_topk(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
+                generator: torch.Generator | None = None, used: Used | None = None) -> tuple[list[int], int]:
+    """Top-k drafting baseline: the target samples its token; accept the child that matches it."""
+    check_distributions(target_probs)
+    node, path = 0, [0]
+    while True:
+        kids = tree.children[node]
+        choice, x = match_child(target_probs[node], [tokens[c] for c in kids], generator)
+        if used is not None:
+            used.update((c, (target_probs[node, tokens[c]].item(), None)) for c in kids)
+        if choice is None:
+            return path, x
+        node = kids[choice]
+        path.append(node)
+
+
+def match_child(p: torch.Tensor, child_tokens: list[int],
+                generator: torch.Generator | None = None) -> tuple[int | None, int]:
+    """One node of :func:`verify_topk`: the target samples ``x ~ p [V]``; returns (index of the
+    child whose token is x, or None, and x)."""
+    x = int(torch.multinomial(p, 1, generator=generator).item())
+    return (child_tokens.index(x) if x in child_tokens else None), x

@@ -1,0 +1,113 @@
+"""Acceptance calibration: measure the positional acceptance vector of a pair with the real verifier.
+
+Every step verifies a one-level tree with K children (``Tree.k_ary(K, 1)``) and records which
+rank the verifier accepted, or none; p_k = (steps accepting rank k) / steps. Greedy (T = 0):
+p_k = P(target argmax is the draft's k-th most likely token), read exactly and cheaply off the
+greedy continuations with :mod:`engine.tuning.replay` (one causal draft pass per prompt). ``python -m engine.cli.calibrate``
+runs it over the bundled prompts with a progress bar and caches the vector per
+(pair, temperature, top-p) as JSON.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from engine.core.speculative import SpeculativeEngine
+from engine.trees.tree import Tree
+
+
+@dataclass
+class Acceptance:
+    """A measured positional acceptance vector."""
+
+    pair: str
+    temperature: float
+    top_p: float
+    positions: int
+    counts: list[int]          # counts[k - 1]: positions where rank k was accepted
+    vector: list[float]        # p_k = counts[k - 1] / positions
+
+    @property
+    def none_accepted(self) -> float:
+        return 1.0 - sum(self.vector)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Acceptance":
+        return cls(**json.loads(text))
+
+
+def calibrate(engine: SpeculativeEngine, prompts: list[list[int]], temperature: float, top_p: float = 1.0,
+              k: int = 32, positions: int = 300, tokens_per_prompt: int = 96, seed: int = 0,
+              pair: str = "", progress: bool = True) -> Acceptance:
+    """Run one-level K-child trees over the prompts until ``positions`` steps are counted."""
+    from tqdm.auto import tqdm
+
+    if temperature == 0:
+        return _greedy_calibration(engine, prompts, k, positions, pair, progress)
+
+    tree = Tree.k_ary(k, 1)
+    counts = [0] * k
+    seen = 0
+    with tqdm(total=positions, desc=f"calibrating T={temperature} top-p={top_p}", disable=not progress) as bar:
+        for i, ids in enumerate(prompts * (positions // max(len(prompts), 1) + 1)):
+            for step in engine.stream(ids, max_new_tokens=tokens_per_prompt, temperature=temperature, top_p=top_p,
+                                      tree=tree, seed=seed + i, method="sequoia"):
+                if len(step.accepted) > 1:
+                    counts[step.ranks[step.accepted[1]] - 1] += 1
+                seen += 1
+                bar.update(1)
+                if seen >= positions:
+                    break
+            if seen >= positions:
+                break
+    return Acceptance(pair=pair, temperature=temperature, top_p=top_p, positions=seen, counts=counts,
+                      vector=[c / seen for c in counts])
+
+
+def safe_name(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def acceptance_path(directory: Path, pair: str, temperature: float, top_p: float) -> Path:
+    return directory / f"{safe_name(pair)}__T{temperature:g}__p{top_p:g}.json"
+
+
+def _greedy_calibration(engine: SpeculativeEngine, prompts: list[list[int]], k: int, positions: int,
+                        pair: str, progress: bool) -> Acceptance:
+    """T = 0: the draft's rank of every token of the target's greedy continuations, spread evenly
+    over the prompts (``positions`` in all)."""
+    from tqdm.auto import tqdm
+
+    from engine.tuning.replay import draft_ranks
+
+    per_prompt = -(-positions // len(prompts))
+    ranks: list[int] = []
+    for ids in tqdm(prompts, desc="calibrating T=0 (greedy replay)", disable=not progress):
+        continuation = engine.generate(ids, max_new_tokens=per_prompt, tree=Tree.chain(4)).tokens
+        ranks += draft_ranks(engine.draft, ids, continuation)
+    ranks = ranks[:positions]
+    counts = [sum(1 for r in ranks if r == rank) for rank in range(1, k + 1)]
+    return Acceptance(pair=pair, temperature=0.0, top_p=1.0, positions=len(ranks), counts=counts,
+                      vector=[c / len(ranks) for c in counts])
+
+
+def find_acceptance(pair: str, directories: list[Path] | None = None) -> dict[tuple[float, float], list[float]]:
+    """Calibrated vectors of ``pair`` keyed by (temperature, top_p): the user cache first, then the
+    measurements bundled in ``assets/acceptance`` (the embedded pair's); unreadable files are skipped."""
+    if directories is None:
+        from engine.models.loading import cache_dir
+        from engine.models.prompts import ASSETS
+        directories = [cache_dir() / "acceptance", ASSETS / "acceptance"]
+    found: dict[tuple[float, float], list[float]] = {}
+    for directory in reversed(directories):  # earlier directories override later ones
+        for file in sorted(directory.glob(f"{safe_name(pair)}__T*__p*.json")):
+            try:
+                measured = Acceptance.from_json(file.read_text())
+            except (OSError, ValueError, TypeError, KeyError):
+                continue
+            found[(float(measured.temperature), float(measured.top_p))] = list(measured.vector)
+    return found

@@ -1,0 +1,149 @@
+"""Hardware profile: target latency t_T(n) for n tree tokens and draft latency t_D(w) per level width.
+
+``python -m engine.cli.profile`` measures both for a pair after a realistic prefix and caches the
+result per (device, pair, dtype) as JSON in the user cache.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.core.runner import make_runner, synchronize
+from engine.core.sampling import choose_level_children, logits_to_probs
+from engine.trees.tree import Tree
+
+
+@dataclass
+class HardwareProfile:
+    """Median forward latencies in seconds, keyed by the number of new tokens."""
+
+    device: str
+    pair: str
+    dtype: str
+    prefix_len: int
+    target: dict[int, float] = field(default_factory=dict)  # n tree tokens -> seconds
+    draft: dict[int, float] = field(default_factory=dict)   # level width -> seconds
+
+    def target_time(self, n: int) -> float:
+        return _interpolate(self.target, n)
+
+    def draft_time(self, width: int) -> float:
+        return _interpolate(self.draft, width) if self.draft else 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "HardwareProfile":
+        raw = json.loads(text)
+        raw["target"] = {int(k): float(v) for k, v in raw["target"].items()}
+        raw["draft"] = {int(k): float(v) for k, v in raw["draft"].items()}
+        return cls(**raw)
+
+
+def _interpolate(points: dict[int, float], x: int) -> float:
+    """Piecewise-linear in x through the measured points; linear extrapolation past the ends."""
+    xs = sorted(points)
+    if x in points:
+        return points[x]
+    if len(xs) == 1:
+        return points[xs[0]] * max(x, 1) / xs[0]
+    lo, hi = (xs[0], xs[1]) if x < xs[0] else (xs[-2], xs[-1]) if x > xs[-1] else \
+        next((a, b) for a, b in zip(xs, xs[1:]) if a <= x <= b)
+    slope = (points[hi] - points[lo]) / (hi - lo)
+    return max(points[lo] + slope * (x - lo), 1e-9)
+
+
+def measure_forward(model, prefix: list[int], n: int, repeats: int = 3, runner=None,
+                    draft_level: bool = False) -> float:
+    """Median seconds of one forward over ``n`` tree tokens (a chain mask) after ``prefix``.
+
+    ``runner`` (an :mod:`engine.core.runner` runner of ``model``) is what the engine would use; by
+    default a static runner with CUDA graphs on CUDA and a dynamic one on CPU. ``draft_level``
+    adds what the engine does with a draft level's logits (probabilities, each row's top
+    children and their q, read back to the host): on a GPU that costs as much as the forward.
+    """
+    if runner is None:
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        runner = make_runner(model, static=on_cuda, max_len=len(prefix) + n, cuda_graphs=on_cuda)
+    device = runner.device
+    tree = Tree.chain(n - 1)
+    positions = tree.position_ids(len(prefix))
+    ids = torch.randint(0, min(1000, model.config.vocab_size), (n,)).tolist()
+    with torch.inference_mode():
+        runner.reset()
+        runner.forward(prefix, start=0, logits_to_keep=1)
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up (and captures a graph)
+            synchronize(device)
+            start = time.perf_counter()
+            logits = runner.forward(ids, start=len(prefix), tail=tree.ancestor_matrix, positions=positions)
+            if draft_level:
+                _level_bookkeeping(logits)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+            runner.compact(len(prefix), [])
+    return statistics.median(times[1:])
+
+
+def _level_bookkeeping(logits: torch.Tensor) -> None:
+    """The engine's work on one draft level's logits ``[w, V]``, as in ``_draft_tree`` (greedy)."""
+    probs = logits_to_probs(logits, 0.0, 1.0)
+    rows = list(range(probs.shape[0]))
+    children = choose_level_children(probs, rows, [2] * len(rows), "sequoia", True)
+    probs[rows, [c[0] for c in children]].tolist()
+
+
+def measure_profile(target, draft, prefix: list[int], sizes: list[int], widths: list[int], pair: str,
+                    repeats: int = 3, progress: bool = True, runners: dict | None = None) -> HardwareProfile:
+    """Profile ``target`` at each size and ``draft`` at each width; ``runners`` maps "target" /
+    "draft" to the runner to time (default: see :func:`measure_forward`).
+
+    The sizes are timed round-robin, ``repeats`` rounds, and each keeps its median: a slow
+    spell of a shared machine then lands on every size alike instead of on a few (timed one
+    size after another, a lucky spell once put n = 4 at 60% of n = 1). Curves are kept as
+    measured, not forced to grow with n: oneDNN's one-row kernel really is slower than its
+    four-row one here."""
+    from tqdm.auto import tqdm
+
+    device = next(target.parameters()).device
+    profile = HardwareProfile(device=device_name(device), pair=pair, dtype=str(target.dtype).removeprefix("torch."),
+                              prefix_len=len(prefix))
+    jobs = [("target", n) for n in sizes] + ([("draft", w) for w in widths] if draft is not None else [])
+    readings: dict[tuple[str, int], list[float]] = {job: [] for job in jobs}
+    with tqdm(total=len(jobs) * repeats, desc="profiling", disable=not progress) as bar:
+        for _ in range(repeats):
+            for kind, n in jobs:
+                model = target if kind == "target" else draft
+                readings[kind, n].append(measure_forward(model, prefix, n, 1, (runners or {}).get(kind),
+                                                         draft_level=kind == "draft"))
+                bar.update()
+    for (kind, n), times in readings.items():
+        getattr(profile, kind)[n] = statistics.median(times)
+    return profile
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu-{platform.machine()}-{torch.get_num_threads()}threads"
+
+
+def profile_path(profile_dir: Path, device: str, pair: str, dtype: str) -> Path:
+    from engine.tuning.calibrate import safe_name
+
+    return profile_dir / f"{safe_name(f'{device}__{pair}__{dtype}')}.json"
+
+
+def powers_of_two(limit: int) -> list[int]:
+    out, n = [], 1
+    while n <= limit:
+        out.append(n)
+        n *= 2
+    return out

@@ -1,0 +1,74 @@
+"""The repository's layout: the library under engine/ is grouped by concern, and only command
+lines import the command-line package."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = ROOT / "engine"
+LIBRARY_PACKAGES = {"core", "trees", "tuning", "backends", "models", "peer"}
+
+
+def engine_imports(path: Path) -> set[str]:
+    """The ``engine.*`` modules a file imports. The engine imports absolutely, so a reader (and
+    this test) sees which package each name comes from."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0 or ENGINE not in path.parents, f"{path}: relative import"
+            if node.module and node.module.split(".")[0] == "engine":
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "engine")
+    return found
+
+
+def package_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "engine" else None
+
+
+def test_engine_lists_one_folder_per_concern():
+    entries = sorted(p.name for p in ENGINE.iterdir() if p.name != "__pycache__")
+    assert entries == sorted(["__init__.py", "cli", *LIBRARY_PACKAGES])
+    for package in [*LIBRARY_PACKAGES, "cli"]:
+        assert (ENGINE / package / "__init__.py").read_text().strip(), f"engine/{package} says what it holds"
+
+
+def test_no_library_module_imports_a_command_line():
+    offenders = {}
+    for path in ENGINE.rglob("*.py"):
+        if path.parent.name == "cli":
+            continue
+        bad = sorted(m for m in engine_imports(path) if package_of(m) == "cli")
+        if bad:
+            offenders[str(path.relative_to(ROOT))] = bad
+    assert offenders == {}
+
+
+def test_the_app_uses_the_library_not_the_command_lines():
+    for path in (ROOT / "app").glob("*.py"):
+        assert not any(package_of(m) == "cli" for m in engine_imports(path)), path
+
+
+def test_the_core_does_not_reach_into_tuning_or_command_lines():
+    """The decoding core needs trees (and the prefix cache's runner) but no optimizer or CLI:
+    it is the part a reader learns first."""
+    for path in (ENGINE / "core").glob("*.py"):
+        used = {package_of(m) for m in engine_imports(path)} - {None}
+        assert used <= {"core", "trees"}, (path.name, used)
+
+
+@pytest.mark.parametrize("old, new", [("engine.generate", "engine.cli.generate"), ("engine.bench", "engine.cli.bench"),
+                                      ("engine.calibrate", "engine.cli.calibrate")])
+def test_the_old_command_names_still_run(old, new):
+    out = subprocess.run([sys.executable, "-m", old, "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env={"PATH": "/usr/bin:/bin", "SEQUOIA_HUGE_PAGES": "0"})
+    assert out.returncode == 0, out.stderr
+    assert f"python -m {new}" in out.stdout
