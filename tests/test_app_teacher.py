@@ -10,7 +10,8 @@ import pytest
 import test_app_support as support
 from test_app_worker import fake_tuner
 
-from app import ui
+from app import handlers, ui
+from app import text as ui_text
 from app.conversation import export_conversation, highlight_html, import_steps
 from app.worker import Worker, make_engine
 from engine.core.records import StepRecord, StepTimings
@@ -43,28 +44,28 @@ def test_the_embedded_pair_is_named_with_its_formats():
     info = {"target": "default-target", "draft": "default-draft", "device": "cpu", "dtype": "float32",
             "target_format": "none", "draft_format": "int4", "target_params": 1_540_000_000,
             "draft_params": 494_000_000}
-    header = ui.header_html("Sequoia Chat", info)
+    header = ui_text.header_html("Sequoia Chat", info)
     assert "Qwen2.5-Coder-1.5B-Instruct</b> (float32, from GGUF Q4_K_M)" in header
     assert "Qwen2.5-Coder-0.5B-Instruct</b> (int4, from GGUF Q4_K_M)" in header
     assert "default-target" not in header
-    panel = ui.pair_markdown(info)
+    panel = ui_text.pair_markdown(info)
     assert "**Qwen2.5-Coder-1.5B-Instruct** (`default-target`)" in panel and "int4 weights" in panel
-    assert ui.model_name("someone/other-model") == "someone/other-model"
+    assert ui_text.model_name("someone/other-model") == "someone/other-model"
 
 
 def test_each_method_is_named_and_explained():
     vector = [0.6, 0.2, 0.1, 0.05]
-    descriptions = {m: ui.resolve_tree(m, 8, 4, vector)[1] for m in ("sequoia", "specinfer", "topk")}
+    descriptions = {m: handlers.resolve_tree(m, 8, 4, vector)[1] for m in ("sequoia", "specinfer", "topk")}
     assert len(set(descriptions.values())) == 3, descriptions  # no longer all "Sequoia DP tree: ..."
     assert all(d.startswith(m) for m, d in descriptions.items())
-    assert ui.resolve_tree("autoregressive", 8, 4, vector)[1].startswith("autoregressive")
-    assert "children sampled independently" in ui.method_help("specinfer", 0.7)
-    assert "At T = 0 every method" in ui.method_help("topk", 0.0)
-    assert "At T = 0" not in ui.method_help("autoregressive", 0.0)
+    assert handlers.resolve_tree("autoregressive", 8, 4, vector)[1].startswith("autoregressive")
+    assert "children sampled independently" in ui_text.method_help("specinfer", 0.7)
+    assert "At T = 0 every method" in ui_text.method_help("topk", 0.0)
+    assert "At T = 0" not in ui_text.method_help("autoregressive", 0.0)
 
 
 def test_the_key_explains_the_symbols_and_each_accept_rule():
-    key = ui.key_html()
+    key = ui_text.key_html()
     for words in ("␣", "↵", "solid", "dashed", "bonus", "measured", "estimated", "predicted"):
         assert words in key
     for method in ("sequoia", "specinfer", "chain", "topk", "autoregressive"):
@@ -148,12 +149,12 @@ def test_replayed_step_is_marked_in_the_answer():
     marked = highlight_html(tok, steps, current=1)
     assert re.findall(r'tok-current">([^<]*)<', marked) == [" world"]
     assert "tok-current" not in highlight_html(tok, steps)
-    text = ui.step_text_html(tok, steps, 1)
+    text = ui_text.step_text_html(tok, steps, 1)
     assert "Step 2 wrote:" in text and "Hello" in text and "<mark class='sc-step-now'>␣world</mark>" in text
 
 
 def test_play_advances_the_replay_and_stops_after_the_last_step(app):
-    run = ui.Run(steps=[step(i, [20 + i]) for i in range(3)], texts={})
+    run = handlers.Run(steps=[step(i, [20 + i]) for i in range(3)], texts={})
     c = app.c
     timer, _, _ = app.play(run, 1, 0.6)
     assert timer["active"] is True and timer["value"] == 0.6
@@ -179,7 +180,7 @@ def test_exported_steps_come_back_on_import():
 def test_a_depth_the_tree_does_not_reach_is_reported(app):
     capped = app.tree_info("sequoia", 4, 8, False, 0.0, 1.0)
     assert "depth capped at size − 1 = 3" in capped
-    tree, _ = ui.resolve_tree("sequoia", 32, 16, app.calibration(0.0, 1.0).vector)
+    tree, _ = handlers.resolve_tree("sequoia", 32, 16, app.calibration(0.0, 1.0).vector)
     assert tree.depth < 16  # the greedy calibration makes 32 nodes wider than 16 deep
     assert f"the DP tree stops at {tree.depth}" in app.tree_info("sequoia", 32, 16, False, 0.0, 1.0)
     assert "stops at" not in app.tree_info("chain", 32, 16, False, 0.0, 1.0)
@@ -191,7 +192,7 @@ def test_a_message_sent_during_an_answer_is_refused_with_a_message(app):
                                                   max_new_tokens=2000, tree=None, method="autoregressive"),
                                 session="local")
     try:
-        updates = list(app.respond("second question", [], ui.Run(), "", 0.0, 1.0, 8, 0, "sequoia", 8, 4, False,
+        updates = list(app.respond("second question", [], handlers.Run(), "", 0.0, 1.0, 8, 0, "sequoia", 8, 4, False,
                                    False, False))
     finally:
         blocker.cancel()
@@ -201,7 +202,7 @@ def test_a_message_sent_during_an_answer_is_refused_with_a_message(app):
 
 @pytest.mark.parametrize("method", ["sequoia", "autoregressive"])
 def test_the_status_says_what_is_happening_and_names_the_method(app, method):
-    updates = list(app.respond("Hello there", [], ui.Run(), "", 0.0, 1.0, 6, 0, method, 8, 4, False, False, False))
+    updates = list(app.respond("Hello there", [], handlers.Run(), "", 0.0, 1.0, 6, 0, method, 8, 4, False, False, False))
     statuses = [u[app.c.status] for u in updates if app.c.status in u]
     prefill = [s for s in statuses if "Prefill:" in s]
     assert prefill and "-token prompt" in prefill[0]
@@ -214,7 +215,7 @@ def test_the_status_says_what_is_happening_and_names_the_method(app, method):
 
 
 def test_the_int4_target_is_named_by_what_it_stores():
-    from app.ui import model_format
+    from app.text import model_format
 
     assert model_format({"target": "default-target", "target_format": "q4k"}, "target") == \
         "int4: the GGUF Q4_K_M blocks as stored"

@@ -236,7 +236,7 @@ def test_auto_tree_reports_the_optimizer_choice(worker, pair):
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_models_panel_counts_and_names_a_quantised_draft(fmt):
-    from app.ui import pair_markdown
+    from app.text import pair_markdown
     from app.worker import describe_pair
     from engine.backends.quantize import quantize_draft
 

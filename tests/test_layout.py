@@ -72,3 +72,12 @@ def test_the_old_command_names_still_run(old, new):
                          timeout=120, env={"PATH": "/usr/bin:/bin", "SEQUOIA_HUGE_PAGES": "0"})
     assert out.returncode == 0, out.stderr
     assert f"python -m {new}" in out.stdout
+
+
+def test_figures_and_text_are_pure():
+    """The app's figures and text are functions of records and plain values: no Gradio, no worker."""
+    for name in ("figures.py", "text.py"):
+        tree = ast.parse((ROOT / "app" / name).read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not any(m.split(".")[0] == "gradio" or m in ("worker", "handlers") for m in imported), (name, imported)

@@ -1,0 +1,685 @@
+"""The UI's event handlers (:class:`ChatApp`): each takes component values and returns or yields
+component updates. Every request goes through the :class:`app.worker.Worker`, which owns the models;
+the layout (:mod:`app.ui`) wires the handlers to the components."""
+from __future__ import annotations
+
+import html
+import os
+import queue
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import gradio as gr
+
+from engine.core.errors import EngineError
+from engine.core.speculative import METHODS
+from engine.models.loading import pair_name
+from engine.trees.tree import Tree
+from engine.tuning.acceptance import EMBEDDED_PAIR, Calibration, calibration_for
+from engine.tuning.tree_store import build_tree
+
+from . import figures
+from .conversation import (
+    MAX_IMPORT_BYTES,
+    ContextTooLong,
+    clean_text,
+    display_messages,
+    export_conversation,
+    fit_context,
+    highlight_html,
+    import_conversation,
+    import_steps,
+)
+from .text import (
+    describe_choice,
+    dropped_notice,
+    format_seconds,
+    header_html,
+    method_help,
+    pair_markdown,
+    status_html,
+    step_text_html,
+)
+from .worker import GenerationRequest, Job, SessionBusy, Worker
+
+DEFAULTS = {
+    "title": "Sequoia Chat",
+    "system_prompt": "",
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "max_new_tokens": 256,
+    "max_new_tokens_limit": 2048,
+    "seed": 0,
+    "method": "sequoia",
+    "tree_size": 8,
+    "depth": 4,
+    "max_tree_size": 64,
+    "max_depth": 16,
+    "compare": False,
+    "highlight": False,
+    # the pair (as calibrations name it) whose acceptance calibrations shape DP trees and predictions
+    "pair": EMBEDDED_PAIR,
+    # show predicted tokens/step; also off whenever the pair in use has no calibration of its own
+    "predict": True,
+    "plot_interval": 0.2,   # seconds between live tree redraws (<= 5 per second)
+    "text_interval": 0.05,  # seconds between text updates
+}
+BASELINE_PROMPT = "Write a short paragraph about trees."  # what "Measure the target alone" decodes
+BASELINE_TOKENS = 48
+
+
+# ----- small pieces ------------------------------------------------------------------------------
+class TokenTexts:
+    """Decoded text of single tokens, cached per tokenizer."""
+
+    def __init__(self) -> None:
+        self._cache: dict[int, dict[int, str]] = {}
+        self._lock = threading.Lock()
+
+    def texts(self, tokenizer, tokens) -> dict[int, str]:
+        with self._lock:
+            cache = self._cache.setdefault(id(tokenizer), {})
+            for t in tokens:
+                if t not in cache:
+                    cache[t] = tokenizer.decode([t], skip_special_tokens=False)
+            return {t: cache[t] for t in tokens}
+
+
+@lru_cache(maxsize=64)
+def _calibration(pair: str, temperature: float, top_p: float) -> Calibration:
+    return calibration_for(pair, temperature, top_p)
+
+
+@lru_cache(maxsize=256)
+def _cached_tree(size: int, depth: int, acceptance: tuple[float, ...]) -> Tree | None:
+    return build_tree(size, depth, list(acceptance))
+
+
+def resolve_tree(method: str, size: int, depth: int, acceptance) -> tuple[Tree | None, str]:
+    """The tree for the controls and a short description. Raises EngineError on bad values."""
+    size = int(max(1, size))
+    depth = int(max(1, depth))
+    if method == "autoregressive" or size == 1 and method != "chain":
+        return None, "autoregressive: the target alone, 1 token per step, no draft"
+    if method == "chain":
+        return Tree.chain(depth), f"chain: {depth} draft tokens in a row ({depth + 1} nodes)"
+    depth = min(depth, size - 1)
+    tree = _cached_tree(size, depth, tuple(acceptance))
+    kind = "a chain" if tree.size == tree.depth + 1 else "a DP-shaped tree"
+    return tree, f"{method} on {kind}: {tree.size} nodes, depth {tree.depth}"
+
+
+def _clamp(value, low, high, cast=float):
+    try:
+        value = cast(value)
+    except (TypeError, ValueError):
+        value = low
+    return max(low, min(high, value))
+
+
+@dataclass
+class Run:
+    """What a finished (or running) answer leaves behind for replay."""
+
+    steps: list = field(default_factory=list)
+    texts: dict = field(default_factory=dict)
+    tree_desc: str = ""
+    expected: float | None = None
+    predicted: float | None = None
+    baseline: float | None = None
+    baseline_source: str = "measured"   # of ``baseline``: "measured" or "estimated" (device profile)
+    scale: float = 1.0                  # figure font scale (presentation mode)
+    main: dict | None = None
+    compare: dict | None = None
+    identical: bool | None = None
+
+
+# ----- the app ---------------------------------------------------------------------------------
+class ChatApp:
+    """Handlers of the UI; one instance per built demo, shared by every browser session."""
+
+    def __init__(self, worker: Worker, tokenizer=None, options: dict | None = None) -> None:
+        self.worker = worker
+        if tokenizer is not None and getattr(worker, "tokenizer", None) is None:
+            worker.tokenizer = tokenizer
+        self.options = {**DEFAULTS, **(options or {})}
+        self.texts = TokenTexts()
+        self.export_dir = Path(tempfile.mkdtemp(prefix="sequoia-chat-export-"))
+        # target-alone decoding rates measured on this machine, per pair and (temperature, top-p)
+        self.baselines: dict[tuple, float] = {}
+        self._baselines_lock = threading.Lock()
+
+    # ----- the target alone, measured once per pair and settings -----------------------------------
+    def _baseline_key(self, temperature: float, top_p: float) -> tuple:
+        info = self.worker.info or {}
+        return (self.worker.pair_version, str(info.get("target")), str(info.get("draft")),
+                round(float(temperature), 2), round(float(top_p), 2))
+
+    def record_baseline(self, temperature: float, top_p: float, run: dict | None) -> float | None:
+        """Keep the target-alone rate of a finished run (a Compare run, an autoregressive answer or
+        a "Measure" run) for this pair and setting; returns it."""
+        if not run or run.get("decode_s", 0) <= 0 or run.get("tokens", 0) <= 0:
+            return None
+        rate = run["tokens"] / run["decode_s"]
+        with self._baselines_lock:
+            self.baselines[self._baseline_key(temperature, top_p)] = rate
+        return rate
+
+    def baseline(self, temperature: float, top_p: float) -> tuple[float | None, str]:
+        """``(tokens/s, "measured" | "estimated")`` of the target alone at this setting: measured on
+        this pair when it was (Compare, autoregressive or Measure), else the device profile's estimate,
+        else ``(None, "")``."""
+        with self._baselines_lock:
+            rate = self.baselines.get(self._baseline_key(temperature, top_p))
+        if rate is not None:
+            return rate, "measured"
+        if self.worker.tuner is not None:
+            return 1.0 / self.worker.tuner.profile.target_time(1), "estimated"
+        return None, ""
+
+    def baseline_html(self, temperature: float, top_p: float) -> str:
+        temperature, top_p = _clamp(temperature, 0.0, 2.0), _clamp(top_p, 0.01, 1.0)
+        rate, source = self.baseline(temperature, top_p)
+        if rate is None:
+            text = "Target alone: not measured yet (Compare, or Measure, measures it)."
+        elif source == "measured":
+            text = f"Target alone: <b>{rate:.1f} tokens/s</b>, measured on this machine at T={temperature:g}, top-p {top_p:g}."
+        else:
+            text = (f"Target alone: ≈{rate:.1f} tokens/s, <i>estimated</i> from the device profile "
+                    f"(Measure replaces it with a measurement).")
+        return f"<div class='sc-baseline'>{text}</div>"
+
+    def measure_baseline(self, temperature, top_p, seed, request: gr.Request | None = None):
+        """Decode a short fixed prompt with the target alone and keep its rate for this setting."""
+        c = self.c
+        temperature, top_p = _clamp(temperature, 0.0, 2.0), _clamp(top_p, 0.01, 1.0)
+        session = getattr(request, "session_hash", None) or "local"
+        req = GenerationRequest(system="", messages=[{"role": "user", "content": BASELINE_PROMPT}],
+                                max_new_tokens=BASELINE_TOKENS, temperature=temperature, top_p=top_p, tree=None,
+                                seed=int(_clamp(seed, 0, 2**31 - 1, int)), method="autoregressive")
+        try:
+            job = self.worker.submit(req, session=session)
+        except SessionBusy:
+            yield {c.baseline_info: self.baseline_html(temperature, top_p)
+                   + status_html("An answer is still running: measure after it.", "warn")}
+            return
+        yield {c.baseline_info: status_html(f"Measuring the target alone ({BASELINE_TOKENS} tokens)…", "info")}
+        finished = None
+        for event in job.iter_events():
+            if event.kind == "finished":
+                finished = event.data
+            elif event.kind in ("error", "cancelled"):
+                yield {c.baseline_info: self.baseline_html(temperature, top_p)
+                       + status_html(f"Measurement {event.kind}.", "warn")}
+                return
+            elif event.kind == "done":
+                break
+        self.record_baseline(temperature, top_p, finished)
+        yield {c.baseline_info: self.baseline_html(temperature, top_p)}
+
+    def calibration(self, temperature: float, top_p: float) -> Calibration:
+        """The acceptance calibration of the pair in use nearest to (temperature, top_p): what trees
+        are built for and predictions use (:func:`engine.tuning.acceptance.calibration_for`)."""
+        pair = self.options["pair"]
+        if self.worker.pair_version:  # swapped in the Models panel since launch
+            info = self.worker.info
+            pair = pair_name(str(info.get("target")), str(info.get("draft")), self.worker.engine.draft,
+                             self.worker.engine.target)
+        return _calibration(pair, round(float(temperature), 3), round(float(top_p), 3))
+
+    # ----- chat ------------------------------------------------------------------------------
+    def respond(self, message, history, run, system, temperature, top_p, max_new, seed, method, size, depth,
+                auto, compare, highlight, present=False, request: gr.Request | None = None):
+        message = clean_text(message or "").strip()
+        if not message:
+            gr.Info("Type a message first: empty messages are not sent.")
+            yield {self.c.status: status_html("Empty message ignored: type something first.", "warn")}
+            return
+        history = list(history or []) + [{"role": "user", "content": message}]
+        yield from self._answer(history, message, run, system, temperature, top_p, max_new, seed, method, size,
+                                depth, auto, compare, highlight, present, request)
+
+    def regenerate(self, history, run, system, temperature, top_p, max_new, seed, method, size, depth, auto,
+                   compare, highlight, present=False, request: gr.Request | None = None):
+        history = list(history or [])
+        while history and history[-1]["role"] == "assistant":
+            history.pop()
+        if not history:
+            gr.Info("Nothing to regenerate yet.")
+            yield {self.c.status: status_html("Nothing to regenerate yet.", "warn")}
+            return
+        yield from self._answer(history, "", run, system, temperature, top_p, max_new, seed, method, size, depth,
+                                auto, compare, highlight, present, request)
+
+    def _answer(self, history, message, run, system, temperature, top_p, max_new, seed, method, size, depth,
+                auto, compare, highlight, present, request):
+        c, o = self.c, self.options
+        session = getattr(request, "session_hash", None) or "local"
+        temperature = _clamp(temperature, 0.0, 2.0)
+        top_p = _clamp(top_p, 0.01, 1.0)
+        max_new = int(_clamp(max_new, 1, o["max_new_tokens_limit"], int))
+        seed = int(_clamp(seed, 0, 2**31 - 1, int))
+        method = method if method in METHODS else "sequoia"
+        worker, engine = self.worker, self.worker.engine
+        choice = None
+        try:
+            if auto and worker.tuner is not None and method != "autoregressive":
+                choice = worker.tuner.choose(temperature, top_p, method)
+                tree, tree_desc = "auto", f"{method}, auto: {choice.size} nodes, depth {choice.depth}"
+                tree_size = choice.size
+            else:
+                tree, tree_desc = resolve_tree(method, size, depth, self.calibration(temperature, top_p).vector)
+                tree_size = tree.size if tree is not None else 1
+                if method == "chain" and tree is None:
+                    method = "sequoia"
+        except EngineError as exc:
+            yield {c.status: status_html(f"Bad tree settings: {html.escape(str(exc))}", "error")}
+            return
+        limit = (engine.max_context - max_new - tree_size) if getattr(engine, "max_context", 0) else None
+        try:  # an early refusal only: the worker tokenises the conversation again when the job runs
+            _, dropped = fit_context(worker.tokenizer, system, history, limit)
+        except ContextTooLong as exc:
+            gr.Warning(str(exc))
+            yield {c.status: status_html(html.escape(f"Not sent: {exc}"), "error")}
+            return
+        notices = [dropped_notice(dropped, engine.max_context)] if dropped else []
+        request_ = GenerationRequest(system=system, messages=list(history), max_new_tokens=max_new,
+                                     temperature=temperature, top_p=top_p, tree=tree, seed=seed, method=method,
+                                     compare=bool(compare))
+        try:
+            job = worker.submit(request_, session=session)  # refused while this session has a job
+        except SessionBusy:
+            gr.Warning("An answer is still streaming: your message waits in the box. Press Stop, or send it "
+                       "when the answer is done.")
+            yield {c.status: status_html("Not sent: an answer is still streaming. Your message stays in the box; "
+                                         "send it when the answer is done, or press Stop first.", "warn")}
+            return
+        try:
+            yield from self._stream(job, history, message, system, choice, tree_desc, tree, highlight, notices,
+                                    dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new, seed=seed,
+                                         method=method, tree=tree_desc), 1.4 if present else 1.0)
+        finally:
+            if not job.finished:
+                job.cancel()  # the browser went away or the event was cancelled
+
+    def _stream(self, job: Job, history, message, system, choice, tree_desc, tree, highlight, notices, settings,
+                scale=1.0):
+        c, o = self.c, self.options
+        run = Run(tree_desc=tree_desc, scale=scale)
+        method = settings["method"]
+        who = "the target alone" if tree is None or method == "autoregressive" else method
+        history = history + [{"role": "assistant", "content": ""}]
+        answer = history[-1]
+        tokens: list[int] = []
+        compare_tokens: list[int] = []
+        compare_steps: list = []
+        tokenizer = self.worker.tokenizer
+        calibration = self.calibration(settings["temperature"], settings["top_p"])
+        predict = o["predict"] and not calibration.borrowed
+        notice = " ".join(notices)
+        phase = "main"
+        last_text = last_plot = 0.0
+        dirty_text = dirty_plot = False
+        position = job.position()
+        queued = f"Waiting for the engine: {position} request{'s' if position != 1 else ''} ahead of yours." \
+            if position else "Starting: preparing the prompt for the engine…"
+
+        def status(text, kind="info"):
+            return status_html(html.escape(notice) + ("<br>" if notice and text else "") + text,
+                               "warn" if notice and kind == "info" else kind)
+
+        yield {c.chatbot: display_messages(history[:-1] + [{"role": "assistant", "content": "…"}]),
+               c.msg: "", c.history: history[:-1],
+               c.tree_plot: figures.placeholder_figure("Waiting for the first step…"),
+               c.slider: gr.update(visible=False), c.compare_md: gr.update(value="", visible=False),
+               c.steps_plot: figures.placeholder_figure("Per-step chart appears as tokens are committed", 220),
+               c.stats: "", c.status: status(queued), c.stop_btn: gr.update(interactive=True),
+               c.replay_row: gr.update(visible=False), c.step_text: ""}
+        terminal = None
+        while terminal is None:
+            try:
+                events = [job.events.get(timeout=0.25)]
+            except queue.Empty:
+                now_position = job.position()
+                if now_position and now_position != position:
+                    position = now_position
+                    yield {c.status: status(f"Waiting for the engine: {position} request"
+                                            f"{'s' if position != 1 else ''} ahead of yours.")}
+                continue
+            while True:  # drain what is already there: one UI update for a burst of fast steps
+                try:
+                    events.append(job.events.get_nowait())
+                except queue.Empty:
+                    break
+            for event in events:
+                kind, data = event.kind, event.data
+                if kind == "started":
+                    phase = event.phase
+                    tokenizer = data.get("tokenizer") or tokenizer
+                    if event.phase == "main" and data.get("dropped") is not None:  # as the worker fitted it
+                        notice = dropped_notice(data["dropped"], getattr(self.worker.engine, "max_context", 0))
+                    if phase == "main":
+                        n = data.get("prompt_tokens")
+                        readers = "the target reads" if who == "the target alone" else "the target and the draft read"
+                        yield {c.status: status(f"Prefill: {readers} the {n if n is not None else ''}-token prompt "
+                                                f"before the first step ({html.escape(who)})…")}
+                    if phase == "main":
+                        tc = data.get("tree_choice")
+                        if tc is not None:
+                            run.predicted = tc.predicted_speedup
+                            run.expected = tc.expected_tokens
+                            run.tree_desc = f"{method}, auto: " + describe_choice(tc)
+                        elif predict and isinstance(data.get("tree"), Tree):
+                            run.expected = data["tree"].expected_tokens(calibration.vector)
+                elif kind == "step" and event.phase == "main":
+                    run.steps.append(data)
+                    tokens.extend(data.committed)
+                    run.texts.update(self.texts.texts(tokenizer, data.tokens + data.committed))
+                    dirty_text = dirty_plot = True
+                elif kind == "step":
+                    compare_tokens.extend(data.committed)
+                    compare_steps.append(data)
+                    dirty_text = True
+                elif kind == "finished":
+                    if event.phase == "main":
+                        run.main = data
+                    else:
+                        run.compare = data
+                elif kind in ("done", "cancelled", "error"):
+                    terminal = event
+            now = time.perf_counter()
+            if terminal is None and dirty_text and now - last_text >= o["text_interval"]:
+                update = {}
+                answer["content"] = tokenizer.decode(tokens, skip_special_tokens=True)
+                if phase == "main":
+                    update[c.chatbot] = display_messages(history)
+                    last = run.steps[-1] if run.steps else None
+                    update[c.status] = status(
+                        f"Decoding with {html.escape(who)} · step {len(run.steps)} · {len(tokens)} tokens"
+                        + (f" · last step accepted {last.accepted_draft_tokens} of {last.tree_size - 1} drafts"
+                           if last is not None and last.tree_size > 1 else ""))
+                else:
+                    update[c.status] = status(f"Answer done. Now the target alone, for comparison: "
+                                              f"{len(compare_tokens)} tokens…")
+                    update[c.compare_md] = gr.update(value=figures.race_html(run.steps, compare_steps, len(tokens)),
+                                                     visible=True)
+                if dirty_plot and run.steps and now - last_plot >= o["plot_interval"]:
+                    update[c.tree_plot] = figures.tree_figure(run.steps[-1], run.texts, scale=run.scale)
+                    update[c.steps_plot] = figures.steps_figure(run.steps, None, run.expected)
+                    update[c.stats] = figures.stats_line(run.steps, expected_tokens=run.expected)
+                    last_plot, dirty_plot = now, False
+                last_text, dirty_text = now, False
+                yield update
+
+        # ----- the end of the answer ------------------------------------------------------------
+        answer["content"] = tokenizer.decode(tokens, skip_special_tokens=True)
+        update = {}
+        kind = "ok"
+        temperature, top_p = settings["temperature"], settings["top_p"]
+        if terminal.kind == "done":  # a run of the target alone is a measurement of it, for this setting
+            self.record_baseline(temperature, top_p, run.compare)
+            if tree is None or method == "autoregressive":
+                self.record_baseline(temperature, top_p, run.main)
+        run.baseline, run.baseline_source = self.baseline(temperature, top_p)
+        if terminal.kind == "done":
+            if run.compare is not None:
+                run.identical = compare_tokens == tokens
+            reason = (run.main or {}).get("finish_reason")
+            text = f"Done: {len(tokens)} tokens in {len(run.steps)} steps" + (
+                " (reached max new tokens)." if reason == "length" else ".")
+            if run.tree_desc:
+                text += f" {html.escape(run.tree_desc[0].upper() + run.tree_desc[1:])}."
+        elif terminal.kind == "cancelled":
+            answer["note"] = "stopped"
+            text, kind = f"Stopped after {len(run.steps)} steps ({len(tokens)} tokens).", "warn"
+        else:
+            error = str(terminal.data)
+            gr.Warning(f"The engine failed: {error}")
+            kind = "error"
+            text = f"The engine failed: {html.escape(error)}"
+            if not tokens:
+                history = history[:-2] if message else history[:-1]
+                update[c.msg] = message
+                text += " Your message is back in the box."
+            else:
+                answer["note"] = f"error: {error}"
+        if history and history[-1] is answer and not tokens and terminal.kind == "cancelled":
+            history = history[:-1]  # stopped before the first token: no empty answer left behind
+        update.update({c.chatbot: display_messages(history), c.history: history, c.run: run,
+                       c.status: status(text, kind)})
+        update.update(self._run_views(run, len(run.steps) - 1 if run.steps else None, highlight, tokenizer))
+        update[c.export_btn] = self._export_file(system, history, settings, run)
+        update[c.stop_btn] = gr.update(interactive=False)
+        update[c.baseline_info] = self.baseline_html(temperature, top_p)
+        yield update
+
+    def _run_views(self, run: Run, index: int | None, highlight: bool, tokenizer=None) -> dict:
+        """Tree, slider, chart, stats, comparison and highlight views of a run."""
+        c = self.c
+        out = {}
+        if index is None or not run.steps:
+            out[c.tree_plot] = figures.placeholder_figure("No steps: the answer was stopped before the first one.")
+            out[c.slider] = gr.update(visible=False)
+            out[c.replay_row] = gr.update(visible=False)
+            out[c.step_text] = ""
+            out[c.steps_plot] = figures.placeholder_figure("No steps yet", 220)
+            out[c.stats] = ""
+        else:
+            out[c.tree_plot] = figures.tree_figure(run.steps[index], run.texts, scale=run.scale)
+            out[c.slider] = gr.update(visible=len(run.steps) > 1, minimum=1, maximum=max(2, len(run.steps)),
+                                      value=index + 1, step=1, interactive=True,
+                                      label=f"Replay a step (1–{len(run.steps)})")
+            out[c.replay_row] = gr.update(visible=len(run.steps) > 1)
+            out[c.step_text] = step_text_html(tokenizer or self.worker.tokenizer, run.steps, index)
+            out[c.steps_plot] = figures.steps_figure(run.steps, run.baseline, run.expected, run.predicted,
+                                                     highlight=run.steps[index].index,
+                                                     baseline_source=run.baseline_source)
+            out[c.stats] = figures.stats_line(run.steps, run.baseline, run.baseline_source, run.expected)
+        out[c.compare_md] = gr.update(value=self._compare_markdown(run), visible=run.compare is not None)
+        tokenizer = tokenizer or self.worker.tokenizer
+        out[c.highlight_view] = gr.update(value=highlight_html(tokenizer, run.steps, current=index),
+                                          visible=bool(highlight))
+        return out
+
+    @staticmethod
+    def _compare_markdown(run: Run) -> str:
+        if run.compare is None or run.main is None:
+            return ""
+        m, a = run.main, run.compare
+
+        def rate(r):
+            return r["tokens"] / r["decode_s"] if r["decode_s"] > 0 else 0.0
+
+        speed = rate(m) / rate(a) if rate(a) > 0 else 0.0
+        same = ("identical tokens ✓" if run.identical else "different tokens (expected when sampling: "
+                "both follow the target's distribution)" if run.identical is False else "")
+        return (f"<div class='sc-compare'><div class='sc-compare-head'>Compare, measured just now: speculative "
+                f"<b>{speed:.2f}×</b> the target alone's decoding speed · {same}</div>"
+                f"<table><tr><th></th><th>speculative</th><th>target alone</th></tr>"
+                f"<tr><td>wall time (prefill included)</td><td>{format_seconds(m['seconds'])}</td><td>{format_seconds(a['seconds'])}</td></tr>"
+                f"<tr><td>decoding</td><td>{rate(m):.1f} tokens/s</td><td>{rate(a):.1f} tokens/s</td></tr>"
+                f"<tr><td>tokens / steps</td><td>{m['tokens']} / {m['steps']}</td><td>{a['tokens']} / {a['steps']}</td></tr>"
+                f"</table></div>")
+
+    def _export_file(self, system, history, settings=None, run: Run | None = None):
+        if not history:
+            return gr.update(value=None, interactive=False)
+        for old in self.export_dir.glob("*.json"):  # files of earlier turns: served already, prune them
+            try:
+                if time.time() - old.stat().st_mtime > 3600:
+                    old.unlink()
+            except OSError:
+                pass
+        path = self.export_dir / f"sequoia-chat-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{id(history) % 10000}.json"
+        steps = run.steps if isinstance(run, Run) and run.steps else None
+        texts = run.texts if steps else None
+        path.write_text(export_conversation(system, history, settings, steps, texts), encoding="utf-8")
+        return gr.update(value=str(path), interactive=True)
+
+    # ----- other handlers ---------------------------------------------------------------------
+    def stop(self, request: gr.Request | None = None) -> None:
+        """Cancel this tab's request; its stream ends within one step and says so itself (writing
+        the status from here could land after that final word)."""
+        session = getattr(request, "session_hash", None) or "local"
+        if not self.worker.cancel_session(session):
+            gr.Info("Nothing is running.")
+
+    def clear(self, request: gr.Request | None = None):
+        session = getattr(request, "session_hash", None) or "local"
+        self.worker.cancel_session(session)
+        c = self.c
+        return {c.chatbot: [], c.history: [], c.run: Run(), c.msg: "",
+                c.tree_plot: figures.placeholder_figure("The token tree of each step appears here."),
+                c.slider: gr.update(visible=False), c.steps_plot: figures.placeholder_figure(
+                    "Per-step chart appears as tokens are committed", 220),
+                c.stats: "", c.status: status_html("Cleared.", "info"),
+                c.compare_md: gr.update(value="", visible=False),
+                c.highlight_view: gr.update(value=highlight_html(self.worker.tokenizer, [])),
+                c.export_btn: gr.update(value=None, interactive=False), c.stop_btn: gr.update(interactive=False),
+                c.replay_row: gr.update(visible=False), c.step_text: ""}
+
+    def show_step(self, step_no, run: Run, highlight):
+        if not isinstance(run, Run) or not run.steps:
+            return {}
+        index = int(_clamp(step_no, 1, len(run.steps), int)) - 1
+        views = self._run_views(run, index, highlight)
+        c = self.c
+        return {k: views[k] for k in (c.tree_plot, c.steps_plot, c.step_text, c.highlight_view)}
+
+    def toggle_highlight(self, highlight, run: Run):
+        steps = run.steps if isinstance(run, Run) else []
+        return gr.update(value=highlight_html(self.worker.tokenizer, steps), visible=bool(highlight))
+
+    def tree_info(self, method, size, depth, auto, temperature, top_p):
+        temperature, top_p = _clamp(temperature, 0.0, 2.0), _clamp(top_p, 0.01, 1.0)
+        if auto and self.worker.tuner is not None and method != "autoregressive":
+            choice = self.worker.tuner.choose(temperature, top_p, method)
+            label = self.worker.tuner.calibration(temperature, top_p).label()
+            return (f"<div class='sc-tree-info'>auto (hardware-aware optimizer): {describe_choice(choice, markup=True)}"
+                    f"<br><span class='sc-calibration'>{html.escape(label)}</span></div>")
+        calibration = self.calibration(temperature, top_p)
+        try:
+            tree, desc = resolve_tree(method, size, depth, calibration.vector)
+        except EngineError as exc:
+            return f"<div class='sc-tree-info sc-error'>{html.escape(str(exc))}</div>"
+        extra = ""
+        if tree is not None and self.options["predict"] and not calibration.borrowed:
+            extra = f" · predicted {tree.expected_tokens(calibration.vector):.2f} tokens/step"
+        note = ""
+        if method != "chain" and method != "autoregressive" and int(depth) > int(size) - 1 and int(size) > 1:
+            note = f" (depth capped at size − 1 = {int(size) - 1})"
+        elif tree is not None and method != "chain" and tree.depth < int(depth):
+            note = (f" (you asked for depth {int(depth)}: the DP tree stops at {tree.depth}, deeper nodes are "
+                    f"predicted to be accepted less often than wider ones)")
+        label = f"<br><span class='sc-calibration'>{html.escape(calibration.label())}</span>" if tree is not None else ""
+        return f"<div class='sc-tree-info'>{html.escape(desc)}{note}{extra}{label}</div>"
+
+    def auto_controls(self, method, auto, temperature, top_p):
+        """Size and depth sliders under Auto: disabled, their labels naming the optimizer's pick (the
+        user's values stay, for when Auto is turned off)."""
+        temperature, top_p = _clamp(temperature, 0.0, 2.0), _clamp(top_p, 0.01, 1.0)
+        if auto and self.worker.tuner is not None and method != "autoregressive":
+            choice = self.worker.tuner.choose(temperature, top_p, method)
+            return (gr.update(interactive=False, label=f"Tree size: auto picks {choice.size} (slider ignored)"),
+                    gr.update(interactive=False, label=f"Tree depth: auto picks {choice.depth} (slider ignored)"))
+        off = method == "autoregressive"
+        return (gr.update(interactive=not off, label="Tree size" + (" (unused: no draft)" if off else "")),
+                gr.update(interactive=not off, label="Tree depth" + (" (unused: no draft)" if off else "")))
+
+    def method_changed(self, method, temperature):
+        return method_help(method, temperature)
+
+    def play(self, run, step_no, pace):
+        """Start replaying from the shown step (from step 1 when the last one is shown)."""
+        if not isinstance(run, Run) or len(run.steps) < 2:
+            return gr.update(active=False), gr.update(), gr.update()
+        return gr.update(active=True, value=float(pace or 1.5)), gr.update(visible=False), gr.update(visible=True)
+
+    def pause(self):
+        return gr.update(active=False), gr.update(visible=True), gr.update(visible=False)
+
+    def tick(self, step_no, run, highlight):
+        """One replay tick: the next step, or the end of playing after the last."""
+        c = self.c
+        if not isinstance(run, Run) or not run.steps:
+            return {c.timer: gr.update(active=False)}
+        index = int(_clamp(step_no, 1, len(run.steps), int))  # 1-based shown step -> next 0-based index
+        if index >= len(run.steps):
+            index = 0  # pressed Play on the last step: start over
+        views = self._run_views(run, index, highlight)
+        out = {k: views[k] for k in (c.tree_plot, c.steps_plot, c.slider, c.step_text, c.highlight_view)}
+        if index == len(run.steps) - 1:
+            out.update({c.timer: gr.update(active=False), c.play_btn: gr.update(visible=True),
+                        c.pause_btn: gr.update(visible=False)})
+        return out
+
+    def present(self, on, run, highlight):
+        """Presentation mode: the page switches with CSS (in the browser); the tree is redrawn larger."""
+        c = self.c
+        if not isinstance(run, Run) or not run.steps:
+            return {}
+        run.scale = 1.4 if on else 1.0
+        index = len(run.steps) - 1
+        return {c.tree_plot: self._run_views(run, index, highlight)[c.tree_plot], c.run: run}
+
+    def export_settings(self, system, history):
+        return self._export_file(system, history)
+
+    def import_file(self, file, request: gr.Request | None = None):
+        c = self.c
+        if file is None:
+            return {c.status: status_html("No file chosen.", "warn")}
+        path = file if isinstance(file, str) else getattr(file, "name", None) or getattr(file, "path", None)
+        try:
+            size = os.path.getsize(path)
+            if size > MAX_IMPORT_BYTES:
+                raise ValueError(f"the file is {size / 1e6:.1f} MB; conversations up to "
+                                 f"{MAX_IMPORT_BYTES / 1e6:.0f} MB can be imported")
+            with open(path, "rb") as f:
+                data = f.read()
+            system, history = import_conversation(data)
+            steps, texts = import_steps(data)
+        except (OSError, ValueError) as exc:
+            gr.Warning(f"Import failed: {exc}")
+            return {c.status: status_html(html.escape(f"Import failed: {exc}"), "error")}
+        session = getattr(request, "session_hash", None) or "local"
+        self.worker.cancel_session(session)
+        out = {c.chatbot: display_messages(history), c.history: history, c.system: system, c.run: Run(),
+               c.status: status_html(f"Imported {len(history)} messages.", "ok"),
+               c.export_btn: self._export_file(system, history),
+               **{k: v for k, v in self.clear(request).items()
+                  if k in (c.tree_plot, c.slider, c.steps_plot, c.stats, c.compare_md, c.highlight_view)}}
+        if steps:  # the export carried the last answer's steps: its trees and chart come back too
+            run = Run(steps=steps, texts=texts)
+            out.update(self._run_views(run, len(steps) - 1, True))
+            out[c.run] = run
+            out[c.export_btn] = self._export_file(system, history, None, run)
+            out[c.status] = status_html(f"Imported {len(history)} messages and the last answer's "
+                                        f"{len(steps)} steps: replay them with the slider.", "ok")
+        return out
+
+    def load_pair(self, target, draft, dtype, device, trust_remote_code):
+        c = self.c
+        job = self.worker.load_models(target, draft, dtype, device, bool(trust_remote_code))
+        position = job.position()
+        if position:
+            yield {c.models_status: status_html(f"Queued behind {position} request(s)…", "info")}
+        for event in job.iter_events():
+            if event.kind == "progress":
+                yield {c.models_status: status_html(html.escape(event.data), "info")}
+            elif event.kind == "done":
+                info = self.worker.info
+                gr.Info(f"Loaded {info.get('target')} with draft {info.get('draft')}.")
+                yield {c.models_status: status_html("Loaded. New answers use this pair.", "ok"),
+                       c.models_info: pair_markdown(info), c.header: header_html(self.options["title"], info),
+                       c.auto: gr.update(visible=self.worker.tuner is not None, value=False)}
+            elif event.kind in ("error", "cancelled"):
+                message = event.data if event.kind == "error" else "cancelled"
+                gr.Warning(f"Could not load the pair: {message}")
+                yield {c.models_status: status_html(
+                    f"Could not load the pair: {html.escape(str(message))}<br>The previous pair "
+                    f"({html.escape(str(self.worker.info.get('target')))}) is still in use.", "error")}
