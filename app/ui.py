@@ -26,6 +26,7 @@ from engine.tree import Tree
 from engine.tree_store import build_tree
 
 from . import figures
+from .explain_view import ExplainView
 from .conversation import (MAX_IMPORT_BYTES, ContextTooLong, clean_text, display_messages, export_conversation,
                            fit_context, highlight_html, import_conversation, import_steps)
 from .worker import GenerationRequest, Job, SessionBusy, Worker
@@ -318,6 +319,7 @@ class ChatApp:
         # target-alone decoding rates measured on this machine, per pair and (temperature, top-p)
         self.baselines: dict[tuple, float] = {}
         self._baselines_lock = threading.Lock()
+        self.explain = ExplainView(self)  # the teaching tabs under the chat
 
     # ----- the target alone, measured once per pair and settings -----------------------------------
     def _baseline_key(self, temperature: float, top_p: float) -> tuple:
@@ -455,7 +457,7 @@ class ChatApp:
         notices = [dropped_notice(dropped, engine.max_context)] if dropped else []
         request_ = GenerationRequest(system=system, messages=list(history), max_new_tokens=max_new,
                                      temperature=temperature, top_p=top_p, tree=tree, seed=seed, method=method,
-                                     compare=bool(compare))
+                                     compare=bool(compare), trace=self.explain.wants_trace(session))
         try:
             job = worker.submit(request_, session=session)  # refused while this session has a job
         except SessionBusy:
@@ -951,6 +953,7 @@ class ChatApp:
                     c.status = gr.HTML("", elem_id="sc-status")
                     c.highlight_view = gr.HTML(highlight_html(worker.tokenizer, []), visible=bool(o["highlight"]),
                                                elem_id="sc-highlight")
+            self.explain.build()
             c.timer = gr.Timer(1.5, active=False)
 
             settings = [c.system, c.temperature, c.top_p, c.max_new, c.seed, c.method, c.size, c.depth, c.auto,
@@ -959,15 +962,16 @@ class ChatApp:
                        c.compare_md, c.highlight_view, c.export_btn, c.stop_btn, c.baseline_info, c.replay_row,
                        c.step_text]
             chat_kwargs = dict(concurrency_limit=16, concurrency_id="chat", show_progress="hidden")
-            c.msg.submit(self.respond, [c.msg, c.history, c.run] + settings, outputs, api_name="chat", **chat_kwargs)
-            c.send.click(self.respond, [c.msg, c.history, c.run] + settings, outputs, api_name="send", **chat_kwargs)
-            c.regen.click(self.regenerate, [c.history, c.run] + settings, outputs, api_name="regenerate",
-                          **chat_kwargs)
+            answered = [
+                c.msg.submit(self.respond, [c.msg, c.history, c.run] + settings, outputs, api_name="chat", **chat_kwargs),
+                c.send.click(self.respond, [c.msg, c.history, c.run] + settings, outputs, api_name="send", **chat_kwargs)]
+            answered.append(c.regen.click(self.regenerate, [c.history, c.run] + settings, outputs, api_name="regenerate",
+                          **chat_kwargs))
             c.stop_btn.click(self.stop, None, None, api_name="stop", concurrency_limit=None,
                              show_progress="hidden")
-            c.clear_btn.click(self.clear, None, outputs, api_name="clear", concurrency_limit=None,
-                              show_progress="hidden")
-            c.chatbot.clear(self.clear, None, outputs, api_visibility="private", show_progress="hidden")
+            cleared = [c.clear_btn.click(self.clear, None, outputs, api_name="clear", concurrency_limit=None,
+                                         show_progress="hidden"),
+                       c.chatbot.clear(self.clear, None, outputs, api_visibility="private", show_progress="hidden")]
             c.slider.input(self.show_step, [c.slider, c.run, c.highlight],
                            [c.tree_plot, c.steps_plot, c.step_text, c.highlight_view],
                            api_name="show_step", trigger_mode="always_last", show_progress="hidden",
@@ -1002,11 +1006,12 @@ class ChatApp:
                                  js=PRESENT_JS, api_visibility="private", show_progress="hidden")
             c.system.blur(self.export_settings, [c.system, c.history], c.export_btn, api_visibility="private",
                           show_progress="hidden")
-            c.import_btn.upload(self.import_file, c.import_btn,
+            answered.append(c.import_btn.upload(self.import_file, c.import_btn,
                                 [c.chatbot, c.history, c.system, c.run, c.status, c.export_btn, c.tree_plot,
                                  c.slider, c.steps_plot, c.stats, c.compare_md, c.highlight_view, c.replay_row,
                                  c.step_text],
-                                api_name="import_conversation")
+                                api_name="import_conversation"))
+            self.explain.wire(answered, cleared)
             c.load_btn.click(self.load_pair, [c.target_id, c.draft_id, c.dtype, c.device, c.trust],
                              [c.models_status, c.models_info, c.header, c.auto], api_name="load_pair",
                              concurrency_limit=1)
