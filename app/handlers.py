@@ -34,6 +34,7 @@ from .conversation import (
     import_conversation,
     import_steps,
 )
+from .explain_view import ExplainView
 from .text import (
     describe_choice,
     dropped_notice,
@@ -113,7 +114,7 @@ def resolve_tree(method: str, size: int, depth: int, acceptance) -> tuple[Tree |
     return tree, f"{method} on {kind}: {tree.size} nodes, depth {tree.depth}"
 
 
-def _clamp(value, low, high, cast=float):
+def clamp(value, low, high, cast=float):
     try:
         value = cast(value)
     except (TypeError, ValueError):
@@ -152,6 +153,7 @@ class ChatApp:
         # target-alone decoding rates measured on this machine, per pair and (temperature, top-p)
         self.baselines: dict[tuple, float] = {}
         self._baselines_lock = threading.Lock()
+        self.explain = ExplainView(self)  # the teaching tabs under the chat
 
     # ----- the target alone, measured once per pair and settings -----------------------------------
     def _baseline_key(self, temperature: float, top_p: float) -> tuple:
@@ -182,7 +184,7 @@ class ChatApp:
         return None, ""
 
     def baseline_html(self, temperature: float, top_p: float) -> str:
-        temperature, top_p = _clamp(temperature, 0.0, 2.0), _clamp(top_p, 0.01, 1.0)
+        temperature, top_p = clamp(temperature, 0.0, 2.0), clamp(top_p, 0.01, 1.0)
         rate, source = self.baseline(temperature, top_p)
         if rate is None:
             text = "Target alone: not measured yet (Compare, or Measure, measures it)."
@@ -196,11 +198,11 @@ class ChatApp:
     def measure_baseline(self, temperature, top_p, seed, request: gr.Request | None = None):
         """Decode a short fixed prompt with the target alone and keep its rate for this setting."""
         c = self.c
-        temperature, top_p = _clamp(temperature, 0.0, 2.0), _clamp(top_p, 0.01, 1.0)
+        temperature, top_p = clamp(temperature, 0.0, 2.0), clamp(top_p, 0.01, 1.0)
         session = getattr(request, "session_hash", None) or "local"
         req = GenerationRequest(system="", messages=[{"role": "user", "content": BASELINE_PROMPT}],
                                 max_new_tokens=BASELINE_TOKENS, temperature=temperature, top_p=top_p, tree=None,
-                                seed=int(_clamp(seed, 0, 2**31 - 1, int)), method="autoregressive")
+                                seed=int(clamp(seed, 0, 2**31 - 1, int)), method="autoregressive")
         try:
             job = self.worker.submit(req, session=session)
         except SessionBusy:
@@ -259,10 +261,10 @@ class ChatApp:
                 auto, compare, highlight, present, request):
         c, o = self.c, self.options
         session = getattr(request, "session_hash", None) or "local"
-        temperature = _clamp(temperature, 0.0, 2.0)
-        top_p = _clamp(top_p, 0.01, 1.0)
-        max_new = int(_clamp(max_new, 1, o["max_new_tokens_limit"], int))
-        seed = int(_clamp(seed, 0, 2**31 - 1, int))
+        temperature = clamp(temperature, 0.0, 2.0)
+        top_p = clamp(top_p, 0.01, 1.0)
+        max_new = int(clamp(max_new, 1, o["max_new_tokens_limit"], int))
+        seed = int(clamp(seed, 0, 2**31 - 1, int))
         method = method if method in METHODS else "sequoia"
         worker, engine = self.worker, self.worker.engine
         choice = None
@@ -289,7 +291,7 @@ class ChatApp:
         notices = [dropped_notice(dropped, engine.max_context)] if dropped else []
         request_ = GenerationRequest(system=system, messages=list(history), max_new_tokens=max_new,
                                      temperature=temperature, top_p=top_p, tree=tree, seed=seed, method=method,
-                                     compare=bool(compare))
+                                     compare=bool(compare), trace=self.explain.wants_trace(session))
         try:
             job = worker.submit(request_, session=session)  # refused while this session has a job
         except SessionBusy:
@@ -545,7 +547,7 @@ class ChatApp:
     def show_step(self, step_no, run: Run, highlight):
         if not isinstance(run, Run) or not run.steps:
             return {}
-        index = int(_clamp(step_no, 1, len(run.steps), int)) - 1
+        index = int(clamp(step_no, 1, len(run.steps), int)) - 1
         views = self._run_views(run, index, highlight)
         c = self.c
         return {k: views[k] for k in (c.tree_plot, c.steps_plot, c.step_text, c.highlight_view)}
@@ -555,7 +557,7 @@ class ChatApp:
         return gr.update(value=highlight_html(self.worker.tokenizer, steps), visible=bool(highlight))
 
     def tree_info(self, method, size, depth, auto, temperature, top_p):
-        temperature, top_p = _clamp(temperature, 0.0, 2.0), _clamp(top_p, 0.01, 1.0)
+        temperature, top_p = clamp(temperature, 0.0, 2.0), clamp(top_p, 0.01, 1.0)
         if auto and self.worker.tuner is not None and method != "autoregressive":
             choice = self.worker.tuner.choose(temperature, top_p, method)
             label = self.worker.tuner.calibration(temperature, top_p).label()
@@ -581,7 +583,7 @@ class ChatApp:
     def auto_controls(self, method, auto, temperature, top_p):
         """Size and depth sliders under Auto: disabled, their labels naming the optimizer's pick (the
         user's values stay, for when Auto is turned off)."""
-        temperature, top_p = _clamp(temperature, 0.0, 2.0), _clamp(top_p, 0.01, 1.0)
+        temperature, top_p = clamp(temperature, 0.0, 2.0), clamp(top_p, 0.01, 1.0)
         if auto and self.worker.tuner is not None and method != "autoregressive":
             choice = self.worker.tuner.choose(temperature, top_p, method)
             return (gr.update(interactive=False, label=f"Tree size: auto picks {choice.size} (slider ignored)"),
@@ -607,7 +609,7 @@ class ChatApp:
         c = self.c
         if not isinstance(run, Run) or not run.steps:
             return {c.timer: gr.update(active=False)}
-        index = int(_clamp(step_no, 1, len(run.steps), int))  # 1-based shown step -> next 0-based index
+        index = int(clamp(step_no, 1, len(run.steps), int))  # 1-based shown step -> next 0-based index
         if index >= len(run.steps):
             index = 0  # pressed Play on the last step: start over
         views = self._run_views(run, index, highlight)

@@ -144,6 +144,7 @@ def build(app: ChatApp) -> gr.Blocks:
                 c.status = gr.HTML("", elem_id="sc-status")
                 c.highlight_view = gr.HTML(highlight_html(worker.tokenizer, []), visible=bool(o["highlight"]),
                                            elem_id="sc-highlight")
+        app.explain.build()
         c.timer = gr.Timer(1.5, active=False)
 
         settings = [c.system, c.temperature, c.top_p, c.max_new, c.seed, c.method, c.size, c.depth, c.auto,
@@ -152,15 +153,17 @@ def build(app: ChatApp) -> gr.Blocks:
                    c.compare_md, c.highlight_view, c.export_btn, c.stop_btn, c.baseline_info, c.replay_row,
                    c.step_text]
         chat_kwargs = dict(concurrency_limit=16, concurrency_id="chat", show_progress="hidden")
-        c.msg.submit(app.respond, [c.msg, c.history, c.run] + settings, outputs, api_name="chat", **chat_kwargs)
-        c.send.click(app.respond, [c.msg, c.history, c.run] + settings, outputs, api_name="send", **chat_kwargs)
-        c.regen.click(app.regenerate, [c.history, c.run] + settings, outputs, api_name="regenerate",
-                      **chat_kwargs)
+        # events after which the teaching tabs redraw (a new answer) or empty (a cleared chat)
+        answered = [
+            c.msg.submit(app.respond, [c.msg, c.history, c.run] + settings, outputs, api_name="chat", **chat_kwargs),
+            c.send.click(app.respond, [c.msg, c.history, c.run] + settings, outputs, api_name="send", **chat_kwargs),
+            c.regen.click(app.regenerate, [c.history, c.run] + settings, outputs, api_name="regenerate",
+                          **chat_kwargs)]
         c.stop_btn.click(app.stop, None, None, api_name="stop", concurrency_limit=None,
                          show_progress="hidden")
-        c.clear_btn.click(app.clear, None, outputs, api_name="clear", concurrency_limit=None,
-                          show_progress="hidden")
-        c.chatbot.clear(app.clear, None, outputs, api_visibility="private", show_progress="hidden")
+        cleared = [c.clear_btn.click(app.clear, None, outputs, api_name="clear", concurrency_limit=None,
+                                     show_progress="hidden"),
+                   c.chatbot.clear(app.clear, None, outputs, api_visibility="private", show_progress="hidden")]
         c.slider.input(app.show_step, [c.slider, c.run, c.highlight],
                        [c.tree_plot, c.steps_plot, c.step_text, c.highlight_view],
                        api_name="show_step", trigger_mode="always_last", show_progress="hidden",
@@ -195,11 +198,12 @@ def build(app: ChatApp) -> gr.Blocks:
                              js=PRESENT_JS, api_visibility="private", show_progress="hidden")
         c.system.blur(app.export_settings, [c.system, c.history], c.export_btn, api_visibility="private",
                       show_progress="hidden")
-        c.import_btn.upload(app.import_file, c.import_btn,
-                            [c.chatbot, c.history, c.system, c.run, c.status, c.export_btn, c.tree_plot,
-                             c.slider, c.steps_plot, c.stats, c.compare_md, c.highlight_view, c.replay_row,
-                             c.step_text],
-                            api_name="import_conversation")
+        answered.append(c.import_btn.upload(app.import_file, c.import_btn,
+                                            [c.chatbot, c.history, c.system, c.run, c.status, c.export_btn, c.tree_plot,
+                                             c.slider, c.steps_plot, c.stats, c.compare_md, c.highlight_view, c.replay_row,
+                                             c.step_text],
+                                            api_name="import_conversation"))
+        app.explain.wire(answered, cleared)
         c.load_btn.click(app.load_pair, [c.target_id, c.draft_id, c.dtype, c.device, c.trust],
                          [c.models_status, c.models_info, c.header, c.auto], api_name="load_pair",
                          concurrency_limit=1)

@@ -91,6 +91,7 @@ class GenerationRequest:
     system: str | None = None
     messages: list[dict] | None = None
     cache_key: str | None = None  # whose conversation cache to use (default: the job's session)
+    trace: bool = False  # the main phase's steps carry the verifier's trace (StepRecord.trace)
 
 
 @dataclass
@@ -471,6 +472,8 @@ class Worker:
         start = time.perf_counter()
         first_token_s = None
         extra = {"cache": cache} if cache is not None else {}
+        if phase == "main" and request.trace:
+            extra["trace"] = True
         try:
             stream = engine.stream(input_ids, max_new_tokens=request.max_new_tokens,
                                    temperature=request.temperature, top_p=request.top_p, tree=tree,

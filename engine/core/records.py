@@ -17,6 +17,46 @@ class StepTimings:
         return self.draft_s + self.verify_s + self.bookkeeping_s
 
 
+TokenProbs = list[tuple[int, float]]  # (token id, probability), most likely first
+
+
+@dataclass
+class VerifierEvent:
+    """One decision of the acceptance walk, recorded only when tracing is asked for
+    (``SpeculativeEngine.stream(..., trace=True)``); nothing here costs a model run.
+
+    ``rule`` says how the decision was taken:
+
+    - ``"sample"`` (sequoia, specinfer, chain at T > 0): ``child`` was kept iff ``r * q_x < p_x``,
+      i.e. ``r < min(1, p_x / q_x)``, with ``p_x`` the target's (residual) and ``q_x`` the draft's
+      (renormalised) probability of its token at that moment;
+    - ``"match"`` (topk): the target sampled ``target_token``; the child is kept iff it is that token;
+    - ``"argmax"`` (T = 0): the child is kept iff it is the target's argmax ``target_token``;
+    - ``"bonus"``: no child of ``node`` was kept (or it is a leaf): the target's token ``token`` is
+      drawn from ``top_p``'s distribution (the residual after rejections), or is its argmax at T = 0.
+    """
+
+    node: int                      # where the walk is: the node whose children are tried
+    child: int | None              # the child tried; None for the bonus
+    token: int                     # the child's token, or the bonus token
+    accepted: bool                 # the child was kept (True for the bonus, which is always committed)
+    rule: str                      # "sample", "match", "argmax" or "bonus"
+    r: float | None = None         # the uniform drawn for "sample"
+    p_x: float | None = None       # the target's probability of ``token`` as judged (residual p)
+    q_x: float | None = None       # the draft's probability of ``token`` as judged (renormalised q)
+    target_token: int | None = None  # "argmax": the target's argmax; "match": the target's sample
+    top_p: TokenProbs = field(default_factory=list)  # the target's (residual) p at that moment, top tokens
+    top_q: TokenProbs = field(default_factory=list)  # the draft's (renormalised) q at that moment, top tokens
+    residual: TokenProbs | None = None  # after a "sample" rejection: norm(relu(p - q)), top tokens
+
+    @property
+    def acceptance(self) -> float | None:
+        """min(1, p_x / q_x) of a "sample" decision."""
+        if self.p_x is None or self.q_x is None:
+            return None
+        return 1.0 if self.q_x <= 0 else min(1.0, self.p_x / self.q_x)
+
+
 @dataclass
 class StepRecord:
     """One draft-verify step. Lists indexed by tree node are in breadth-first order, node 0 = root."""
@@ -40,6 +80,12 @@ class StepRecord:
     # target's sample equals the token.
     verifier_p: list[float | None] = field(default_factory=list)
     verifier_q: list[float | None] = field(default_factory=list)
+    # Every decision of the acceptance walk in order (see VerifierEvent); None unless tracing was on.
+    trace: list[VerifierEvent] | None = None
+
+    def __post_init__(self) -> None:
+        if self.trace is not None:  # read back from JSON (an exported conversation): plain dicts
+            self.trace = [e if isinstance(e, VerifierEvent) else _event_from_dict(e) for e in self.trace]
 
     @property
     def accepted_draft_tokens(self) -> int:
@@ -58,6 +104,15 @@ class StepRecord:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _event_from_dict(raw: dict) -> VerifierEvent:
+    event = VerifierEvent(**raw)
+    for name in ("top_p", "top_q", "residual"):
+        value = getattr(event, name)
+        if value is not None:
+            setattr(event, name, [(int(t), float(p)) for t, p in value])
+    return event
 
 
 @dataclass

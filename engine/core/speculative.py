@@ -5,6 +5,7 @@ tree) is plain autoregressive decoding of the target through the same code path.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ class DecodeParams:
     seed: int
     stop_token_ids: frozenset[int]
     method: str = "sequoia"
+    trace: bool = False  # record every decision of the acceptance walk in StepRecord.trace
 
     @property
     def greedy(self) -> bool:
@@ -109,7 +111,7 @@ class SpeculativeEngine:
                top_p: float = 1.0, tree: Tree | str | None = None, seed: int = 0,
                stop_token_ids: list[int] | None = None, method: str = "sequoia",
                should_stop: Callable[[], bool] | None = None,
-               cache: ConversationCache | None = None) -> Iterator[StepRecord]:
+               cache: ConversationCache | None = None, trace: bool = False) -> Iterator[StepRecord]:
         """Yield one :class:`StepRecord` per draft/verify step until a stop token or the budget.
 
         ``input_ids``: the prompt (non-empty list of token ids). ``tree=None`` decodes with the
@@ -134,8 +136,15 @@ class SpeculativeEngine:
         from earlier turns: the prompt's longest common prefix with the tokens it holds is not
         prefilled again (``last_reused_tokens`` says how many), and it holds this generation's
         tokens afterwards. Without it the engine's own caches are used and nothing is kept.
+
+        ``trace``: each step's record carries every decision of the acceptance walk
+        (:class:`~engine.records.VerifierEvent`: the child tried, the uniform drawn, the p and q it
+        was judged on, the top tokens of p, q and the residual). It costs no model run and draws
+        no randomness: the tokens are the same with it or without it. Off, nothing is recorded.
         """
         params = self._validate(input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids, method)
+        if trace:
+            params = dataclasses.replace(params, trace=True)
         if params.tree.depth > 0 and self.draft is None:
             raise InvalidParameterError("a tree with draft tokens needs a draft model: pass draft= or use tree=None")
         if cache is not None and not (isinstance(cache, ConversationCache) and cache.belongs_to(self.target, self.draft)):
@@ -262,7 +271,8 @@ class _DecodeState:
             t2 = time.perf_counter()
             target_dists = logits_to_probs(target_logits, self.params.temperature, self.params.top_p)
             used: dict[int, tuple[float, float | None]] = {}
-            accepted, bonus = self._verify(tree, tokens, target_logits, target_dists, draft_dists, used)
+            trace = [] if self.params.trace else None
+            accepted, bonus = self._verify(tree, tokens, target_logits, target_dists, draft_dists, used, trace)
             target_probs = _child_probs(tree, tokens, target_dists)
             self._compact(tree, prefix, accepted)
             committed = self._commit([tokens[a] for a in accepted[1:]] + [bonus])
@@ -274,7 +284,8 @@ class _DecodeState:
                             committed=committed, timings=timings, finish_reason=self.finish_reason,
                             method=self.params.method, greedy=self.params.greedy,
                             verifier_p=[used[n][0] if n in used else None for n in range(len(tokens))],
-                            verifier_q=[used[n][1] if n in used else None for n in range(len(tokens))])
+                            verifier_q=[used[n][1] if n in used else None for n in range(len(tokens))],
+                            trace=trace)
         self.steps += 1
         return record
 
@@ -315,15 +326,16 @@ class _DecodeState:
         return tokens, probs, dists
 
     def _verify(self, tree: Tree, tokens: list[int], target_logits: torch.Tensor, target_dists: torch.Tensor,
-                draft_dists: dict[int, torch.Tensor], used: dict) -> tuple[list[int], int]:
-        """Accepted path and bonus token; ``used`` gets what each tried child was judged on."""
+                draft_dists: dict[int, torch.Tensor], used: dict, trace: list | None = None) -> tuple[list[int], int]:
+        """Accepted path and bonus token; ``used`` gets what each tried child was judged on, ``trace``
+        (when a list) every decision of the walk."""
         if self.params.greedy:
-            return verify_greedy(tree, tokens, target_logits.argmax(dim=-1))
+            return verify_greedy(tree, tokens, target_logits.argmax(dim=-1), trace, target_dists, draft_dists)
         if self.params.method == "topk":
-            return verify_topk(tree, tokens, target_dists, self.generator, used)
+            return verify_topk(tree, tokens, target_dists, self.generator, used, trace, draft_dists)
         return verify_stochastic(tree, tokens, target_dists, draft_dists,
                                  without_replacement=self.params.method != "specinfer", generator=self.generator,
-                                 used=used)
+                                 used=used, trace=trace)
 
     # ----- bookkeeping --------------------------------------------------------------------
     def _compact(self, tree: Tree, prefix: int, accepted: list[int]) -> None:

@@ -6,21 +6,39 @@ contributes after it. Pure functions, no model calls. The sampling verifiers als
 when given, with what each child they tried was judged on: ``used[node] = (p, q)``, the target's
 (residual) and the draft's (renormalised) probability of its token at that moment (q is None for
 top-k matching, where the child is kept when the target's sample equals it, probability p).
+With ``trace`` (a list) they append a :class:`~engine.records.VerifierEvent` for every decision,
+in order: each child tried and the bonus. Tracing reads the distributions the walk already has and
+draws no randomness, so the walk is the same with it or without it.
 """
 from __future__ import annotations
 
 import torch
 
 from engine.core.errors import InvalidDistributionError
+from engine.core.records import VerifierEvent
 from engine.trees.tree import Tree
 
+TRACE_TOP = 8  # tokens of each distribution a trace event keeps
 
-def verify_greedy(tree: Tree, tokens: list[int], target_argmax: torch.Tensor) -> tuple[list[int], int]:
+
+def top_tokens(probs: torch.Tensor | None, k: int = TRACE_TOP) -> list[tuple[int, float]]:
+    """The ``k`` most likely tokens of ``probs [V]`` as ``[(token, prob)]``, zero-probability ones left out."""
+    if probs is None:
+        return []
+    values, indices = torch.topk(probs, min(k, probs.shape[-1]))
+    return [(int(t), float(v)) for t, v in zip(indices.tolist(), values.tolist()) if v > 0]
+
+
+def verify_greedy(tree: Tree, tokens: list[int], target_argmax: torch.Tensor,
+                  trace: list[VerifierEvent] | None = None, target_probs: torch.Tensor | None = None,
+                  draft_probs: dict[int, torch.Tensor] | None = None) -> tuple[list[int], int]:
     """Greedy (temperature 0): follow the child whose token equals the target's argmax.
 
     ``target_argmax [size]`` is the target's most likely next token after each node. The bonus
     token is the argmax after the last accepted node, so the committed sequence is exactly what
-    the target's own greedy decoding produces.
+    the target's own greedy decoding produces. ``trace`` gets an ``"argmax"`` event per child
+    compared (with the top tokens of ``target_probs [size, V]`` and ``draft_probs[node]``, when
+    given) and a ``"bonus"`` event.
     """
     argmax = target_argmax.tolist()
     node = 0
@@ -28,6 +46,16 @@ def verify_greedy(tree: Tree, tokens: list[int], target_argmax: torch.Tensor) ->
     while True:
         wanted = argmax[node]
         match = next((c for c in tree.children[node] if tokens[c] == wanted), None)
+        if trace is not None:
+            top_p = top_tokens(target_probs[node]) if target_probs is not None else []
+            top_q = top_tokens((draft_probs or {}).get(node)) if tree.children[node] else []
+            for c in tree.children[node]:
+                trace.append(VerifierEvent(node, c, tokens[c], c == match, "argmax", target_token=wanted,
+                                           top_p=top_p, top_q=top_q))
+                if c == match:
+                    break
+            if match is None:
+                trace.append(VerifierEvent(node, None, wanted, True, "bonus", target_token=wanted, top_p=top_p))
         if match is None:
             return path, wanted
         node = match
@@ -39,7 +67,8 @@ Used = dict[int, tuple[float, float | None]]  # node -> (p, q) it was judged on
 
 def verify_stochastic(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
                       draft_probs: dict[int, torch.Tensor], without_replacement: bool,
-                      generator: torch.Generator | None = None, used: Used | None = None) -> tuple[list[int], int]:
+                      generator: torch.Generator | None = None, used: Used | None = None,
+                      trace: list[VerifierEvent] | None = None) -> tuple[list[int], int]:
     """Multi-draft speculative sampling over a tree; the committed tokens follow the target exactly.
 
     ``target_probs [size, V]``: the target's distribution after each node (temperature/top-p
@@ -55,24 +84,35 @@ def verify_stochastic(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
         kids = tree.children[node]
         q = draft_probs[node] if kids else None
         tried: list[tuple[float, float]] = []
+        events: list[VerifierEvent] | None = [] if trace is not None else None
         choice, p = accept_child(target_probs[node], q, [tokens[c] for c in kids], without_replacement, generator,
-                                 tried)
+                                 tried, events)
         if used is not None:
             used.update(zip(kids, tried))
+        if trace is not None:
+            for event in events:  # accept_child numbers the children it tried 0, 1, ...
+                event.node, event.child = node, kids[event.child]
+            trace.extend(events)
         if choice is None:
-            return path, int(torch.multinomial(p, 1, generator=generator).item())
+            bonus = int(torch.multinomial(p, 1, generator=generator).item())
+            if trace is not None:
+                trace.append(VerifierEvent(node, None, bonus, True, "bonus", p_x=float(p[bonus]), top_p=top_tokens(p)))
+            return path, bonus
         node = kids[choice]
         path.append(node)
 
 
 def accept_child(p: torch.Tensor, q: torch.Tensor | None, child_tokens: list[int], without_replacement: bool,
                  generator: torch.Generator | None = None,
-                 tried: list[tuple[float, float]] | None = None) -> tuple[int | None, torch.Tensor]:
+                 tried: list[tuple[float, float]] | None = None,
+                 trace: list[VerifierEvent] | None = None) -> tuple[int | None, torch.Tensor]:
     """One node of :func:`verify_stochastic`: try the children (tokens in rank order) against the
     target distribution ``p [V]`` and the draft distribution ``q [V]`` they were drawn from.
 
     Returns ``(index of the accepted child, p)`` or ``(None, residual p)`` to draw the bonus from.
-    ``tried`` gets ``(p[x], q[x])`` of each child tried, as the acceptance test used them.
+    ``tried`` gets ``(p[x], q[x])`` of each child tried, as the acceptance test used them;
+    ``trace`` a ``"sample"`` :class:`VerifierEvent` per child tried (``node`` -1, ``child`` = its
+    index among ``child_tokens``: :func:`verify_stochastic` renumbers them).
     """
     if not child_tokens:
         return None, p
@@ -86,8 +126,16 @@ def accept_child(p: torch.Tensor, q: torch.Tensor | None, child_tokens: list[int
         if tried is not None:
             tried.append((px, qx))
         if u * qx < px:  # u < p/q without dividing
+            if trace is not None:
+                trace.append(VerifierEvent(-1, index, x, True, "sample", u, px, qx, top_p=top_tokens(p),
+                                           top_q=top_tokens(q)))
             return index, p
+        if trace is not None:
+            event = VerifierEvent(-1, index, x, False, "sample", u, px, qx, top_p=top_tokens(p), top_q=top_tokens(q))
         p = _residual(p, q)
+        if trace is not None:
+            event.residual = top_tokens(p)
+            trace.append(event)
         if without_replacement:
             q[x] = 0.0
             total = q.sum()
@@ -111,8 +159,12 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def verify_topk(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
-                generator: torch.Generator | None = None, used: Used | None = None) -> tuple[list[int], int]:
-    """Top-k drafting baseline: the target samples its token; accept the child that matches it."""
+                generator: torch.Generator | None = None, used: Used | None = None,
+                trace: list[VerifierEvent] | None = None,
+                draft_probs: dict[int, torch.Tensor] | None = None) -> tuple[list[int], int]:
+    """Top-k drafting baseline: the target samples its token; accept the child that matches it.
+    ``trace`` gets a ``"match"`` event per child compared with the sample (the draft's top tokens
+    from ``draft_probs[node]``, when given) and a ``"bonus"`` event when none matched."""
     check_distributions(target_probs)
     node, path = 0, [0]
     while True:
@@ -120,6 +172,18 @@ def verify_topk(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
         choice, x = match_child(target_probs[node], [tokens[c] for c in kids], generator)
         if used is not None:
             used.update((c, (target_probs[node, tokens[c]].item(), None)) for c in kids)
+        if trace is not None:
+            top_p = top_tokens(target_probs[node])
+            top_q = top_tokens((draft_probs or {}).get(node)) if kids else []
+            for index, c in enumerate(kids):
+                trace.append(VerifierEvent(node, c, tokens[c], index == choice, "match",
+                                           p_x=float(target_probs[node, tokens[c]]), target_token=x, top_p=top_p,
+                                           top_q=top_q))
+                if index == choice:
+                    break
+            if choice is None:
+                trace.append(VerifierEvent(node, None, x, True, "bonus", p_x=float(target_probs[node, x]),
+                                           target_token=x, top_p=top_p))
         if choice is None:
             return path, x
         node = kids[choice]
