@@ -15,7 +15,7 @@ if __name__ == "__main__":  # before torch loads: glibc reads its tunables when 
     restart_with_huge_pages()
 
 from engine.cli.arguments import add_format_arguments  # noqa: E402
-from engine.core.errors import EngineError  # noqa: E402
+from engine.errors import EngineError  # noqa: E402
 from engine.models.loading import DTYPES  # noqa: E402
 
 KV_CACHE_MB = 1024  # default budget of the conversation KV caches (engine.core.prefix_cache.DEFAULT_BUDGET_BYTES)

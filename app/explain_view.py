@@ -23,7 +23,7 @@ from functools import lru_cache
 
 import gradio as gr
 
-from engine.core.errors import EngineError
+from engine.errors import EngineError
 from engine.trees.tree import Tree
 from engine.tuning import explain
 from engine.tuning.optimizer import choose_tree, predict

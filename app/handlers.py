@@ -15,8 +15,8 @@ from pathlib import Path
 
 import gradio as gr
 
-from engine.core.errors import EngineError
 from engine.core.speculative import METHODS
+from engine.errors import EngineError
 from engine.models.loading import pair_name
 from engine.trees.tree import Tree
 from engine.tuning.acceptance import EMBEDDED_PAIR, Calibration, calibration_for

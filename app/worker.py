@@ -53,9 +53,9 @@ import torch
 from app.conversation import ContextTooLong, fit_context
 from engine.backends.kernels import prepare
 from engine.backends.quantize import draft_format
-from engine.core.errors import EngineError, GenerationCancelled, ModelLoadError
 from engine.core.prefix_cache import DEFAULT_BUDGET_BYTES, CacheStore, ConversationCache
 from engine.core.speculative import SpeculativeEngine
+from engine.errors import EngineError, GenerationCancelled, ModelLoadError
 from engine.models.loading import DTYPES
 from engine.trees.tree import Tree
 

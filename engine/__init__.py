@@ -2,8 +2,9 @@
 
 The library, by concern:
 
+- :mod:`engine.errors`: the errors every package raises on bad input, one line each;
 - :mod:`engine.core`: one draft-verify step and the loop around it (speculative, verify,
-  sampling, runner, kv_cache, prefix_cache, records, errors);
+  sampling, runner, kv_cache, prefix_cache, records);
 - :mod:`engine.trees`: token trees and Sequoia's dynamic program (tree, dp);
 - :mod:`engine.tuning`: what the optimizer measures and decides (acceptance, calibrate,
   profile, optimizer, tree_store, replay, sampled_replay);
@@ -24,10 +25,10 @@ import importlib.util
 import sys
 
 _HOMES = {"SpeculativeEngine": "core.speculative", "Tree": "trees.tree", "GenerationResult": "core.records",
-          "StepRecord": "core.records", "StepTimings": "core.records", "EngineError": "core.errors",
-          "InvalidTreeError": "core.errors", "InvalidParameterError": "core.errors",
-          "ModelLoadError": "core.errors", "VocabularyMismatchError": "core.errors",
-          "ContextOverflowError": "core.errors", "prepare": "backends.kernels"}
+          "StepRecord": "core.records", "StepTimings": "core.records", "EngineError": "errors",
+          "InvalidTreeError": "errors", "InvalidParameterError": "errors",
+          "ModelLoadError": "errors", "VocabularyMismatchError": "errors",
+          "ContextOverflowError": "errors", "prepare": "backends.kernels"}
 __all__ = list(_HOMES)
 
 # The command lines lived at ``engine.<tool>`` before the library was split by concern;

@@ -8,7 +8,7 @@ import test_app_support as support
 import torch
 
 from app.worker import GenerationRequest, Worker, make_engine, validate_model_id
-from engine.core.errors import ModelLoadError
+from engine.errors import ModelLoadError
 from engine.models.prompts import encode_chat
 from engine.trees.tree import Tree
 from engine.tuning.tree_store import build_tree

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from engine.core.errors import InvalidTreeError
+from engine.errors import InvalidTreeError
 from engine.trees.tree import Tree, expected_tokens_table
 
 

@@ -20,15 +20,15 @@ import torch
 from transformers import DynamicCache
 
 from engine import SpeculativeEngine, Tree
-from engine.core.errors import (
+from engine.core.sampling import logits_to_probs
+from engine.core.speculative import _DecodeState
+from engine.errors import (
     ContextOverflowError,
     EngineError,
     InvalidParameterError,
     InvalidTreeError,
     VocabularyMismatchError,
 )
-from engine.core.sampling import logits_to_probs
-from engine.core.speculative import _DecodeState
 
 PROMPT = [5, 17, 3, 42, 9, 11]
 SHORT_PROMPT = [7]

@@ -9,9 +9,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.core.errors import InvalidDistributionError, InvalidTreeError
 from engine.core.sampling import logits_to_probs
 from engine.core.verify import verify_greedy, verify_stochastic, verify_topk
+from engine.errors import InvalidDistributionError, InvalidTreeError
 from engine.trees.tree import Tree, expected_tokens_table
 
 EXAMPLES = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -5,7 +5,7 @@ import pytest
 import test_app_support as support
 
 import app.pair
-from engine.core.errors import ModelLoadError
+from engine.errors import ModelLoadError
 
 
 def test_a_corrupted_model_install_fails_the_app_tests_instead_of_skipping_them(monkeypatch):

@@ -36,7 +36,7 @@ def package_of(module: str) -> str | None:
 
 def test_engine_lists_one_folder_per_concern():
     entries = sorted(p.name for p in ENGINE.iterdir() if p.name != "__pycache__")
-    assert entries == sorted(["__init__.py", "cli", *LIBRARY_PACKAGES])
+    assert entries == sorted(["__init__.py", "errors.py", "cli", *LIBRARY_PACKAGES])
     for package in [*LIBRARY_PACKAGES, "cli"]:
         assert (ENGINE / package / "__init__.py").read_text().strip(), f"engine/{package} says what it holds"
 
@@ -58,11 +58,14 @@ def test_the_app_uses_the_library_not_the_command_lines():
 
 
 def test_the_core_does_not_reach_into_tuning_or_command_lines():
-    """The decoding core needs trees (and the prefix cache's runner) but no optimizer or CLI:
-    it is the part a reader learns first."""
+    """The decoding core needs trees but no optimizer, backend or CLI: it is the part a reader
+    learns first; and trees need nothing but the errors."""
     for path in (ENGINE / "core").glob("*.py"):
         used = {package_of(m) for m in engine_imports(path)} - {None}
-        assert used <= {"core", "trees"}, (path.name, used)
+        assert used <= {"core", "trees", "errors"}, (path.name, used)
+    for path in (ENGINE / "trees").glob("*.py"):
+        used = {package_of(m) for m in engine_imports(path)} - {None}
+        assert used <= {"trees", "errors"}, (path.name, used)
 
 
 @pytest.mark.parametrize("old, new", [("engine.generate", "engine.cli.generate"), ("engine.bench", "engine.cli.bench"),

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from engine.core.errors import ModelLoadError, VocabularyMismatchError
+from engine.errors import ModelLoadError, VocabularyMismatchError
 from engine.models.loading import GGUFSource, assemble_gguf, check_same_vocabulary, find_parts, load_model
 
 
@@ -168,8 +168,8 @@ def test_a_failed_pair_load_leaves_only_the_pair_in_use_referenced(tmp_path, mon
     import gc
     import weakref
 
-    from engine.core.errors import VocabularyMismatchError
     from engine.core.speculative import SpeculativeEngine
+    from engine.errors import VocabularyMismatchError
     from engine.models import loading as models
     from engine.trees.tree import Tree
 

@@ -316,3 +316,20 @@ def test_real_target_only_decodes(tmp_path):
                             log=lambda *a, **k: None)
     (result,) = runs.results
     assert result.tokens_per_s > 0 and 0 < result.tokens <= 8 and result.token_ids and result.text
+
+
+def test_a_failing_configuration_costs_only_its_own_rows(tmp_path):
+    """llama-speculative crashing (as this version does at T > 0 with some drafts) is reported on its
+    configuration; the server configurations before it keep their figures."""
+    crashing = tmp_path / "llama-speculative"
+    crashing.write_text("#!/bin/sh\necho 'GGML_ASSERT(logits != nullptr) failed' >&2\nexit 134\n")
+    crashing.chmod(0o755)
+    binaries = peer.PeerBinaries(Path("/nonexistent/llama-server"), crashing, Path("/nonexistent/llama-bench"))
+    configs = [peer.PeerConfig("tree", kind="speculative", draft_max=4, parallel=3),
+               peer.PeerConfig("server", kind="server")]
+    runs = peer.run_peer([[1, 2, 3]], 4, 0.6, 0.9, prompt_texts=["hi"], configs=configs, binaries=binaries,
+                         ggufs=(tmp_path / "t.gguf", tmp_path / "d.gguf"), log=lambda *a, **k: None)
+    assert [r.name for r in runs] == ["tree", "server"]
+    assert "exited with code 134" in runs[0].error and "GGML_ASSERT" in runs[0].error
+    assert runs[1].error and "llama-server" in runs[1].error  # a missing binary is that configuration's error
+    assert all(r.results == [] for r in runs)

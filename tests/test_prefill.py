@@ -7,8 +7,8 @@ import tiny_models as tm
 import torch
 from transformers import DynamicCache
 
-from engine.core.errors import GenerationCancelled
 from engine.core.speculative import SpeculativeEngine, _DecodeState, forward
+from engine.errors import GenerationCancelled
 from engine.trees.tree import Tree
 
 PROMPT = [(7 * i + 3) % tm.VOCAB for i in range(150)]

@@ -9,9 +9,9 @@ import tiny_models as tm
 import torch
 from transformers import DynamicCache
 
-from engine.core.errors import GenerationCancelled, InvalidParameterError
 from engine.core.prefix_cache import CacheStore, ConversationCache, common_prefix
 from engine.core.speculative import SpeculativeEngine, forward
+from engine.errors import GenerationCancelled, InvalidParameterError
 from engine.trees.tree import Tree
 
 TURN1 = [5, 17, 3, 42, 9, 11, 30, 2, 8]

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.core.errors import EngineError, InvalidTreeError
+from engine.errors import EngineError, InvalidTreeError
 from engine.trees.tree import Tree
 
 IRREGULAR_NON_BFS = [-1, 0, 1, 0, 2, 3]  # valid (parents[i] < i) but depths go 0,1,2,1,3,2

@@ -172,9 +172,13 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     plot(report, path.with_suffix(".html"))
     print()
     print(markdown_table(report))
-    print(f"\noutputs identical to target-only: {identical} (HF generate and assisted: {hf_identical}); peak RSS {report['peak_rss_gib']:.1f} GiB; saved {path} and .html")
+    compared = (f"outputs identical to target-only: {identical} (HF generate and assisted: {hf_identical})" if greedy
+                else "outputs sampled (compared with target-only at temperature 0 only)")
+    print(f"\n{compared}; peak RSS {report['peak_rss_gib']:.1f} GiB; saved {path} and .html")
     if peer_runs and greedy:
         print(f"llama.cpp outputs identical to llama.cpp target-only: {peer_info['outputs_identical_to_target_only']}")
+    for name, error in (peer_info or {}).get("failed", {}).items():
+        print(f"{name}: failed, left out: {error}")
     return report
 
 
@@ -205,8 +209,10 @@ def run_peer(peer: str, prompt_ids: list[list[int]], tokenizer, new_tokens: int,
         reason = f"llama.cpp peer failed: {exc}"
         print(reason, flush=True)
         return [], {"name": peer, "skipped": reason}
+    failed = {r.name: r.error for r in runs if r.error is not None}
+    runs = [r for r in runs if r.error is None]
     flags = [r.identical_to_target_only() for r in runs]
-    return runs, {"name": peer, "skipped": None, "version": f"llama-cpp-python {peer_mod.PEER_VERSION} sdist, vendor/llama.cpp",
+    return runs, {"name": peer, "skipped": None, "failed": failed, "version": f"llama-cpp-python {peer_mod.PEER_VERSION} sdist, vendor/llama.cpp",
                   "threads": peer_mod.DEFAULT_THREADS, "ggufs": [str(g) for g in ggufs],
                   "binaries": binaries.as_dict(),
                   "outputs_identical_to_target_only": None if any(f is None for f in flags) else all(flags)}

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from engine.cli.arguments import add_format_arguments
 from engine.core.prefix_cache import ConversationCache
 from engine.models.prompts import encode_chat
 
@@ -62,13 +63,15 @@ def run(engine, tokenizer, turns: int, new_tokens: int, doc_tokens: int, tree, r
     return rows
 
 
-def bench(turns: int = 4, new_tokens: int = 32, doc_tokens: int = 1300, out_dir: Path = Path("results")) -> dict:
-    """Both runs on the embedded pair; the report (also saved as JSON)."""
+def bench(turns: int = 4, new_tokens: int = 32, doc_tokens: int = 1300, out_dir: Path = Path("results"),
+          target_format: str = "auto", draft_format: str = "auto") -> dict:
+    """Both runs on the embedded pair (weights as the app loads them by default); the report (also
+    saved as JSON)."""
     from engine.core.speculative import SpeculativeEngine
-    from engine.models.loading import load_default_pair
+    from engine.models.loading import load_default_pair, pair_name
     from engine.tuning.tree_store import build_tree
 
-    target, draft, tokenizer = load_default_pair()
+    target, draft, tokenizer = load_default_pair(draft_format=draft_format, target_format=target_format)
     engine = SpeculativeEngine(target, draft)
     tree = build_tree(8, 4)
     engine.generate(encode_chat(tokenizer, [{"role": "user", "content": "Hi"}]), max_new_tokens=4, tree=tree)
@@ -78,6 +81,7 @@ def bench(turns: int = 4, new_tokens: int = 32, doc_tokens: int = 1300, out_dir:
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "turns": turns, "new_tokens": new_tokens,
+        "pair": pair_name("default-target", "default-draft", draft, target),
         "tree": {"size": tree.size, "depth": tree.depth},
         "answers_identical": [r["answer"] for r in fresh] == [r["answer"] for r in reuse],
         "later_turns": [{"turn": fresh[i]["turn"], "prompt_tokens": reuse[i]["prompt_tokens"],
@@ -111,8 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="answer budget per turn (32)")
     parser.add_argument("--doc-tokens", type=int, default=1300, help="tokens of code in the first message (1300)")
     parser.add_argument("--out", type=Path, default=Path("results"))
+    add_format_arguments(parser)
     args = parser.parse_args(argv)
-    bench(args.turns, args.new_tokens, args.doc_tokens, args.out)
+    bench(args.turns, args.new_tokens, args.doc_tokens, args.out, args.target_format, args.draft_format)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import json
 import sys
 
 from engine.cli.arguments import add_format_arguments
-from engine.core.errors import EngineError
+from engine.errors import EngineError
 from engine.models.loading import DTYPES
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.core.errors import InvalidDistributionError
+from engine.errors import InvalidDistributionError
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:

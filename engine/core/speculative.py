@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.errors import ContextOverflowError, GenerationCancelled, InvalidParameterError, VocabularyMismatchError
 from engine.core.prefix_cache import ConversationCache
 from engine.core.records import GenerationResult, StepRecord, StepTimings
 from engine.core.runner import DynamicRunner, StaticRunner, run_model, synchronize
 from engine.core.sampling import choose_level_children, logits_to_probs
 from engine.core.verify import verify_greedy, verify_stochastic, verify_topk
+from engine.errors import ContextOverflowError, GenerationCancelled, InvalidParameterError, VocabularyMismatchError
 from engine.trees.tree import Tree
 
 ROOT_ONLY = Tree.chain(0)

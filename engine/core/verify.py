@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.core.errors import InvalidDistributionError
 from engine.core.records import VerifierEvent
+from engine.errors import InvalidDistributionError
 from engine.trees.tree import Tree
 
 TRACE_TOP = 8  # tokens of each distribution a trace event keeps

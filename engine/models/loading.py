@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from engine.backends.mapped import returning_freed_memory
 from engine.backends.quantize import quantize_draft
-from engine.core.errors import ModelLoadError, VocabularyMismatchError
+from engine.errors import ModelLoadError, VocabularyMismatchError
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from engine.core.errors import EngineError
+from engine.errors import EngineError
 
 PEER_VERSION = "0.3.36"           # llama-cpp-python sdist whose vendor/llama.cpp is built
 NOT_BUILT = "llama.cpp peer not built: run `make peer`"
@@ -193,6 +193,7 @@ class PeerRuns:
 
     config: PeerConfig
     results: list[PeerResult] = field(default_factory=list)
+    error: str | None = None  # why this configuration stopped (its results are then incomplete)
 
     @property
     def name(self) -> str:
@@ -386,34 +387,47 @@ def run_peer(prompts: list[list[int]], new_tokens: int, temperature: float = 0.0
     all_runs = []
     for config in configs:
         runs = PeerRuns(config)
-        if config.kind == "server":
-            command = server_command(binaries.server, config, target, draft if config.uses_draft else None,
-                                     free_port(), threads=threads, ctx=ctx)
-            with PeerServer(command, int(command[command.index("--port") + 1])) as server:
-                for round_, i in order:
-                    body = completion_request(prompts[i], new_tokens, temperature, top_p, seed=i + 1000 * round_)
-                    result = parse_completion(server.post("/completion", body, timeout_s), config.name)
-                    runs.results.append(result)
-                    log(f"prompt {i}: {config.name:<42} {result.tokens_per_s:6.2f} tok/s", flush=True)
-        else:
-            if prompt_texts is None:
-                raise PeerError(f"{config.name} takes the prompt as text: pass prompt_texts")
-            with tempfile.TemporaryDirectory(prefix="sequoia-peer-") as tmp:
-                for round_, i in order:
-                    prompt_file = Path(tmp, f"prompt{i}.txt")
-                    prompt_file.write_text(prompt_texts[i] + "\n", encoding="utf-8")  # -f drops one trailing newline
-                    command = speculative_command(binaries.speculative, config, target, draft, prompt_file, new_tokens,
-                                                  temperature, top_p, seed=i + 1000 * round_, threads=threads, ctx=ctx)
-                    code, stdout, stderr = run_command(command, timeout_s)
-                    if code != 0:
-                        raise PeerError(f"llama-speculative exited with code {code}: {stderr[-400:]!r}")
-                    result = parse_speculative_output(stdout, stderr, prompt_texts[i], config.name)
-                    runs.results.append(result)
-                    log(f"prompt {i}: {config.name:<42} {result.tokens_per_s:6.2f} tok/s", flush=True)
+        try:
+            _run_configuration(runs, binaries, target, draft, prompts, prompt_texts, order, new_tokens, temperature,
+                               top_p, threads, ctx, timeout_s, log)
+        except (PeerError, OSError) as exc:  # one configuration failing must not cost the others' figures
+            runs.error = str(exc)
+            log(f"{config.name}: failed: {runs.error}", flush=True)
         all_runs.append(runs)
     if temperature == 0:
         mark_same_as_target_only(all_runs)
     return all_runs
+
+
+def _run_configuration(runs: PeerRuns, binaries: PeerBinaries, target: Path, draft: Path, prompts: list[list[int]],
+                       prompt_texts: list[str] | None, order: list[tuple[int, int]], new_tokens: int,
+                       temperature: float, top_p: float, threads: int, ctx: int, timeout_s: float, log) -> None:
+    """One configuration of :func:`run_peer` over every (round, prompt) in ``order``, into ``runs``."""
+    config = runs.config
+    if config.kind == "server":
+        command = server_command(binaries.server, config, target, draft if config.uses_draft else None,
+                                 free_port(), threads=threads, ctx=ctx)
+        with PeerServer(command, int(command[command.index("--port") + 1])) as server:
+            for round_, i in order:
+                body = completion_request(prompts[i], new_tokens, temperature, top_p, seed=i + 1000 * round_)
+                result = parse_completion(server.post("/completion", body, timeout_s), config.name)
+                runs.results.append(result)
+                log(f"prompt {i}: {config.name:<42} {result.tokens_per_s:6.2f} tok/s", flush=True)
+    else:
+        if prompt_texts is None:
+            raise PeerError(f"{config.name} takes the prompt as text: pass prompt_texts")
+        with tempfile.TemporaryDirectory(prefix="sequoia-peer-") as tmp:
+            for round_, i in order:
+                prompt_file = Path(tmp, f"prompt{i}.txt")
+                prompt_file.write_text(prompt_texts[i] + "\n", encoding="utf-8")  # -f drops one trailing newline
+                command = speculative_command(binaries.speculative, config, target, draft, prompt_file, new_tokens,
+                                              temperature, top_p, seed=i + 1000 * round_, threads=threads, ctx=ctx)
+                code, stdout, stderr = run_command(command, timeout_s)
+                if code != 0:
+                    raise PeerError(f"llama-speculative exited with code {code}: {stderr[-400:]!r}")
+                result = parse_speculative_output(stdout, stderr, prompt_texts[i], config.name)
+                runs.results.append(result)
+                log(f"prompt {i}: {config.name:<42} {result.tokens_per_s:6.2f} tok/s", flush=True)
 
 
 def mark_same_as_target_only(all_runs: list[PeerRuns]) -> None:

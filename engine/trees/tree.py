@@ -11,7 +11,7 @@ from functools import cached_property
 
 import torch
 
-from engine.core.errors import InvalidTreeError
+from engine.errors import InvalidTreeError
 from engine.trees import dp
 from engine.trees.dp import expected_tokens_table  # noqa: F401  (public: engine.trees.tree.expected_tokens_table)
 

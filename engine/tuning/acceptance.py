@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from engine.core.errors import EngineError
+from engine.errors import EngineError
 
 EMBEDDED_PAIR = "default-target+default-draft@int4"  # bundled in assets/acceptance
 

@@ -52,7 +52,7 @@ def build_tree(size: int, depth: int | None, acceptance: list[float] | None = No
     """``size`` nodes (root included) and depth <= ``depth``: a chain when size == depth + 1,
     otherwise Sequoia's DP tree for ``acceptance`` (cached; by default the embedded pair's greedy
     calibration); ``size == 1`` means autoregressive (``None``)."""
-    from engine.core.errors import EngineError
+    from engine.errors import EngineError
 
     if size == 1:
         return None
