@@ -19,26 +19,16 @@ from __future__ import annotations
 
 import html
 import threading
-from functools import lru_cache
 
 import gradio as gr
 
 from engine.errors import EngineError
 from engine.trees.tree import Tree
 from engine.tuning import explain
-from engine.tuning.optimizer import choose_tree, predict
+from engine.tuning.optimizer import predict
 
 from . import explain_figures as xf
 from . import figures
-
-
-@lru_cache(maxsize=64)
-def _choose(acceptance: tuple[float, ...], key: tuple, max_size: int | None, max_depth: int, chains: bool):
-    device, pair, dtype, prefix_len, target, draft = key
-    from engine.tuning.profile import HardwareProfile
-
-    profile = HardwareProfile(device, pair, dtype, prefix_len, dict(target), dict(draft))
-    return choose_tree(list(acceptance), profile, max_size, max_depth, chains_only=chains)
 
 
 def _walk_position(run, step_no, event_no) -> tuple[int, int]:
@@ -85,7 +75,7 @@ class ExplainView:
         chains = method == "chain"
         pick = None
         if profile is not None:
-            pick = _choose(tuple(vector), explain.profile_key(profile), tuner.max_size, tuner.max_depth, chains)
+            pick = tuner.choose(temperature, top_p, method)  # what Auto runs, memoised by the tuner
         try:
             tree, _ = resolve_tree(method, size, depth, vector)
         except EngineError as exc:

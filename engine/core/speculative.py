@@ -138,7 +138,7 @@ class SpeculativeEngine:
         tokens afterwards. Without it the engine's own caches are used and nothing is kept.
 
         ``trace``: each step's record carries every decision of the acceptance walk
-        (:class:`~engine.records.VerifierEvent`: the child tried, the uniform drawn, the p and q it
+        (:class:`~engine.core.records.VerifierEvent`: the child tried, the uniform drawn, the p and q it
         was judged on, the top tokens of p, q and the residual). It costs no model run and draws
         no randomness: the tokens are the same with it or without it. Off, nothing is recorded.
         """

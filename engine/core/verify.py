@@ -6,7 +6,7 @@ contributes after it. Pure functions, no model calls. The sampling verifiers als
 when given, with what each child they tried was judged on: ``used[node] = (p, q)``, the target's
 (residual) and the draft's (renormalised) probability of its token at that moment (q is None for
 top-k matching, where the child is kept when the target's sample equals it, probability p).
-With ``trace`` (a list) they append a :class:`~engine.records.VerifierEvent` for every decision,
+With ``trace`` (a list) they append a :class:`~engine.core.records.VerifierEvent` for every decision,
 in order: each child tried and the bonus. Tracing reads the distributions the walk already has and
 draws no randomness, so the walk is the same with it or without it.
 """
@@ -47,15 +47,8 @@ def verify_greedy(tree: Tree, tokens: list[int], target_argmax: torch.Tensor,
         wanted = argmax[node]
         match = next((c for c in tree.children[node] if tokens[c] == wanted), None)
         if trace is not None:
-            top_p = top_tokens(target_probs[node]) if target_probs is not None else []
-            top_q = top_tokens((draft_probs or {}).get(node)) if tree.children[node] else []
-            for c in tree.children[node]:
-                trace.append(VerifierEvent(node, c, tokens[c], c == match, "argmax", target_token=wanted,
-                                           top_p=top_p, top_q=top_q))
-                if c == match:
-                    break
-            if match is None:
-                trace.append(VerifierEvent(node, None, wanted, True, "bonus", target_token=wanted, top_p=top_p))
+            _trace_comparisons(trace, "argmax", node, tree.children[node], tokens, match, wanted,
+                               target_probs[node] if target_probs is not None else None, draft_probs)
         if match is None:
             return path, wanted
         node = match
@@ -173,21 +166,30 @@ def verify_topk(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
         if used is not None:
             used.update((c, (target_probs[node, tokens[c]].item(), None)) for c in kids)
         if trace is not None:
-            top_p = top_tokens(target_probs[node])
-            top_q = top_tokens((draft_probs or {}).get(node)) if kids else []
-            for index, c in enumerate(kids):
-                trace.append(VerifierEvent(node, c, tokens[c], index == choice, "match",
-                                           p_x=float(target_probs[node, tokens[c]]), target_token=x, top_p=top_p,
-                                           top_q=top_q))
-                if index == choice:
-                    break
-            if choice is None:
-                trace.append(VerifierEvent(node, None, x, True, "bonus", p_x=float(target_probs[node, x]),
-                                           target_token=x, top_p=top_p))
+            _trace_comparisons(trace, "match", node, kids, tokens, None if choice is None else kids[choice], x,
+                               target_probs[node], draft_probs, with_p=True)
         if choice is None:
             return path, x
         node = kids[choice]
         path.append(node)
+
+
+def _trace_comparisons(trace: list[VerifierEvent], rule: str, node: int, kids: list[int], tokens: list[int],
+                       kept: int | None, target_token: int, p: torch.Tensor | None,
+                       draft_probs: dict[int, torch.Tensor] | None, with_p: bool = False) -> None:
+    """The events of a node whose children are compared with one target token (``rule`` "argmax":
+    its argmax, "match": its sample): one per child up to the ``kept`` one, then the bonus when
+    none was kept. ``p [V]``: the target's distribution there (top tokens shown; with ``with_p``
+    each event also carries the probability of its token)."""
+    top_p = top_tokens(p) if p is not None else []
+    top_q = top_tokens((draft_probs or {}).get(node)) if kids else []
+    for c in kids:
+        trace.append(VerifierEvent(node, c, tokens[c], c == kept, rule, p_x=float(p[tokens[c]]) if with_p else None,
+                                   target_token=target_token, top_p=top_p, top_q=top_q))
+        if c == kept:
+            return
+    trace.append(VerifierEvent(node, None, target_token, True, "bonus",
+                               p_x=float(p[target_token]) if with_p else None, target_token=target_token, top_p=top_p))
 
 
 def match_child(p: torch.Tensor, child_tokens: list[int],

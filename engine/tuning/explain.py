@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engine.trees import dp
 from engine.trees.tree import Tree
-from engine.tuning.optimizer import TreeChoice, candidate_sizes, predict
+from engine.tuning.optimizer import TreeChoice, predict
 from engine.tuning.profile import HardwareProfile
 
 Grid = tuple[tuple[float | None, ...], ...]  # [depth index][size index]
@@ -136,11 +136,6 @@ def profile_source(profile: HardwareProfile, directories: list[tuple[str, Path]]
         except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError):
             continue
     return "not saved to a file (measured in this session)"
-
-
-def optimizer_sizes(max_size: int) -> list[int]:
-    """The sizes :func:`engine.tuning.optimizer.choose_tree` tries (every n up to 16, then about 8 per octave)."""
-    return candidate_sizes(max_size)
 
 
 def describe_setting(choice: TreeChoice) -> str:
