@@ -51,5 +51,77 @@ def test_sampling_keeps_only_what_the_engine_uses():
     import inspect
 
     import engine.core.sampling as sampling
-    assert not hasattr(sampling, "sample")
+    assert not hasattr(sampling, "sample")  # tokens are drawn by sample_token and sample_children
     assert "top_k" not in inspect.signature(logits_to_probs).parameters
+
+
+# ---- drawing tokens: the CDF inversion and the rejection draws without replacement -------------------
+
+DRAWS = 40_000
+
+
+def _ordered_law(q: list[float], count: int) -> dict[tuple[int, ...], float]:
+    """Exact law of ``count`` ordered draws without replacement from ``q``."""
+    import itertools
+
+    law = {}
+    for seq in itertools.permutations(range(len(q)), count):
+        prob, left = 1.0, 1.0
+        for x in seq:
+            prob, left = prob * q[x] / left, left - q[x]
+        law[seq] = prob
+    return law
+
+
+@pytest.mark.parametrize("q", [[0.4, 0.3, 0.2, 0.1, 0.0], [0.97, 0.02, 0.006, 0.004, 0.0]],
+                         ids=["spread", "one-token-holds-97pc"])  # the second needs the mass-removal fallback
+def test_children_without_replacement_follow_the_sequential_law(q):
+    """Thresholds: chi-square p > 1e-3 over cells with expected count >= 5, total variation < 0.01,
+    with 40,000 draws of 3 ordered children; the zero-probability token is never drawn."""
+    from collections import Counter
+
+    from scipy.stats import chisquare
+
+    from engine.core.sampling import sample_children
+
+    generator = torch.Generator().manual_seed(11)
+    probs = torch.tensor(q, dtype=torch.float32)
+    seen = Counter(tuple(sample_children(probs, 3, True, generator).tolist()) for _ in range(DRAWS))
+    law = _ordered_law(q, 3)
+    assert all(4 not in seq and len(set(seq)) == 3 for seq in seen)
+    cells = [seq for seq, prob in law.items() if prob * DRAWS >= 5]
+    observed = [seen[seq] for seq in cells] + [DRAWS - sum(seen[seq] for seq in cells)]
+    expected = [law[seq] * DRAWS for seq in cells] + [DRAWS * (1 - sum(law[seq] for seq in cells))]
+    if expected[-1] < 1e-9:
+        observed, expected = observed[:-1], expected[:-1]
+    assert chisquare(observed, expected).pvalue > 1e-3
+    assert 0.5 * sum(abs(seen[seq] / DRAWS - prob) for seq, prob in law.items()) < 0.01
+
+
+def test_sample_token_follows_q_and_never_draws_a_zero():
+    """Thresholds: chi-square p > 1e-3 over 40,000 draws; zero-probability tokens (first, middle,
+    last) never come out; a single-token support always gives that token."""
+    from collections import Counter
+
+    from scipy.stats import chisquare
+
+    from engine.core.sampling import sample_token
+
+    generator = torch.Generator().manual_seed(5)
+    q = torch.tensor([0.0, 0.5, 0.0, 0.25, 0.125, 0.125, 0.0])
+    seen = Counter(sample_token(q, generator) for _ in range(DRAWS))
+    assert set(seen) == {1, 3, 4, 5}
+    assert chisquare([seen[x] for x in (1, 3, 4, 5)], [DRAWS * float(q[x]) for x in (1, 3, 4, 5)]).pvalue > 1e-3
+    one_hot = torch.zeros(151936)
+    one_hot[-1] = 1.0
+    assert {sample_token(one_hot, generator) for _ in range(50)} == {151935}
+
+
+def test_with_replacement_children_repeat_and_support_caps_distinct_children():
+    from engine.core.sampling import sample_children
+
+    generator = torch.Generator().manual_seed(2)
+    q = torch.tensor([0.0, 0.9, 0.1])
+    assert sorted(sample_children(q, 5, True, generator).tolist()) == [1, 2]  # only two tokens have mass
+    repeats = sample_children(q, 6, False, generator).tolist()
+    assert len(repeats) == 6 and set(repeats) <= {1, 2} and repeats.count(1) >= 2

@@ -14,12 +14,12 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float
     broken weights) raise :class:`InvalidDistributionError` instead of sampling garbage.
     """
     logits = logits.float()
-    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+    row_max = logits.amax(dim=-1, keepdim=True)  # NaN and +inf propagate to the max: one check per row
+    if torch.isnan(row_max).any() or torch.isposinf(row_max).any():
         raise InvalidDistributionError("the model produced NaN/inf logits: load it in float32 (--dtype float32) "
                                        "or check its weights")
     if temperature > 0:  # shifted to max 0 first: a tiny temperature gives 0 or -inf, never inf - inf
-        shifted = logits - logits.max(dim=-1, keepdim=True).values
-        logits = torch.nan_to_num(shifted / temperature, nan=0.0, neginf=float("-inf"))  # 0 / tiny -> 0
+        logits = torch.nan_to_num((logits - row_max) / temperature, nan=0.0, neginf=float("-inf"))  # 0 / tiny -> 0
     probs = torch.softmax(logits, dim=-1)
     if top_p < 1.0:
         probs = _top_p_filter(probs, top_p)
@@ -27,18 +27,24 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float
 
 
 TOP_P_CANDIDATES = 1024
+LIKELY = 1e-3  # tokens at least this likely are the first candidates for the nucleus
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float, candidates: int = TOP_P_CANDIDATES) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches ``top_p``; renormalise.
 
-    The nucleus is looked for among the ``candidates`` most likely tokens first (a ``topk``, 10-20x
-    cheaper than sorting 151,936 probabilities): when their mass reaches ``top_p`` every token
-    outside them starts past the nucleus, so the result is the full sort's exactly (the same
-    prefix sums in the same order). Rows whose nucleus may extend further are sorted in full.
+    The nucleus is looked for among a few most likely tokens first (a ``topk`` of those at least
+    :data:`LIKELY` probable, then of ``candidates``: 10-30x cheaper than sorting 151,936
+    probabilities): when their mass reaches ``top_p`` every token outside them starts past the
+    nucleus, so the result is the full sort's exactly (the same prefix sums in the same order).
+    Rows whose nucleus may extend further are sorted in full.
     """
-    if probs.shape[-1] > candidates:
-        top_probs, top_order = torch.topk(probs, candidates, dim=-1)
+    vocab = probs.shape[-1]
+    likely = int((probs >= LIKELY).sum(dim=-1).max()) + 1
+    for count in sorted({min(likely, candidates), candidates}):
+        if count >= vocab:
+            break
+        top_probs, top_order = torch.topk(probs, count, dim=-1)
         mass = torch.cumsum(top_probs, dim=-1)
         if bool((mass[..., -1] >= top_p).all()):
             return _keep_nucleus(probs, top_probs, top_order, mass, top_p)
@@ -57,19 +63,50 @@ def _keep_nucleus(probs: torch.Tensor, sorted_probs: torch.Tensor, order: torch.
     return filtered / filtered.sum(dim=-1, keepdim=True)
 
 
+REJECTIONS = 8  # redraws of an already drawn child before its mass is removed outright
+
+
+def sample_token(probs: torch.Tensor, generator: torch.Generator | None = None,
+                 cdf: torch.Tensor | None = None) -> int:
+    """One token drawn from ``probs [V]`` by inverting its CDF (float64 prefix sums, one uniform).
+
+    A token of zero probability is never drawn: the first index whose prefix sum exceeds ``u``
+    has a prefix sum larger than its predecessor's. ``cdf``: ``probs``' prefix sums when the
+    caller has them. About 20x cheaper than ``torch.multinomial`` over 151,936 tokens.
+    """
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64) if cdf is None else cdf
+    while True:
+        u = torch.rand(1, generator=generator, dtype=torch.float64, device=cdf.device) * cdf[-1]
+        index = int(torch.searchsorted(cdf, u, right=True))
+        if index < cdf.shape[-1]:  # u rounded up to the total mass: draw again (about 1e-16 of draws)
+            return index
+
+
 def sample_children(q: torch.Tensor, count: int, without_replacement: bool,
                     generator: torch.Generator | None = None) -> torch.Tensor:
     """``count`` tokens drawn from ``q [V]``: distinct (Sequoia) or i.i.d. (SpecInfer).
 
-    Without replacement uses the exponential race: the top-``count`` of ``q / E`` with E ~ Exp(1)
-    is an ordered sample without replacement (the first is a plain sample from q, the second a
-    sample from q with the first removed, ...). Never more children than q has support.
+    Without replacement, the i-th token is a sample from q with the first i - 1 removed: a draw
+    that repeats one is drawn again (rejection: exactly the renormalised law), and after
+    :data:`REJECTIONS` repeats the drawn tokens' mass is removed from the CDF instead, which keeps
+    the law exact and the cost bounded when one token holds nearly all of q. Never more
+    children than q has support.
     """
     if without_replacement:
         count = min(count, int((q > 0).sum()))
-        noise = torch.empty_like(q).exponential_(1, generator=generator)
-        return torch.topk(q / noise, count).indices
-    return torch.multinomial(q, count, replacement=True, generator=generator)
+    cdf = torch.cumsum(q, dim=-1, dtype=torch.float64)
+    drawn: list[int] = []
+    while len(drawn) < count:
+        for _ in range(REJECTIONS):
+            token = sample_token(q, generator, cdf)
+            if not without_replacement or token not in drawn:
+                drawn.append(token)
+                break
+        else:
+            remaining = q.clone()
+            remaining[drawn] = 0
+            cdf = torch.cumsum(remaining, dim=-1, dtype=torch.float64)
+    return torch.tensor(drawn, dtype=torch.long)
 
 
 def choose_children(q: torch.Tensor, count: int, method: str, greedy: bool,

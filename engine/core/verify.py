@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.core.sampling import sample_token
 from engine.core.records import VerifierEvent
 from engine.errors import InvalidDistributionError
 from engine.trees.tree import Tree
@@ -87,7 +88,7 @@ def verify_stochastic(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
                 event.node, event.child = node, kids[event.child]
             trace.extend(events)
         if choice is None:
-            bonus = int(torch.multinomial(p, 1, generator=generator).item())
+            bonus = sample_token(p, generator)
             if trace is not None:
                 trace.append(VerifierEvent(node, None, bonus, True, "bonus", p_x=float(p[bonus]), top_p=top_tokens(p)))
             return path, bonus
@@ -196,5 +197,5 @@ def match_child(p: torch.Tensor, child_tokens: list[int],
                 generator: torch.Generator | None = None) -> tuple[int | None, int]:
     """One node of :func:`verify_topk`: the target samples ``x ~ p [V]``; returns (index of the
     child whose token is x, or None, and x)."""
-    x = int(torch.multinomial(p, 1, generator=generator).item())
+    x = sample_token(p, generator)
     return (child_tokens.index(x) if x in child_tokens else None), x
