@@ -153,3 +153,30 @@ def test_building_the_int4_target_leaves_the_float_model_as_it_was(compiled):
     assert model.config._attn_implementation == "sdpa"
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(type(m) is not KQuantLinear for m in model.modules())
+
+
+def test_inputs_short_of_a_super_block_are_padded_with_zeros(compiled):
+    """A 352-input layer (the 0.5B draft has 896) is packed as 384 + zeros: the kernel equals the
+    reference, stays near the float product, and its rows stay independent of the batch."""
+    torch.manual_seed(4)
+    weight, x = torch.randn(32, 352) * 0.05, torch.randn(9, 352)
+    layer = KQuantLinear("q4k", quantize_q4k(torch.nn.functional.pad(weight, (0, 160))), 352, 32)
+    out = layer(x)
+    assert torch.equal(out, reference_linear("q4k", torch.nn.functional.pad(x, (0, 160)), layer.packed(), 32))
+    assert (out - x @ weight.T).norm() / (x @ weight.T).norm() < 0.1
+    assert all(torch.equal(layer(x[i:i + 1]), out[i:i + 1]) for i in range(9))
+
+
+def test_a_model_of_any_width_gets_kquant_layers_everywhere(compiled):
+    """The q4k draft format: every linear of a 128-wide model becomes a padded k-quant layer, and
+    its next-token logits stay close to the float model's."""
+    import tiny_models as tm
+
+    model = tm.qwen2(seed=3, vocab_size=64, hidden_size=128, layers=2)
+    quantized = kquant_model(model)
+    linears = [m for m in quantized.modules() if isinstance(m, (torch.nn.Linear, KQuantLinear))]
+    assert linears and all(type(m) is KQuantLinear and m.padded_in % 256 == 0 for m in linears)
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.inference_mode():
+        exact, approx = model(ids).logits, quantized(ids).logits
+    assert (approx - exact).norm() / exact.norm() < 0.15

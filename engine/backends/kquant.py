@@ -242,6 +242,7 @@ class KQuantLinear(torch.nn.Module):
         if kind not in ("q4k", "q6k"):
             raise ValueError(f"unknown k-quant kind {kind!r}")
         self.kind, self.in_features, self.out_features = kind, in_features, out_features
+        self.padded_in = padded_size(in_features)  # the packed weight's inputs: zeros past in_features
         for name, tensor in tensors.items():
             self.register_buffer(name, tensor)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -253,6 +254,8 @@ class KQuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ext = _extension()
         t = self.packed()
+        if self.padded_in != self.in_features:  # zero inputs leave each super-block's scale and sums as they are
+            x = torch.nn.functional.pad(x.float(), (0, self.padded_in - self.in_features))
         if ext is None:
             out = reference_linear(self.kind, x, t, self.out_features)
         elif self.kind == "q4k":
@@ -273,7 +276,7 @@ def kquant_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     None (causal). Returns ``([1, R, H, D], None)``; each row is computed alone, in a fixed order."""
     ext = _extension()
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if ext is None or query.shape[0] != 1 or query.dtype != torch.float32:
+    if ext is None or query.shape[0] != 1 or query.dtype != torch.float32 or query.shape[-1] % 16:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
@@ -330,7 +333,8 @@ def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None, cache_fi
 
     With ``gguf_path`` (the GGUF ``model`` was dequantised from) the layers keep that file's own
     Q4_K/Q6_K blocks, exactly; other layers (and every layer without a GGUF) are quantised to
-    Q4_K by :func:`quantize_q4k` when their shape allows (inputs a multiple of 256, outputs of 16).
+    Q4_K by :func:`quantize_q4k` when their outputs are a multiple of 16 (inputs are padded
+    with zeros to whole super-blocks of 256).
     ``cache_file``: where the packed layers of *these exact* weights are kept (the caller names
     it after them): read when present and fitting, written otherwise, so later starts skip packing."""
     from engine.backends.kernels import on_cpu_fp32, own_memory
@@ -349,6 +353,11 @@ def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None, cache_fi
     return quantized.eval()
 
 
+def padded_size(in_features: int) -> int:
+    """``in_features`` rounded up to whole super-blocks (a 896-wide layer is packed as 1024)."""
+    return -(-in_features // SUPER_BLOCK) * SUPER_BLOCK
+
+
 def _pack_layers(model: torch.nn.Module, gguf_path: Path | None) -> dict[str, KQuantLinear]:
     from_file = gguf_quantized_linears(gguf_path) if gguf_path else {}
     layers = {}
@@ -361,10 +370,12 @@ def _pack_layers(model: torch.nn.Module, gguf_path: Path | None) -> dict[str, KQ
                 raise ValueError(f"{gguf_path.name}: {name} does not match the model's layer")
             layers[name] = KQuantLinear(kind, pack_q4k(blocks) if kind == "q4k" else pack_q6k(blocks),
                                         linear.in_features, linear.out_features, linear.bias)
-        elif linear.in_features % SUPER_BLOCK == 0 and linear.out_features % TILE == 0:
+        elif linear.out_features % TILE == 0:
             weight = linear.weight.detach()
-            layers[name] = KQuantLinear("q4k", quantize_q4k(weight.to_dense() if weight.is_mkldnn else weight),
-                                        linear.in_features, linear.out_features, linear.bias)
+            weight = weight.to_dense() if weight.is_mkldnn else weight
+            padded = torch.nn.functional.pad(weight.float(), (0, padded_size(linear.in_features) - linear.in_features))
+            layers[name] = KQuantLinear("q4k", quantize_q4k(padded), linear.in_features, linear.out_features,
+                                        linear.bias)
     return layers
 
 
@@ -390,7 +401,7 @@ def _read_cache(path: Path, model: torch.nn.Module) -> dict[str, KQuantLinear] |
             return None
         parts = {key.rpartition(".")[2]: t for key, t in tensors.items() if key.rpartition(".")[0] == name}
         if parts.get("qs") is None or parts["qs"].numel() * (2 if kind == "q4k" else 1) != \
-                linear.in_features * linear.out_features:
+                padded_size(linear.in_features) * linear.out_features:
             return None
         layers[name] = KQuantLinear(kind, parts, linear.in_features, linear.out_features, linear.bias)
     return layers

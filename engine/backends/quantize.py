@@ -9,6 +9,9 @@ decides every committed token), so the draft may be approximated to make each le
   draft comes from a Q4_K GGUF, whose sub-blocks are exactly such groups, so little is lost.
 - ``int8``: torch's dynamic int8 linear (weights int8 per tensor, activations quantised per call).
   Fast on AVX2-only CPUs, but its rows depend on the rest of the batch and it agrees less.
+- ``q4k``: the target's k-quant kernels (:mod:`engine.backends.kquant`): the GGUF's own Q4_K/Q6_K
+  blocks where it has them, the other layers quantised to Q4_K (inputs padded to whole super-blocks
+  of 256), activations int8 per super-block, no bf16 conversions.
 - ``auto``: int4 on CPUs with native bf16, else int8 (see :func:`fastest_format`).
 
 The target is another matter: every committed token is its argmax (or its sample), so it must be
@@ -31,7 +34,7 @@ import torch
 from engine.backends.kernels import on_cpu_fp32, own_memory, unpack_linears
 from engine.backends.mapped import FileMapping, file_mappings, own_copy
 
-DRAFT_FORMATS = ("auto", "int4", "int8", "none")
+DRAFT_FORMATS = ("auto", "int4", "int8", "q4k", "none")
 TARGET_FORMATS = ("float32", "int4", "auto")
 INT4_GROUP = 32
 INT4_CACHE_FORMAT = 1  # bump when pack_int4's layout or rounding changes
@@ -203,6 +206,10 @@ def quantize_draft(model: torch.nn.Module, fmt: str = "auto", cache_dir: Path | 
         return model
     if fmt == "auto":
         fmt = fastest_format()
+    if fmt == "q4k":
+        from engine.backends.kquant import CACHE_FORMAT, kquant_model
+
+        return kquant_model(model, cache_file=cache_dir and cache_dir / f"kquant-v{CACHE_FORMAT}.safetensors")
     if fmt == "int4":
         return int4_draft(model, cache_dir and cache_dir / f"int4-g{INT4_GROUP}-v{INT4_CACHE_FORMAT}.safetensors")
     return int8_draft(model)

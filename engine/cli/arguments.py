@@ -14,5 +14,5 @@ def add_format_arguments(parser: argparse.ArgumentParser) -> None:
                              "the CPU, float32 on a GPU")
 
     parser.add_argument("--draft-format", choices=DRAFT_FORMATS, default="auto",
-                        help="draft weights: int4, int8 or none (float); auto takes the fastest that keeps "
+                        help="draft weights: int4, int8, q4k (the target's k-quant kernels) or none (float); auto takes the fastest that keeps "
                              "acceptance on this CPU (see engine/backends/quantize.py)")
