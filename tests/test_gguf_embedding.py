@@ -14,6 +14,9 @@ from gguf.quants import dequantize, quantize
 
 from engine.backends.gguf_embedding import GGUFEmbedding, gguf_embedding, tensor_location
 from engine.backends.mapped import file_mappings
+from engine.backends.quantize import int4_draft, int8_draft
+
+VOCAB = 151_936
 
 
 def write_gguf(path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]], alignment: int = 32) -> None:
@@ -84,3 +87,86 @@ def test_blocks_are_owned_frozen_and_shared_by_copies(tiny_gguf):
     assert twin.blocks is embedding.blocks and torch.equal(twin(torch.arange(64)), embedding(torch.arange(64)))
     with pytest.raises(ValueError, match="bytes"):
         GGUFEmbedding(blocks[:, :-1], GGMLQuantizationType.Q8_0, 32)
+
+
+@pytest.mark.parametrize("quantizer", [int4_draft, int8_draft], ids=["int4", "int8"])
+def test_a_quantised_copy_takes_the_embedding_and_computes_the_same(tiny_gguf, quantizer):
+    """A draft quantised with the GGUF embedding gives the logits of the same draft quantised from a
+    model whose float embedding holds the dequantised rows; the float model keeps its own."""
+    path, _, blocks = tiny_gguf
+    model, reference = tm.qwen2(seed=5), tm.qwen2(seed=5)
+    with torch.no_grad():
+        reference.get_input_embeddings().weight.copy_(torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q8_0)))
+    float_embedding = model.get_input_embeddings()
+    embedding = gguf_embedding(path)
+    draft = quantizer(model, embedding=embedding)
+    assert draft.get_input_embeddings() is embedding and model.get_input_embeddings() is float_embedding
+    assert not any(t.shape[0] == 64 and t.dtype == torch.float32 and t.dim() == 2
+                   for t in [*draft.parameters(), *draft.buffers()])
+    ids = torch.tensor([[5, 17, 3, 42, 9, 11, 30, 2]])
+    with torch.inference_mode():
+        assert torch.equal(draft(ids).logits, quantizer(reference)(ids).logits)
+
+
+def test_the_models_panel_counts_an_embedding_in_blocks(tiny_gguf):
+    from app.worker import _count
+
+    model = tm.qwen2(seed=5)
+    assert _count(int4_draft(model, embedding=gguf_embedding(tiny_gguf[0]))) == _count(int4_draft(model))
+
+
+# ---- the embedded pair -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def float_draft():
+    """The embedded draft as loaded, float32, not quantised."""
+    from engine.models.loading import load_model
+    return load_model("default-draft", torch.float32, "cpu", False, "none")[0]
+
+
+def token_ids(tokenizer) -> torch.Tensor:
+    """0, the last id, the special tokens and a few hundred others."""
+    special = sorted(set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder))
+    spread = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    return torch.tensor(sorted({0, 1, VOCAB - 1, len(tokenizer) - 1, *special, *spread}))
+
+
+@pytest.mark.real_pair
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_rows_are_bit_identical_to_the_float32_embedding(role, _stock_pair, float_draft):
+    from engine.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, assemble_gguf
+
+    float_model = _stock_pair[0] if role == "target" else float_draft
+    stock = float_model.get_input_embeddings()
+    assert type(stock) is torch.nn.Embedding, "target_format float32 / draft_format none keep the float embedding"
+    embedding = gguf_embedding(assemble_gguf(DEFAULT_TARGET if role == "target" else DEFAULT_DRAFT))
+    assert embedding.qtype == (GGMLQuantizationType.Q4_K if role == "target" else GGMLQuantizationType.Q5_0)
+    assert (embedding.num_embeddings, embedding.embedding_dim) == tuple(stock.weight.shape)
+    ids = token_ids(_stock_pair[2])
+    assert ids[0] == 0 and ids[-1] == VOCAB - 1 and len(ids) > 300
+    with torch.inference_mode():
+        assert torch.equal(embedding(ids), stock(ids))
+        assert torch.equal(embedding(ids.reshape(1, -1)), stock(ids.reshape(1, -1)))
+
+
+@pytest.mark.real_pair
+def test_the_quantised_pair_holds_no_float32_embedding(_stock_pair):
+    from engine.backends.kquant import KQuantLinear
+    from engine.backends.quantize import draft_format
+    from engine.models.loading import load_model
+
+    target = load_model("default-target", torch.float32, "cpu", False, "q4k")[0]
+    draft = _stock_pair[1]  # draft_format auto: int4 or int8 on a CPU
+    assert draft_format(target) == "q4k" and draft_format(draft) in ("int4", "int8")
+    for model in (target, draft):
+        assert not model.config.tie_word_embeddings  # the GGUFs store output.weight apart from token_embd
+        model.tie_weights()  # so nothing ties the quantised head back to the embedding
+        assert isinstance(model.get_input_embeddings(), GGUFEmbedding)
+        assert model.get_output_embeddings() is not model.get_input_embeddings()
+        big = [name for name, t in [*model.named_parameters(), *model.named_buffers()]
+               if t.dtype == torch.float32 and t.dim() >= 1 and t.shape[0] == VOCAB]
+        assert big == []
+    assert isinstance(target.lm_head, KQuantLinear)
+    ids = torch.tensor([[0, 151643, 9707, VOCAB - 1]])
+    with torch.inference_mode():
+        assert torch.equal(target.get_input_embeddings()(ids), _stock_pair[0].get_input_embeddings()(ids))
