@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from app.conversation import ContextTooLong, fit_context
+from engine.backends.gguf_embedding import GGUFEmbedding
 from engine.backends.kernels import prepare
 from engine.backends.quantize import draft_format
 from engine.core.prefix_cache import DEFAULT_BUDGET_BYTES, CacheStore, ConversationCache
@@ -188,12 +189,14 @@ def make_engine(target, draft, tokenizer, tuner=None) -> SpeculativeEngine:
 
 
 def _count(model) -> int:
-    """Parameters, the weights of quantised linear layers (held as packed buffers) included."""
+    """Parameters, the weights of quantised linear layers (held as packed buffers) and of an
+    embedding kept in GGUF blocks included."""
     if model is None:
         return 0
     quantised = sum(m.in_features * m.out_features for m in model.modules()
                     if hasattr(m, "in_features") and not isinstance(m, torch.nn.Linear))
-    return sum(p.numel() for p in model.parameters()) + quantised
+    blocks = sum(m.num_embeddings * m.embedding_dim for m in model.modules() if isinstance(m, GGUFEmbedding))
+    return sum(p.numel() for p in model.parameters()) + quantised + blocks
 
 
 def describe_pair(target, draft, target_name: str, draft_name: str) -> dict:

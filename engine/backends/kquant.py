@@ -325,8 +325,8 @@ def gguf_quantized_linears(gguf_path: Path) -> dict[str, tuple[str, np.ndarray]]
     return linears
 
 
-def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None, cache_file: Path | None = None
-                 ) -> torch.nn.Module:
+def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None, cache_file: Path | None = None,
+                 embedding: torch.nn.Module | None = None) -> torch.nn.Module:
     """A copy of the CPU float32 ``model`` whose linear layers are :class:`KQuantLinear` and whose
     attention is :func:`kquant_attention`; ``model`` is not changed, and no float32 weight of a
     replaced layer is read.
@@ -336,7 +336,9 @@ def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None, cache_fi
     Q4_K by :func:`quantize_q4k` when their outputs are a multiple of 16 (inputs are padded
     with zeros to whole super-blocks of 256).
     ``cache_file``: where the packed layers of *these exact* weights are kept (the caller names
-    it after them): read when present and fitting, written otherwise, so later starts skip packing."""
+    it after them): read when present and fitting, written otherwise, so later starts skip packing.
+    ``embedding``: the input embedding the copy takes instead of ``model``'s (e.g. a
+    :class:`~engine.backends.gguf_embedding.GGUFEmbedding`); ``model``'s is then never copied."""
     from engine.backends.kernels import on_cpu_fp32, own_memory
 
     if not on_cpu_fp32(model):
@@ -348,6 +350,8 @@ def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None, cache_fi
     memo = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     memo.update({id(model.get_submodule(name)): layer for name, layer in layers.items()})
     quantized = copy.deepcopy(model, memo)  # shares every tensor left; the replaced layers are the new ones
+    if embedding is not None:
+        quantized.set_input_embeddings(embedding)  # before own_memory: the float one is never copied
     own_memory(quantized)
     quantized.set_attn_implementation(ATTENTION_NAME)
     return quantized.eval()

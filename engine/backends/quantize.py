@@ -85,14 +85,16 @@ def pack_int4(weight: torch.Tensor, group_size: int = INT4_GROUP) -> tuple[torch
     return packed, scales_zeros
 
 
-def int4_draft(model: torch.nn.Module, cache_file: Path | None = None) -> torch.nn.Module:
+def int4_draft(model: torch.nn.Module, cache_file: Path | None = None,
+               embedding: torch.nn.Module | None = None) -> torch.nn.Module:
     """A copy of the CPU float32 ``model`` whose ``nn.Linear`` layers (the output head included)
     are :class:`Int4Linear`; ``model`` stays intact.
 
     ``cache_file``: where the quantised weights of *these exact* float weights are kept (the
     caller names the file after the weights): read from it when it matches the model's layers,
-    written to it otherwise, so later starts skip the quantisation."""
-    quantized, mappings = _copy_all_but_linears(model), file_mappings()
+    written to it otherwise, so later starts skip the quantisation. ``embedding``: see
+    :func:`quantize_draft`."""
+    quantized, mappings = _copy_all_but_linears(model, embedding), file_mappings()
     layers = {name: module for name, module in quantized.named_modules()
               if type(module) is torch.nn.Linear and module.in_features % INT4_GROUP == 0}
     cached = _read_int4_cache(cache_file, layers) if cache_file else None
@@ -155,16 +157,17 @@ def save_cache_atomically(path: Path, tensors: dict[str, torch.Tensor], what: st
             os.remove(tmp)
 
 
-def int8_draft(model: torch.nn.Module) -> torch.nn.Module:
+def int8_draft(model: torch.nn.Module, embedding: torch.nn.Module | None = None) -> torch.nn.Module:
     """A copy of the CPU float32 ``model`` whose ``nn.Linear`` layers are torch's dynamic int8
     linear; ``model`` stays intact.
 
     The int8 product depends on the other rows of the batch, so logits of a tree pass and a
-    causal pass differ slightly; a draft's logits only change acceptance.
+    causal pass differ slightly; a draft's logits only change acceptance. ``embedding``: see
+    :func:`quantize_draft`.
     """
     from torch.ao.quantization import quantize_dynamic
 
-    quantized = _copy_all_but_linears(model)
+    quantized = _copy_all_but_linears(model, embedding)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's deprecation notice: the op itself is supported
         quantize_dynamic(quantized, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
@@ -172,15 +175,19 @@ def int8_draft(model: torch.nn.Module) -> torch.nn.Module:
     return quantized.eval()
 
 
-def _copy_all_but_linears(model: torch.nn.Module) -> torch.nn.Module:
+def _copy_all_but_linears(model: torch.nn.Module, embedding: torch.nn.Module | None = None) -> torch.nn.Module:
     """A copy of ``model``'s modules sharing all its tensors: the caller replaces the copy's linear
     layers with quantised ones and gives the rest memory of its own, so ``model`` stays intact
-    and no float32 weight is ever duplicated."""
+    and no float32 weight is ever duplicated. ``embedding`` (when given) is the copy's input
+    embedding in place of ``model``'s, which the copy then neither shares nor copies."""
     if not on_cpu_fp32(model):
         raise ValueError("draft quantisation runs on the CPU in float32; this model is elsewhere")
     unpack_linears(model)  # an engine may have packed it; packed weights cannot be copied
     shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    return copy.deepcopy(model, memo=shared)
+    quantized = copy.deepcopy(model, memo=shared)
+    if embedding is not None:
+        quantized.set_input_embeddings(embedding)  # before the caller's own_memory: never copied
+    return quantized
 
 
 def draft_format(model: torch.nn.Module) -> str:
@@ -196,10 +203,14 @@ def draft_format(model: torch.nn.Module) -> str:
     return "int4" if Int4Linear in kinds else "int8" if DynamicInt8Linear in kinds else "none"
 
 
-def quantize_draft(model: torch.nn.Module, fmt: str = "auto", cache_dir: Path | None = None) -> torch.nn.Module:
+def quantize_draft(model: torch.nn.Module, fmt: str = "auto", cache_dir: Path | None = None,
+                   embedding: torch.nn.Module | None = None) -> torch.nn.Module:
     """The draft in format ``fmt`` (one of :data:`DRAFT_FORMATS`). Only CPU float32 drafts are
     quantised; others are returned as they are (``auto``) or refused (an explicit format).
-    ``cache_dir``: a folder for the quantised weights of these exact float weights (int4 only)."""
+    ``cache_dir``: a folder for the quantised weights of these exact float weights (int4 only).
+    ``embedding``: the input embedding a quantised copy takes instead of ``model``'s (e.g. a
+    :class:`~engine.backends.gguf_embedding.GGUFEmbedding` of the same rows), so ``model``'s float
+    embedding is never copied; unused when ``model`` is returned as it is."""
     if fmt not in DRAFT_FORMATS:
         raise ValueError(f"draft format must be one of {', '.join(DRAFT_FORMATS)}, got {fmt!r}")
     if fmt == "none" or (fmt == "auto" and not on_cpu_fp32(model)):
@@ -211,8 +222,9 @@ def quantize_draft(model: torch.nn.Module, fmt: str = "auto", cache_dir: Path | 
 
         return kquant_model(model, cache_file=cache_dir and cache_dir / f"kquant-v{CACHE_FORMAT}.safetensors")
     if fmt == "int4":
-        return int4_draft(model, cache_dir and cache_dir / f"int4-g{INT4_GROUP}-v{INT4_CACHE_FORMAT}.safetensors")
-    return int8_draft(model)
+        return int4_draft(model, cache_dir and cache_dir / f"int4-g{INT4_GROUP}-v{INT4_CACHE_FORMAT}.safetensors",
+                          embedding)
+    return int8_draft(model, embedding)
 
 
 def target_quantization(fmt: str, model_on_cpu_fp32: bool = True) -> str:

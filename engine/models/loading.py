@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_model
 from tqdm.auto import tqdm
 
+from engine.backends.kernels import on_cpu_fp32
 from engine.backends.mapped import returning_freed_memory
 from engine.backends.quantize import quantize_draft
 from engine.errors import ModelLoadError, VocabularyMismatchError
@@ -197,7 +198,9 @@ def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = 
     Downloads show a progress bar; ``HF_HUB_OFFLINE=1`` is respected (a model that is not cached
     then gives a clear error). ``draft_format`` quantises the model for drafting
     (:func:`engine.backends.quantize.quantize_draft`; ``none`` leaves it as loaded), and a quantised
-    draft's float original is let go. A model of the pair in use (:func:`keep_pair`, which
+    draft's float original is let go. A quantised embedded model keeps its token embedding in the
+    GGUF's blocks (:class:`engine.backends.gguf_embedding.GGUFEmbedding`, the same rows in a
+    seventh of the float32 bytes). A model of the pair in use (:func:`keep_pair`, which
     :func:`load_pair` calls once a pair validates) asked for again with the same arguments is
     returned as is; anything else is loaded afresh and remembered by nobody but the caller.
     """
@@ -205,26 +208,46 @@ def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = 
     with _in_use_lock:
         if key in _in_use:
             return _in_use[key]
-    quantized_cache = None
+    quantized_cache = embedding = None
     with returning_freed_memory():
         gguf = None
         if model_id in DEFAULT_IDS:
             model, tokenizer = _load_source(DEFAULT_IDS[model_id], dtype)
             quantized_cache = _dequantised_dir(DEFAULT_IDS[model_id], dtype)  # pinned weights: safe to key on
-            gguf = assemble_gguf(DEFAULT_IDS[model_id]) if draft_format == "q4k" else None
         else:
             model, tokenizer = _load_hub_model(model_id, dtype, trust_remote_code)
         model = place(model, device).eval()
+        if model_id in DEFAULT_IDS and draft_format != "none" and on_cpu_fp32(model):
+            # quantised below: its float32 embedding gives way to the GGUF's own blocks
+            gguf = assemble_gguf(DEFAULT_IDS[model_id])
+            embedding = _gguf_embedding(gguf, model)
         if draft_format == "q4k":
             from engine.backends.kquant import CACHE_FORMAT, kquant_model
 
             packed = quantized_cache and quantized_cache / f"kquant-v{CACHE_FORMAT}.safetensors"
-            model = kquant_model(model, gguf, packed)
+            model = kquant_model(model, gguf, packed, embedding)
         else:
-            model = quantize_draft(model, draft_format, quantized_cache)
+            model = quantize_draft(model, draft_format, quantized_cache, embedding)
     with _in_use_lock:
         _load_keys[model] = key
     return model, tokenizer
+
+
+def _gguf_embedding(gguf: Path, model: torch.nn.Module):
+    """The token embedding of ``gguf`` in its blocks (:mod:`engine.backends.gguf_embedding`): the
+    same rows as ``model``'s float32 embedding, which transformers dequantised from that tensor."""
+    from engine.backends.gguf_embedding import gguf_embedding
+
+    try:
+        embedding = gguf_embedding(gguf)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not read the token embedding of {gguf}: {exc}") from exc
+    current = model.get_input_embeddings()
+    if (embedding.num_embeddings, embedding.embedding_dim) != (current.num_embeddings, current.embedding_dim):
+        raise ModelLoadError(f"{gguf.name}: its token embedding ({embedding.num_embeddings} x "
+                             f"{embedding.embedding_dim}) does not fit the model's ({current.num_embeddings} x "
+                             f"{current.embedding_dim})")
+    return embedding
 
 
 def keep_pair(*loaded) -> None:

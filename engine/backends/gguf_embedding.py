@@ -1,0 +1,154 @@
+"""A token embedding kept in its GGUF blocks, dequantised a few rows at a time.
+
+The embedded pair's float32 embeddings are the largest tensors left once the linear layers are
+quantised: 151,936 rows of 1,536 (target, 933 MB) and of 896 (draft, 545 MB) float32 values.
+Their GGUF blocks take 131 MB (Q4_K) and 94 MB (Q5_0). A forward only needs the rows of the
+tokens it embeds, so :class:`GGUFEmbedding` keeps the blocks and dequantises those rows with
+``gguf.quants.dequantize``, the function transformers' GGUF loader dequantises the whole tensor
+with (``transformers/modeling_gguf_pytorch_utils.py``; no permutation applies to ``token_embd``
+for qwen2/llama-style models). Each block is dequantised on its own, element by element, so a
+row is bit-identical to the same row of the float32 embedding transformers built.
+"""
+from __future__ import annotations
+
+import mmap
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quant_shape_to_byte_shape
+
+TOKEN_EMBEDDING = "token_embd.weight"
+
+
+class GGUFEmbedding(torch.nn.Module):
+    """``nn.Embedding`` whose weight ``[num_embeddings, embedding_dim]`` stays in GGUF blocks.
+
+    ``blocks``: the raw bytes of the GGUF tensor, ``[num_embeddings, bytes per row]`` uint8 (one
+    row of blocks per token). A C-contiguous array that owns its memory is taken over and made
+    read-only; anything else (a view, a memory map of the file) is copied first, so the module
+    never keeps a file mapped.
+    ``forward``: ``input_ids [...]`` (integers in ``[0, num_embeddings)``) -> float32
+    ``[..., embedding_dim]`` on ``input_ids``' device; the rows are dequantised on the CPU.
+
+    The blocks are not a buffer: ``.to()``, ``state_dict`` and
+    :func:`engine.backends.kernels.own_memory` leave them alone, and a deep copy shares them.
+    """
+
+    def __init__(self, blocks: np.ndarray, qtype: GGMLQuantizationType, embedding_dim: int) -> None:
+        super().__init__()
+        qtype = GGMLQuantizationType(qtype)
+        row_bytes = quant_shape_to_byte_shape((embedding_dim,), qtype)[-1]
+        if blocks.ndim != 2 or blocks.dtype != np.uint8 or blocks.shape[1] != row_bytes:
+            raise ValueError(f"{qtype.name} rows of {embedding_dim} values take {row_bytes} bytes: "
+                             f"got blocks {blocks.dtype} {tuple(blocks.shape)}")
+        if blocks.base is not None or not blocks.flags.c_contiguous:
+            blocks = np.array(blocks, order="C")  # memory of its own (np.array of a memmap is a plain array)
+        blocks.flags.writeable = False  # frozen: deep copies share it
+        self.blocks = blocks
+        self.qtype = qtype
+        self.num_embeddings, self.embedding_dim = int(blocks.shape[0]), int(embedding_dim)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.detach().to("cpu", torch.int64).reshape(-1)
+        shape = (*input_ids.shape, self.embedding_dim)
+        if ids.numel() == 0:
+            return torch.empty(shape, dtype=torch.float32, device=input_ids.device)
+        if int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings:
+            raise IndexError(f"token ids must be in [0, {self.num_embeddings}), got "
+                             f"{int(ids.min())}..{int(ids.max())}")
+        rows = dequantize(self.blocks[ids.numpy()], self.qtype)  # fancy indexing copies: rows are ours
+        return torch.from_numpy(rows).reshape(shape).to(input_ids.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the blocks take (the float32 embedding takes ``4 * rows * dim``)."""
+        return int(self.blocks.nbytes)
+
+    def __deepcopy__(self, memo: dict) -> GGUFEmbedding:
+        twin = GGUFEmbedding(self.blocks, self.qtype, self.embedding_dim)  # read-only blocks: shared
+        twin.train(self.training)
+        memo[id(self)] = twin
+        return twin
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name}"
+
+
+def gguf_embedding(gguf_path: str | Path, name: str = TOKEN_EMBEDDING) -> GGUFEmbedding:
+    """The 2-D tensor ``name`` of the GGUF file at ``gguf_path`` as a :class:`GGUFEmbedding`.
+
+    The blocks are read out of the file into memory of their own (131 MB for the embedded
+    target's Q4_K embedding) and the file is closed: the module keeps no map of it."""
+    path = Path(gguf_path)
+    qtype, dims, offset = tensor_location(path, name)
+    if len(dims) != 2:
+        raise ValueError(f"{path.name}: {name} is not a matrix (dimensions {list(dims)})")
+    dim, rows = dims  # GGUF lists the innermost dimension first
+    row_bytes = quant_shape_to_byte_shape((dim,), qtype)[-1]
+    blocks = np.fromfile(path, dtype=np.uint8, count=rows * row_bytes, offset=offset)
+    if blocks.size != rows * row_bytes:
+        raise ValueError(f"{path.name} is truncated: {name} needs {rows * row_bytes} bytes at {offset}")
+    blocks.shape = (rows, row_bytes)  # in place: the array still owns its memory (a reshape is a view)
+    return GGUFEmbedding(blocks, qtype, dim)
+
+
+# GGUF value types (gguf.GGUFValueType) and their sizes; 8 is a string, 9 an array.
+_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+
+
+def tensor_location(path: str | Path, name: str) -> tuple[GGMLQuantizationType, tuple[int, ...], int]:
+    """``(type, dimensions innermost first, absolute byte offset)`` of tensor ``name`` in a GGUF
+    file (little-endian, version 2 or 3), read from the header alone.
+
+    ``gguf.GGUFReader`` builds an array per metadata value on opening, which takes seconds for a
+    Qwen2.5 file (two lists of 151k tokenizer strings); this walks past them in a fraction of that."""
+    path = Path(path)
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"GGUF":
+            raise ValueError(f"{path.name} is not a GGUF file")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
+        if version not in (2, 3):
+            raise ValueError(f"{path.name}: GGUF version {version} (little-endian 2 or 3 expected)")
+
+        def string_end(pos: int) -> int:
+            return pos + 8 + struct.unpack_from("<Q", data, pos)[0]
+
+        def value_end(kind: int, pos: int) -> int:
+            if kind == _STRING:
+                return string_end(pos)
+            if kind != _ARRAY:
+                return pos + _SCALARS[kind]
+            item, count = struct.unpack_from("<IQ", data, pos)
+            pos += 12
+            if item in _SCALARS:
+                return pos + count * _SCALARS[item]
+            for _ in range(count):
+                pos = value_end(item, pos)
+            return pos
+
+        pos, alignment = 24, 32
+        for _ in range(n_kv):
+            key_end = string_end(pos)
+            key = bytes(data[pos + 8:key_end])
+            kind = struct.unpack_from("<I", data, key_end)[0]
+            if key == b"general.alignment" and kind == _UINT32:
+                alignment = struct.unpack_from("<I", data, key_end + 4)[0]
+            pos = value_end(kind, key_end + 4)
+        found = None
+        for _ in range(n_tensors):
+            name_end = string_end(pos)
+            tensor_name = bytes(data[pos + 8:name_end]).decode()
+            n_dims = struct.unpack_from("<I", data, name_end)[0]
+            dims = struct.unpack_from(f"<{n_dims}Q", data, name_end + 4)
+            kind, offset = struct.unpack_from("<IQ", data, name_end + 4 + 8 * n_dims)
+            pos = name_end + 4 + 8 * n_dims + 12
+            if tensor_name == name:
+                found = (GGMLQuantizationType(kind), tuple(int(d) for d in dims), offset)
+    if found is None:
+        raise ValueError(f"{path.name} has no tensor {name!r}")
+    data_start = pos + (-pos) % alignment
+    return found[0], found[1], data_start + found[2]
