@@ -220,7 +220,8 @@ def quantize_draft(model: torch.nn.Module, fmt: str = "auto", cache_dir: Path | 
     if fmt == "q4k":
         from engine.backends.kquant import CACHE_FORMAT, kquant_model
 
-        return kquant_model(model, cache_file=cache_dir and cache_dir / f"kquant-v{CACHE_FORMAT}.safetensors")
+        return kquant_model(model, cache_file=cache_dir and cache_dir / f"kquant-v{CACHE_FORMAT}.safetensors",
+                            embedding=embedding)
     if fmt == "int4":
         return int4_draft(model, cache_dir and cache_dir / f"int4-g{INT4_GROUP}-v{INT4_CACHE_FORMAT}.safetensors",
                           embedding)
