@@ -231,6 +231,9 @@ def reference_linear(kind: str, x: torch.Tensor, tensors: dict[str, torch.Tensor
 
 # ---- modules -----------------------------------------------------------------------------------
 
+PACKED_NAMES = {"q4k": ("qs", "sc", "mn", "d", "dmin"), "q6k": ("qs", "sc", "d")}
+
+
 class KQuantLinear(torch.nn.Module):
     """``y = x @ W.T + b`` with ``W [out, in]`` kept as GGUF Q4_K or Q6_K integers (see the module
     docstring). ``forward``: ``x [..., in]`` float32 -> ``[..., out]`` float32; every row is
@@ -248,21 +251,21 @@ class KQuantLinear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def packed(self) -> dict[str, torch.Tensor]:
-        names = ("qs", "sc", "mn", "d", "dmin") if self.kind == "q4k" else ("qs", "sc", "d")
-        return {name: getattr(self, name) for name in names}
+        return {name: self._buffers[name] for name in PACKED_NAMES[self.kind]}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ext = _extension()
-        t = self.packed()
+        buffers = self._buffers  # read directly: nn.Module's attribute lookup is most of a small layer's Python cost
+        x = x.float()
         if self.padded_in != self.in_features:  # zero inputs leave each super-block's scale and sums as they are
-            x = torch.nn.functional.pad(x.float(), (0, self.padded_in - self.in_features))
+            x = torch.nn.functional.pad(x, (0, self.padded_in - self.in_features))
         if ext is None:
-            out = reference_linear(self.kind, x, t, self.out_features)
-        elif self.kind == "q4k":
-            out = ext.q4k_linear(x.float(), t["qs"], t["sc"], t["mn"], t["d"], t["dmin"], self.out_features)
+            out = reference_linear(self.kind, x, self.packed(), self.out_features)
         else:
-            out = ext.q6k_linear(x.float(), t["qs"], t["sc"], t["d"], self.out_features)
-        return out if self.bias is None else out + self.bias
+            kernel = ext.q4k_linear if self.kind == "q4k" else ext.q6k_linear
+            out = kernel(x, *(buffers[name] for name in PACKED_NAMES[self.kind]), self.out_features)
+        bias = self._parameters.get("bias")
+        return out if bias is None else out.add_(bias)
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
