@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.core.sampling import sample_token
 from engine.core.records import VerifierEvent
+from engine.core.sampling import sample_token
 from engine.errors import InvalidDistributionError
 from engine.trees.tree import Tree
 
