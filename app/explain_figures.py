@@ -159,7 +159,13 @@ def profile_caption(profile: HardwareProfile, source: str) -> str:
     """Where the profile comes from and what it measured (HTML)."""
     return (f"<div class='sc-why-profile'>Profile <b>{html.escape(profile.device)}</b> · pair "
             f"<code>{html.escape(profile.pair)}</code> · {html.escape(profile.dtype)} · after a "
-            f"{profile.prefix_len}-token prefix · {html.escape(source)}</div>")
+            f"{profile.prefix_len}-token prefix{_overhead_note(profile)} · {html.escape(source)}</div>")
+
+
+def _overhead_note(profile: HardwareProfile) -> str:
+    if profile.step_overhead <= 0:
+        return ""
+    return f" · every step also costs {profile.step_overhead * 1e3:.0f} ms beyond its forwards"
 
 
 # ----- step-through ----------------------------------------------------------------------------

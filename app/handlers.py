@@ -180,7 +180,7 @@ class ChatApp:
         if rate is not None:
             return rate, "measured"
         if self.worker.tuner is not None:
-            return 1.0 / self.worker.tuner.profile.target_time(1), "estimated"
+            return 1.0 / self.worker.tuner.profile.token_time(), "estimated"
         return None, ""
 
     def baseline_html(self, temperature: float, top_p: float) -> str:

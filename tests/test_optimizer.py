@@ -53,3 +53,27 @@ def test_profile_interpolates_and_round_trips():
     assert profile.target_time(3) == pytest.approx((10.0 + 3) / 1e3)
     assert profile.target_time(512) == pytest.approx((10.0 + 512) / 1e3)
     assert HardwareProfile.from_json(profile.to_json()) == profile
+
+
+def test_a_step_overhead_is_paid_by_every_step_and_favours_drafting():
+    """S = G (t_T(1) + o) / (t_T(n) + draft + o): with the target alone just ahead without an
+    overhead, a per-step cost that every step pays makes a chain pay for itself."""
+    profile = synthetic(lambda n: 90.0 + 15.0 * (n - 1), draft_ms=lambda w: 54.0)
+    chain = Tree.chain(1)
+    bare = predict(chain, ACCEPTANCE, profile)
+    assert bare.predicted_speedup < 1.0 and choose_tree(ACCEPTANCE, profile).size == 1
+    profile.step_overhead = 0.040
+    paid = predict(chain, ACCEPTANCE, profile)
+    assert paid.step_time_s == pytest.approx(bare.step_time_s + 0.040)
+    assert paid.predicted_speedup == pytest.approx(paid.expected_tokens * 0.130 / paid.step_time_s)
+    assert paid.predicted_speedup > 1.0 and choose_tree(ACCEPTANCE, profile).size > 1
+    assert profile.token_time() == pytest.approx(0.130)
+    assert HardwareProfile.from_json(profile.to_json()) == profile
+
+
+def test_a_profile_saved_before_the_overhead_term_reads_as_no_overhead():
+    import json
+
+    raw = json.loads(synthetic(lambda n: 30.0).to_json())
+    del raw["step_overhead"]
+    assert HardwareProfile.from_json(json.dumps(raw)).step_overhead == 0.0

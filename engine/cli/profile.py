@@ -1,5 +1,5 @@
 """Command line: ``python -m engine.cli.profile`` measures a pair's hardware profile
-(:mod:`engine.tuning.profile`: t_T(n) and t_D(w)) and caches it per device, pair and dtype."""
+(:mod:`engine.tuning.profile`: t_T(n), t_D(w) and the step overhead) and caches it per device, pair and dtype."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ from pathlib import Path
 from engine.cli.arguments import add_format_arguments
 from engine.models.loading import DTYPES, cache_dir, load_pair, pair_name
 from engine.models.prompts import encode_chat, load_prompt_set
-from engine.tuning.profile import measure_profile, powers_of_two, profile_path
+from engine.tuning.profile import measure_profile, measure_step_overhead, powers_of_two, profile_path
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     pair = pair_name(args.target, args.draft, draft, target)
     profile = measure_profile(target, draft, prefix, powers_of_two(args.max_tokens), powers_of_two(args.max_width),
                               pair, args.repeats)
+    chat = encode_chat(tokenizer, load_prompt_set("chat")[0]["messages"])
+    profile.step_overhead = measure_step_overhead(target, draft, chat, forward_s=profile.target_time(1))
     path = args.out or profile_path(cache_dir() / "profiles", profile.device, pair, profile.dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(profile.to_json())
@@ -38,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"target n={n:5d}: {t * 1e3:8.1f} ms  ({t / profile.target[1]:.2f}x one token)")
     for w, t in profile.draft.items():
         print(f"draft  w={w:5d}: {t * 1e3:8.1f} ms")
+    print(f"step overhead: {profile.step_overhead * 1e3:.1f} ms (a bundled chat prompt, the target alone)")
     print(f"saved {path}")
 
 

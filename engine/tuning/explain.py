@@ -108,7 +108,7 @@ def _tables(acceptance: tuple[float, ...], key: tuple | None, max_size: int, max
                 choice = trees[tree.parents] = predict(tree, acceptance, profile)
             verify = profile.target_time(n)
             grids["verify_s"][i][j] = verify
-            grids["draft_s"][i][j] = choice.step_time_s - verify
+            grids["draft_s"][i][j] = choice.step_time_s - verify - profile.step_overhead
             grids["speedup"][i][j] = choice.predicted_speedup
     frozen = {name: tuple(tuple(row) for row in grid) for name, grid in grids.items()}
     if profile is None:
@@ -149,11 +149,12 @@ def _ms(seconds: float) -> str:
 
 
 def _numbers(choice: TreeChoice, profile: HardwareProfile) -> str:
-    verify = profile.target_time(choice.size)
-    draft = choice.step_time_s - verify
+    verify, overhead = profile.target_time(choice.size), profile.step_overhead
+    draft = choice.step_time_s - verify - overhead
+    other = f" + {_ms(overhead)} other" if overhead > 0 else ""
     if choice.size == 1:
-        return f"G = 1 token/step for {_ms(verify)} of target per token, {choice.predicted_speedup:.2f}×"
-    return (f"G = {choice.expected_tokens:.2f} tokens/step for {_ms(verify)} verify + {_ms(draft)} draft = "
+        return f"G = 1 token/step for {_ms(verify)} of target{other} per token, {choice.predicted_speedup:.2f}×"
+    return (f"G = {choice.expected_tokens:.2f} tokens/step for {_ms(verify)} verify + {_ms(draft)} draft{other} = "
             f"{_ms(choice.step_time_s)} per step, predicted {choice.predicted_speedup:.2f}×")
 
 
@@ -180,7 +181,7 @@ def explain_choice(pick: TreeChoice, mine: TreeChoice, profile: HardwareProfile)
         return (f"The optimizer drafts nothing (the target alone, predicted 1.00×) rather than your "
                 f"{describe_setting(mine)}: {_numbers(mine, profile)}. The tree would write "
                 f"{mine.expected_tokens:.2f} tokens per step but each step costs "
-                f"{mine.step_time_s / profile.target_time(1):.1f} target tokens' time: {hardware_reason(profile)}.")
+                f"{mine.step_time_s / profile.token_time():.1f} target tokens' time: {hardware_reason(profile)}.")
     gain = pick.predicted_speedup / mine.predicted_speedup if mine.predicted_speedup > 0 else float("inf")
     if mine.size == 1:
         return (f"The optimizer picks {describe_setting(pick)} over the target alone: {_numbers(pick, profile)}, "

@@ -1,9 +1,10 @@
 """Sequoia's hardware-aware optimizer: pick the tree size and depth that maximise predicted speedup.
 
-    S(n, d) = G(n, d) * t_T(1) / ( t_T(n) + draft cost of the tree )
+    S(n, d) = G(n, d) * (t_T(1) + o) / ( t_T(n) + draft cost of the tree + o )
 
 The draft cost charges one draft forward per tree level that has children (the first one also
-feeds the catch-up tokens) at the measured latency for that level's width.
+feeds the catch-up tokens) at the measured latency for that level's width; ``o`` is the profile's
+step overhead, which every step pays, the target alone's included.
 """
 from __future__ import annotations
 
@@ -53,8 +54,8 @@ def draft_cost(tree: Tree, profile: HardwareProfile) -> float:
 
 def predict(tree: Tree, acceptance, profile: HardwareProfile) -> TreeChoice:
     tokens = tree.expected_tokens(acceptance)
-    step = profile.target_time(tree.size) + draft_cost(tree, profile)
-    return TreeChoice(tree, tree.size, tree.depth, tokens, step, tokens * profile.target_time(1) / step)
+    step = profile.target_time(tree.size) + draft_cost(tree, profile) + profile.step_overhead
+    return TreeChoice(tree, tree.size, tree.depth, tokens, step, tokens * profile.token_time() / step)
 
 
 def choose_tree(acceptance, profile: HardwareProfile, max_size: int | None = None,
@@ -76,7 +77,7 @@ def choose_tree(acceptance, profile: HardwareProfile, max_size: int | None = Non
             if value == float("-inf"):
                 continue
             # cheap bound first: even with a free draft this (n, d) cannot win
-            if value * profile.target_time(1) / profile.target_time(n) <= best.predicted_speedup:
+            if value * profile.token_time() / (profile.target_time(n) + profile.step_overhead) <= best.predicted_speedup:
                 continue
             choice = predict(Tree.from_parents(dp.optimal_parents(table, n, d)), acceptance, profile)
             if choice.predicted_speedup > best.predicted_speedup:

@@ -29,9 +29,16 @@ class HardwareProfile:
     prefix_len: int
     target: dict[int, float] = field(default_factory=dict)  # n tree tokens -> seconds
     draft: dict[int, float] = field(default_factory=dict)   # level width -> seconds
+    # seconds every decoding step costs beyond the forwards timed above: the engine's work around
+    # them and attention over a real chat's context rather than the profile's prefix
+    step_overhead: float = 0.0
 
     def target_time(self, n: int) -> float:
         return _interpolate(self.target, n)
+
+    def token_time(self) -> float:
+        """Seconds per token of the target alone as the engine decodes: ``t_T(1)`` + the step overhead."""
+        return self.target_time(1) + self.step_overhead
 
     def draft_time(self, width: int) -> float:
         return _interpolate(self.draft, width) if self.draft else 0.0
@@ -127,6 +134,22 @@ def measure_profile(target, draft, prefix: list[int], sizes: list[int], widths: 
     for (kind, n), times in readings.items():
         getattr(profile, kind)[n] = statistics.median(times)
     return profile
+
+
+def measure_step_overhead(target, draft, prompt: list[int], tokens: int = 24, rounds: int = 3,
+                          forward_s: float | None = None) -> float:
+    """Seconds a decoding step of the engine costs beyond the target's one-token forward
+    ``forward_s`` (the profile's ``t_T(1)``): the median decode time per token of the target alone
+    (greedy, ``tokens`` tokens after ``prompt``, the fastest of ``rounds`` answers after a warm-up)
+    minus ``forward_s``, never below 0. Every step pays it, drafting or not, so it shrinks the share
+    of a step the draft and the wider verification take."""
+    from engine.core.speculative import SpeculativeEngine
+
+    engine = SpeculativeEngine(target, draft)
+    engine.generate(prompt, max_new_tokens=4, tree=Tree.chain(0))
+    per_token = min(1.0 / engine.generate(prompt, max_new_tokens=tokens, tree=Tree.chain(0)).tokens_per_second
+                    for _ in range(rounds))
+    return max(per_token - (forward_s or 0.0), 0.0)
 
 
 def device_name(device: torch.device) -> str:
