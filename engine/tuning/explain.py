@@ -66,7 +66,7 @@ def profile_key(profile: HardwareProfile | None) -> tuple | None:
     if profile is None:
         return None
     return (profile.device, profile.pair, profile.dtype, profile.prefix_len,
-            tuple(sorted(profile.target.items())), tuple(sorted(profile.draft.items())))
+            tuple(sorted(profile.target.items())), tuple(sorted(profile.draft.items())), profile.step_overhead)
 
 
 def tables(acceptance, profile: HardwareProfile | None, max_size: int = 64, max_depth: int = 16,
@@ -81,8 +81,8 @@ def _tables(acceptance: tuple[float, ...], key: tuple | None, max_size: int, max
             chains_only: bool) -> Tables:
     profile = None
     if key is not None:
-        device, pair, dtype, prefix_len, target, draft = key
-        profile = HardwareProfile(device, pair, dtype, prefix_len, dict(target), dict(draft))
+        device, pair, dtype, prefix_len, target, draft, overhead = key
+        profile = HardwareProfile(device, pair, dtype, prefix_len, dict(target), dict(draft), overhead)
     table = dp.solve(acceptance, max_size, max_depth)
     sizes, depths = tuple(range(1, max_size + 1)), tuple(range(1, max_depth + 1))
     grids: dict[str, list[list[float | None]]] = {
