@@ -204,13 +204,14 @@ def draft_format(model: torch.nn.Module) -> str:
 
 
 def quantize_draft(model: torch.nn.Module, fmt: str = "auto", cache_dir: Path | None = None,
-                   embedding: torch.nn.Module | None = None) -> torch.nn.Module:
+                   embedding: torch.nn.Module | None = None, gguf: Path | None = None) -> torch.nn.Module:
     """The draft in format ``fmt`` (one of :data:`DRAFT_FORMATS`). Only CPU float32 drafts are
     quantised; others are returned as they are (``auto``) or refused (an explicit format).
     ``cache_dir``: a folder for the quantised weights of these exact float weights (int4 only).
     ``embedding``: the input embedding a quantised copy takes instead of ``model``'s (e.g. a
     :class:`~engine.backends.gguf_embedding.GGUFEmbedding` of the same rows), so ``model``'s float
-    embedding is never copied; unused when ``model`` is returned as it is."""
+    embedding is never copied; unused when ``model`` is returned as it is. ``gguf``: the GGUF file
+    ``model`` was dequantised from, whose Q4_K/Q6_K blocks ``q4k`` keeps as they are."""
     if fmt not in DRAFT_FORMATS:
         raise ValueError(f"draft format must be one of {', '.join(DRAFT_FORMATS)}, got {fmt!r}")
     if fmt == "none" or (fmt == "auto" and not on_cpu_fp32(model)):
@@ -220,8 +221,7 @@ def quantize_draft(model: torch.nn.Module, fmt: str = "auto", cache_dir: Path | 
     if fmt == "q4k":
         from engine.backends.kquant import CACHE_FORMAT, kquant_model
 
-        return kquant_model(model, cache_file=cache_dir and cache_dir / f"kquant-v{CACHE_FORMAT}.safetensors",
-                            embedding=embedding)
+        return kquant_model(model, gguf, cache_dir and cache_dir / f"kquant-v{CACHE_FORMAT}.safetensors", embedding)
     if fmt == "int4":
         return int4_draft(model, cache_dir and cache_dir / f"int4-g{INT4_GROUP}-v{INT4_CACHE_FORMAT}.safetensors",
                           embedding)

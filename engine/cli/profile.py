@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     profile = measure_profile(target, draft, prefix, powers_of_two(args.max_tokens), powers_of_two(args.max_width),
                               pair, args.repeats)
     chat = encode_chat(tokenizer, load_prompt_set("chat")[0]["messages"])
-    profile.step_overhead = measure_step_overhead(target, draft, chat, forward_s=profile.target_time(1))
+    profile.step_overhead = measure_step_overhead(target, draft, chat, profile.target_time(1))
     path = args.out or profile_path(cache_dir() / "profiles", profile.device, pair, profile.dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(profile.to_json())

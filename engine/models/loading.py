@@ -221,13 +221,7 @@ def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = 
             # quantised below: its float32 embedding gives way to the GGUF's own blocks
             gguf = assemble_gguf(DEFAULT_IDS[model_id])
             embedding = _gguf_embedding(gguf, model)
-        if draft_format == "q4k":
-            from engine.backends.kquant import CACHE_FORMAT, kquant_model
-
-            packed = quantized_cache and quantized_cache / f"kquant-v{CACHE_FORMAT}.safetensors"
-            model = kquant_model(model, gguf, packed, embedding)
-        else:
-            model = quantize_draft(model, draft_format, quantized_cache, embedding)
+        model = quantize_draft(model, draft_format, quantized_cache, embedding, gguf)
     with _in_use_lock:
         _load_keys[model] = key
     return model, tokenizer

@@ -61,12 +61,9 @@ class Tables:
         return self.cell(-size, -depth)
 
 
-def profile_key(profile: HardwareProfile | None) -> tuple | None:
-    """A hashable form of ``profile`` (for caches)."""
-    if profile is None:
-        return None
-    return (profile.device, profile.pair, profile.dtype, profile.prefix_len,
-            tuple(sorted(profile.target.items())), tuple(sorted(profile.draft.items())), profile.step_overhead)
+def profile_key(profile: HardwareProfile | None) -> str | None:
+    """A hashable form of ``profile`` (for caches): its JSON, every field included."""
+    return None if profile is None else profile.to_json()
 
 
 def tables(acceptance, profile: HardwareProfile | None, max_size: int = 64, max_depth: int = 16,
@@ -77,12 +74,9 @@ def tables(acceptance, profile: HardwareProfile | None, max_size: int = 64, max_
 
 
 @lru_cache(maxsize=32)
-def _tables(acceptance: tuple[float, ...], key: tuple | None, max_size: int, max_depth: int,
+def _tables(acceptance: tuple[float, ...], key: str | None, max_size: int, max_depth: int,
             chains_only: bool) -> Tables:
-    profile = None
-    if key is not None:
-        device, pair, dtype, prefix_len, target, draft, overhead = key
-        profile = HardwareProfile(device, pair, dtype, prefix_len, dict(target), dict(draft), overhead)
+    profile = None if key is None else HardwareProfile.from_json(key)
     table = dp.solve(acceptance, max_size, max_depth)
     sizes, depths = tuple(range(1, max_size + 1)), tuple(range(1, max_depth + 1))
     grids: dict[str, list[list[float | None]]] = {

@@ -136,12 +136,12 @@ def measure_profile(target, draft, prefix: list[int], sizes: list[int], widths: 
     return profile
 
 
-def measure_step_overhead(target, draft, prompt: list[int], tokens: int = 24, rounds: int = 3,
-                          forward_s: float | None = None) -> float:
+def measure_step_overhead(target, draft, prompt: list[int], forward_s: float, tokens: int = 24,
+                          rounds: int = 3) -> float:
     """Seconds a decoding step of the engine costs beyond the target's one-token forward
-    ``forward_s`` (the profile's ``t_T(1)``): the median decode time per token of the target alone
-    (greedy, ``tokens`` tokens after ``prompt``, the fastest of ``rounds`` answers after a warm-up)
-    minus ``forward_s``, never below 0. Every step pays it, drafting or not, so it shrinks the share
+    ``forward_s`` (the profile's ``t_T(1)``): the decode time per token of the target alone (greedy,
+    ``tokens`` tokens after ``prompt``, the fastest of ``rounds`` answers after a warm-up) minus
+    ``forward_s``, never below 0. Every step pays it, drafting or not, so it shrinks the share
     of a step the draft and the wider verification take."""
     from engine.core.speculative import SpeculativeEngine
 
@@ -149,7 +149,7 @@ def measure_step_overhead(target, draft, prompt: list[int], tokens: int = 24, ro
     engine.generate(prompt, max_new_tokens=4, tree=Tree.chain(0))
     per_token = min(1.0 / engine.generate(prompt, max_new_tokens=tokens, tree=Tree.chain(0)).tokens_per_second
                     for _ in range(rounds))
-    return max(per_token - (forward_s or 0.0), 0.0)
+    return max(per_token - forward_s, 0.0)
 
 
 def device_name(device: torch.device) -> str:
