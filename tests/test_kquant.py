@@ -66,6 +66,23 @@ def test_the_kernel_equals_the_torch_reference_bit_for_bit(kind, compiled):
 
 
 @pytest.mark.parametrize("kind", ["q4k", "q6k"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_largest_quants_and_activations_do_not_overflow_the_integer_sums(kind, sign, compiled):
+    """Every quant at its maximum (15 or 63) times activations all at +-127: the SIMD paths' 16-bit
+    partial sums sit at their largest; the result must still equal the reference bit for bit."""
+    blocks = random_blocks(kind, 32, 512, seed=4)
+    if kind == "q4k":
+        blocks[..., 4:16] = 0xFF  # 6-bit scales and mins at 63
+        blocks[..., 16:] = 0xFF  # every nibble 15
+    else:
+        blocks[..., :192] = 0xFF  # every 6-bit quant 63
+        blocks[..., 192:208] = np.int8(-128).view(np.uint8)  # the largest scale magnitude
+    tensors = packed(kind, blocks)
+    x = torch.full((5, 512), sign)
+    assert torch.equal(KQuantLinear(kind, tensors, 512, 32)(x), reference_linear(kind, x, tensors, 32))
+
+
+@pytest.mark.parametrize("kind", ["q4k", "q6k"])
 def test_the_kernel_is_close_to_the_float_product(kind, compiled):
     blocks = random_blocks(kind, 64, 512, seed=2)
     tensors = packed(kind, blocks)

@@ -4,7 +4,8 @@ The embedded target's GGUF stores most matrices as Q4_K (super-blocks of 256 inp
 32 with 6-bit scales and mins: ``w = d*sc*q - dmin*m``, q in 0..15) and the rest as Q6_K
 (sub-blocks of 16 with int8 scales: ``w = d*sc*(q - 32)``). :class:`KQuantLinear` keeps those
 integers exactly and multiplies them with activations quantised to int8 per super-block, as
-llama.cpp does, in a C++ kernel (``engine/backends/csrc/kquant.cpp``, AVX-512 VNNI where the CPU has it).
+llama.cpp does, in a C++ kernel (``engine/backends/csrc/kquant.cpp``: AVX-512 VNNI or AVX2 where the CPU
+has them, portable C++ elsewhere; :func:`simd_path` says which).
 
 Exactness by construction: each output row is computed by the same instructions in the same
 order whatever the number of rows, and :func:`kquant_attention` does the same for attention, so a
@@ -77,12 +78,18 @@ def kernels_available() -> bool:
     return _extension() is not None
 
 
+def simd_path() -> str:
+    """The kernels' integer path on this CPU: ``avx512-vnni``, ``avx2``, ``portable``, or ``none``
+    when they are not built (the pure-torch reference runs)."""
+    ext = _extension()
+    return "none" if ext is None else ext.simd_path()
+
+
 def build_kernels() -> str:
     """Build the kernels now (``make kernels``); returns a line saying what was built."""
-    ext = _extension()
-    if ext is None:
+    if _extension() is None:
         raise RuntimeError("the k-quant kernels could not be built; see the log above")
-    return f"k-quant kernels ready ({'AVX-512 VNNI' if ext.has_vnni() else 'portable C++'})"
+    return f"k-quant kernels ready ({simd_path()})"
 
 
 # ---- packing GGUF blocks into the kernel's tiles ----------------------------------------------

@@ -20,12 +20,16 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define KQ_VNNI 1
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define KQ_AVX2 1
 #endif
 
 namespace {
@@ -63,6 +67,17 @@ struct Rows {
   const int32_t* s16;
   int64_t K;
 };
+
+// Rows in blocks of 4 (the last one 1-3): ``rows_of(block, r)`` runs rows r .. r+block-1, with
+// ``block`` a compile-time std::integral_constant so each block size gets its own unrolled code.
+template <typename F>
+void by_row_blocks(int64_t R, F rows_of) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) rows_of(std::integral_constant<int, 4>{}, r);
+  if (R - r == 3) rows_of(std::integral_constant<int, 3>{}, r);
+  else if (R - r == 2) rows_of(std::integral_constant<int, 2>{}, r);
+  else if (R - r == 1) rows_of(std::integral_constant<int, 1>{}, r);
+}
 
 #ifdef KQ_VNNI
 // The VNNI path: NR rows share each sub-block's unpacked weights; per lane, the same operations
@@ -164,17 +179,6 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& r
   for (int rr = 0; rr < NR; ++rr) _mm512_storeu_ps(out + (r0 + rr) * N + tile * TILE, y[rr]);
 }
 
-// Rows in blocks of 4 (the last one 1-3): ``rows_of(block, r)`` runs rows r .. r+block-1, with
-// ``block`` a compile-time std::integral_constant so each block size gets its own unrolled code.
-template <typename F>
-void by_row_blocks(int64_t R, F rows_of) {
-  int64_t r = 0;
-  for (; r + 4 <= R; r += 4) rows_of(std::integral_constant<int, 4>{}, r);
-  if (R - r == 3) rows_of(std::integral_constant<int, 3>{}, r);
-  else if (R - r == 2) rows_of(std::integral_constant<int, 2>{}, r);
-  else if (R - r == 1) rows_of(std::integral_constant<int, 1>{}, r);
-}
-
 void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const float* d, const float* dmin,
               const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
   by_row_blocks(R, [&](auto block, int64_t r) {
@@ -185,6 +189,135 @@ void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
 void tile_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& rows, int64_t R, float* out,
               int64_t N, int64_t tile) {
   by_row_blocks(R, [&](auto block, int64_t r) { rows_q6k<decltype(block)::value>(qs, sc, d, rows, r, out, N, tile); });
+}
+#elif defined(KQ_AVX2)
+// The AVX2 path: a tile's 16 outputs as two halves of 8 int32 lanes. maddubs (u8 x s8 -> pairs
+// summed in int16) then madd with ones (-> int32) gives the same integer dot products as VNNI's
+// dpbusd: no saturation is reachable (|q4 * x| pairs <= 2*15*127, q6 pairs <= 2*63*127, and the
+// int16 sums below stay under 2^15), and integer sums are exact in any order. The float steps per
+// lane are the portable path's, in the same order.
+
+inline __m256i bcast4(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline __m256i widen8(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+
+// 8 unsigned bytes -> 8 int32 lanes each holding the byte twice as int16 (v | v << 16), so that
+// madd_epi16(pairs, v2) = (pair0 + pair1) * v exactly: one instruction for "widen, then multiply".
+inline __m256i twice16(const uint8_t* p) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  return _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+}
+
+// Outputs 8h .. 8h+7 of a tile (byte offset 32h of each 64-byte load) for rows r0 .. r0+NR-1.
+template <int NR>
+void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const float* d, const float* dmin,
+              const Rows& rows, int64_t r0, float* out, int64_t N, int64_t tile, int h) {
+  const int64_t nb = rows.K / QK;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 y[NR];
+  #pragma GCC unroll 8
+  for (int rr = 0; rr < NR; ++rr) y[rr] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const int64_t t = tile * nb + blk;
+    const uint8_t* q = qs + t * 2048 + h * 32;
+    __m256i a[NR], b[NR];
+    #pragma GCC unroll 8
+    for (int rr = 0; rr < NR; ++rr) a[rr] = b[rr] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      __m256i acc[NR];
+      #pragma GCC unroll 8
+      for (int rr = 0; rr < NR; ++rr) acc[rr] = _mm256_setzero_si256();
+      #pragma GCC unroll 4
+      for (int l = 0; l < 4; ++l) {  // int16 lanes: at most 8 pairs of 2*15*127 = 30480 < 2^15
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(q + j * 256 + l * 64));
+        const __m256i w0 = _mm256_and_si256(raw, low), w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        #pragma GCC unroll 8
+        for (int rr = 0; rr < NR; ++rr) {
+          const int8_t* xq = rows.xq + (r0 + rr) * rows.K + blk * QK + j * 32 + l * 8;
+          acc[rr] = _mm256_add_epi16(acc[rr], _mm256_maddubs_epi16(w0, bcast4(xq)));
+          acc[rr] = _mm256_add_epi16(acc[rr], _mm256_maddubs_epi16(w1, bcast4(xq + 4)));
+        }
+      }
+      // sc * (pair sums) and mn * (the two 16-input sums of xq, each |.| <= 16*127): exact in int32
+      const __m256i scv = twice16(sc + t * 128 + j * 16 + h * 8), mnv = twice16(mn + t * 128 + j * 16 + h * 8);
+      #pragma GCC unroll 8
+      for (int rr = 0; rr < NR; ++rr) {
+        const int32_t* s16 = rows.s16 + (r0 + rr) * (rows.K / 16) + blk * 16;
+        const __m256i sums = _mm256_set1_epi32((int32_t)(((uint32_t)s16[2 * j] & 0xFFFFu) | ((uint32_t)s16[2 * j + 1] << 16)));
+        a[rr] = _mm256_add_epi32(a[rr], _mm256_madd_epi16(acc[rr], scv));
+        b[rr] = _mm256_add_epi32(b[rr], _mm256_madd_epi16(mnv, sums));
+      }
+    }
+    const __m256 dv = _mm256_loadu_ps(d + t * TILE + h * 8), dminv = _mm256_loadu_ps(dmin + t * TILE + h * 8);
+    #pragma GCC unroll 8
+    for (int rr = 0; rr < NR; ++rr) {
+      const __m256 sx = _mm256_set1_ps(rows.sx[(r0 + rr) * nb + blk]);
+      const __m256 step = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(sx, dv), _mm256_cvtepi32_ps(a[rr])),
+                                        _mm256_mul_ps(_mm256_mul_ps(sx, dminv), _mm256_cvtepi32_ps(b[rr])));
+      y[rr] = _mm256_add_ps(y[rr], step);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int rr = 0; rr < NR; ++rr) _mm256_storeu_ps(out + (r0 + rr) * N + tile * TILE + h * 8, y[rr]);
+}
+
+template <int NR>
+void rows_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& rows, int64_t r0, float* out,
+              int64_t N, int64_t tile, int h) {
+  const int64_t nb = rows.K / QK;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 y[NR];
+  #pragma GCC unroll 8
+  for (int rr = 0; rr < NR; ++rr) y[rr] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const int64_t t = tile * nb + blk;
+    const uint8_t* q = qs + t * 4096 + h * 32;
+    __m256i a[NR];
+    #pragma GCC unroll 8
+    for (int rr = 0; rr < NR; ++rr) a[rr] = _mm256_setzero_si256();
+    for (int j = 0; j < 16; ++j) {
+      __m256i w[4];
+      #pragma GCC unroll 4
+      for (int l = 0; l < 4; ++l) w[l] = _mm256_loadu_si256((const __m256i*)(q + j * 256 + l * 64));
+      const __m256i scv = widen8(sc + t * 256 + j * 16 + h * 8);
+      #pragma GCC unroll 8
+      for (int rr = 0; rr < NR; ++rr) {
+        const int8_t* xq = rows.xq + (r0 + rr) * rows.K + blk * QK + j * 16;
+        const int32_t s = rows.s16[(r0 + rr) * (rows.K / 16) + blk * 16 + j];
+        // int16 lanes: 2 pairs of 2*63*127 = 32004 < 2^15 at most before widening
+        const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], bcast4(xq)), _mm256_maddubs_epi16(w[1], bcast4(xq + 4)));
+        const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], bcast4(xq + 8)), _mm256_maddubs_epi16(w[3], bcast4(xq + 12)));
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+        a[rr] = _mm256_add_epi32(a[rr], _mm256_mullo_epi32(_mm256_sub_epi32(dot, _mm256_set1_epi32(32 * s)), scv));
+      }
+    }
+    const __m256 dv = _mm256_loadu_ps(d + t * TILE + h * 8);
+    #pragma GCC unroll 8
+    for (int rr = 0; rr < NR; ++rr) {
+      const __m256 sx = _mm256_set1_ps(rows.sx[(r0 + rr) * nb + blk]);
+      y[rr] = _mm256_add_ps(y[rr], _mm256_mul_ps(_mm256_mul_ps(sx, dv), _mm256_cvtepi32_ps(a[rr])));
+    }
+  }
+  #pragma GCC unroll 8
+  for (int rr = 0; rr < NR; ++rr) _mm256_storeu_ps(out + (r0 + rr) * N + tile * TILE + h * 8, y[rr]);
+}
+
+void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const float* d, const float* dmin,
+              const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
+  for (int h = 0; h < 2; ++h)
+    by_row_blocks(R, [&](auto block, int64_t r) {
+      rows_q4k<decltype(block)::value>(qs, sc, mn, d, dmin, rows, r, out, N, tile, h);
+    });
+}
+
+void tile_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& rows, int64_t R, float* out,
+              int64_t N, int64_t tile) {
+  for (int h = 0; h < 2; ++h)
+    by_row_blocks(R, [&](auto block, int64_t r) { rows_q6k<decltype(block)::value>(qs, sc, d, rows, r, out, N, tile, h); });
 }
 #else
 // The portable path: the same integers and the same float steps per lane, one row at a time.
@@ -403,11 +536,14 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   return out;
 }
 
-bool has_vnni() {
-#ifdef KQ_VNNI
-  return true;
+// Which integer path was compiled: "avx512-vnni", "avx2" or "portable".
+std::string simd_path() {
+#if defined(KQ_VNNI)
+  return "avx512-vnni";
+#elif defined(KQ_AVX2)
+  return "avx2";
 #else
-  return false;
+  return "portable";
 #endif
 }
 
@@ -416,5 +552,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q6k_linear", &q6k_linear, "x @ W.T for a Q6_K weight (batch-invariant)");
   m.def("quantize_activations", &quantize_activations, "int8 activations per 256-input block");
   m.def("attention", &attention, "batch-invariant attention for one sequence");
-  m.def("has_vnni", &has_vnni, "whether the AVX-512 VNNI path was compiled");
+  m.def("simd_path", &simd_path, "which integer path was compiled (avx512-vnni, avx2, portable)");
 }
