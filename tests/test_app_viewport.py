@@ -145,6 +145,20 @@ def test_on_a_phone_the_chat_comes_right_after_the_tree(url, browser):
         context.close()
 
 
+def settled_value(box, quiet_ms: int = 800, limit_ms: int = 10_000) -> str:
+    """``box``'s value once it has not changed for ``quiet_ms`` (longer than a fast tick): a
+    replay tick already in flight when Pause was clicked may still land; what follows must not."""
+    value, waited = box.input_value(), 0
+    while waited < limit_ms:
+        box.page.wait_for_timeout(quiet_ms)
+        waited += quiet_ms
+        latest = box.input_value()
+        if latest == value:
+            return value
+        value = latest
+    raise AssertionError(f"the step slider kept moving for {limit_ms} ms after Pause")
+
+
 def test_play_replays_the_steps_and_pause_stops(url, browser):
     context = browser.new_context(viewport={"width": 1024, "height": 768})
     page = context.new_page()
@@ -158,8 +172,8 @@ def test_play_replays_the_steps_and_pause_stops(url, browser):
         expect(page.locator("#sc-step-text")).to_contain_text("Step 1 wrote:", timeout=15_000)
         expect(page.locator("#sc-step-text")).to_contain_text("Step 3 wrote:", timeout=15_000)
         page.click("#sc-pause")
-        page.wait_for_timeout(300)
-        shown = page.locator("#sc-step-slider input[type=number]").input_value()
+        expect(page.locator("#sc-play")).to_be_visible()  # the pause was handled
+        shown = settled_value(page.locator("#sc-step-slider input[type=number]"))
         page.wait_for_timeout(1500)  # two fast ticks' worth: nothing moves while paused
         assert page.locator("#sc-step-slider input[type=number]").input_value() == shown
         expect(page.locator("#sc-play")).to_be_visible()

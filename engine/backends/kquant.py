@@ -364,6 +364,9 @@ def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None, cache_fi
         quantized.set_input_embeddings(embedding)  # before own_memory: the float one is never copied
     own_memory(quantized)
     quantized.set_attn_implementation(ATTENTION_NAME)
+    from engine.backends.lean import attach
+
+    attach(quantized)  # after the cache is written: the fused layers' buffers become shared views
     return quantized.eval()
 
 

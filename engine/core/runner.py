@@ -200,7 +200,12 @@ class StaticRunner:
 
 def run_model(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
               logits_to_keep: int) -> torch.Tensor:
-    """``model`` on ``ids [1, q]`` at ``positions [1, q]`` with the additive ``mask``; logits ``[q', V]`` fp32."""
+    """``model`` on ``ids [1, q]`` at ``positions [1, q]`` with the additive ``mask``; logits ``[q', V]`` fp32.
+    A model with a ``lean_forward`` (the k-quant models, :mod:`engine.backends.lean`: the same
+    logits, bit for bit) runs that instead of its own forward."""
+    lean = model.__dict__.get("lean_forward")
+    if lean is not None:
+        return lean(ids, positions, mask, cache, logits_to_keep)[0].float()
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, position_ids=positions,
                 attention_mask=mask, logits_to_keep=logits_to_keep)
     return out.logits[0].float()

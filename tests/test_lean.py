@@ -1,0 +1,114 @@
+"""The lean forward of the k-quant models (engine/backends/lean.py): fused products equal the
+separate ones bit for bit, and the whole forward equals the model's own forward bit for bit,
+through a causal prompt and tree-masked steps, on the dynamic and the static KV cache."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import tiny_models as tm
+import torch
+from test_kquant import packed, random_blocks
+from transformers import DynamicCache
+
+from engine import SpeculativeEngine, Tree
+from engine.backends import kquant
+from engine.backends.kquant import KQuantLinear, kquant_model
+from engine.backends.lean import LeanDecoder, fuse, supports
+from engine.core.runner import StaticRunner, run_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    if not kquant.kernels_available():
+        pytest.fail("the k-quant kernels did not build: a C++ compiler and ninja are part of the install")
+
+
+def layer(kind: str, out: int, seed: int, bias: bool = False) -> KQuantLinear:
+    bias_values = torch.randn(out, generator=torch.Generator().manual_seed(seed)) if bias else None
+    return KQuantLinear(kind, packed(kind, random_blocks(kind, out, 512, seed=seed)), 512, out, bias_values)
+
+
+@pytest.mark.parametrize("kind", ["q4k", "q6k"])
+def test_a_fused_product_equals_the_separate_ones_and_they_keep_their_numbers(kind):
+    parts = [layer(kind, 64, 1, bias=True), layer(kind, 32, 2, bias=True), layer(kind, 16, 3, bias=True)]
+    x = torch.randn(5, 512)
+    before = [p(x) for p in parts]
+    fused = fuse(parts)
+    assert torch.equal(fused(x), torch.cat(before, dim=-1))
+    assert all(torch.equal(p(x), b) for p, b in zip(parts, before))  # now views into the fused buffers
+    assert all(p.qs.untyped_storage().data_ptr() == fused.qs.untyped_storage().data_ptr() for p in parts)
+
+
+def test_layers_of_other_kinds_or_bias_are_not_fused():
+    with pytest.raises(ValueError, match="one k-quant kind"):
+        fuse([layer("q4k", 16, 1), layer("q6k", 16, 2)])
+    with pytest.raises(ValueError, match="a bias or none"):
+        fuse([layer("q4k", 16, 1, bias=True), layer("q4k", 16, 2)])
+
+
+def tiny_q4k(builder=tm.qwen2, seed: int = 5) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(quantised model with a lean forward, an untouched copy of it without one)``."""
+    model = kquant_model(builder(seed=seed, vocab_size=64, hidden_size=128, layers=2))
+    plain = copy.deepcopy(model)
+    plain.__dict__.pop("lean_forward", None)
+    return model, plain
+
+
+@pytest.mark.parametrize("builder", [tm.qwen2, tm.llama], ids=["qwen2", "llama"])
+def test_the_lean_forward_equals_the_models_own_bit_for_bit(builder):
+    """A causal prompt, then tree steps of 1..9 tokens under a tree mask, each through both
+    forwards on their own caches: equal logits and equal caches."""
+    model, plain = tiny_q4k(builder)
+    assert isinstance(model.lean_forward, LeanDecoder) and supports(model)
+    lean_cache, own_cache = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    prompt = torch.tensor([[1, 5, 9, 2, 7, 11, 3]])
+    positions = torch.arange(7)[None]
+    with torch.inference_mode():
+        lean = run_model(model, lean_cache, prompt, positions, None, 0)
+        own = plain(input_ids=prompt, past_key_values=own_cache, use_cache=True, position_ids=positions).logits[0]
+        assert torch.equal(lean, own)
+        start = 7
+        for q in range(1, 10):
+            tree = Tree.from_parents([-1] + [i // 2 for i in range(q - 1)])
+            ids = torch.randint(0, 64, (1, q), generator=torch.Generator().manual_seed(q))
+            pos = tree.position_ids(start)
+            mask = tree.attention_mask(start)
+            lean = run_model(model, lean_cache, ids, pos, mask, 0)
+            own = plain(input_ids=ids, past_key_values=own_cache, use_cache=True, position_ids=pos,
+                        attention_mask=mask).logits[0]
+            assert torch.equal(lean, own), f"{q} tokens"
+            lean_cache.crop(-q)  # drop the step's keys: the next step starts at the prompt again
+            own_cache.crop(-q)
+    for a, b in zip(lean_cache.layers, own_cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_the_static_runner_and_logits_to_keep_take_the_lean_path_with_the_same_logits():
+    model, plain = tiny_q4k()
+    ids = [1, 5, 9, 2, 7]
+    with torch.inference_mode():
+        lean = StaticRunner(model, 64).forward(ids, 0, logits_to_keep=2)
+        own = StaticRunner(plain, 64).forward(ids, 0, logits_to_keep=2)
+    assert lean.shape == (2, 64) and torch.equal(lean, own)
+
+
+def test_greedy_decoding_through_the_lean_forward_matches_the_models_own_generate():
+    model, plain = tiny_q4k(seed=7)
+    draft = kquant_model(tm.qwen2(seed=8, vocab_size=64, hidden_size=128, layers=1))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    with torch.inference_mode():
+        ref = plain.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+    engine = SpeculativeEngine(model, draft)
+    for tree in (Tree.chain(3), Tree.k_ary(2, 2)):
+        assert engine.generate(prompt, max_new_tokens=24, temperature=0.0, tree=tree, stop_token_ids=[]).tokens == ref
+
+
+def test_models_the_lean_forward_cannot_run_keep_their_own():
+    float_model = tm.qwen2(seed=1, vocab_size=64, hidden_size=128)
+    assert not supports(float_model) and "lean_forward" not in vars(float_model)
+    sliding = tm.qwen2(seed=1, vocab_size=64, hidden_size=128)
+    sliding.config.layer_types = ["sliding_attention"] * sliding.config.num_hidden_layers
+    assert not supports(kquant_model(sliding))
+    assert np.all([type(m) is not KQuantLinear for m in float_model.modules()])
