@@ -56,6 +56,28 @@ def test_each_row_of_an_n_token_forward_equals_decoding_that_token_alone(q4k_tar
             assert torch.equal(rows, alone[:n]), f"{n} rows: max diff {(rows - alone[:n]).abs().max():.3g}"
 
 
+def test_the_lean_forward_gives_the_models_own_logits_bit_for_bit(q4k_target, chat_prompts):
+    """The real target's one-loop forward (fused q/k/v and gate/up, engine/backends/lean.py) against
+    its Hugging Face forward: a chat prompt, then a 13-node tree under its mask."""
+    from engine.core.runner import run_model
+
+    model = q4k_target[0]
+    assert "lean_forward" in vars(model)
+    tree = Tree.from_parents([-1, 0, 0, 0, 1, 1, 2, 4, 4, 5, 7, 7, 10])
+    prompt = torch.tensor([chat_prompts[1]])
+    start = prompt.shape[1]
+    new = torch.randint(0, 150_000, (1, tree.size), generator=torch.Generator().manual_seed(1))
+    lean_cache, own_cache = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    with torch.inference_mode():
+        lean = run_model(model, lean_cache, prompt, torch.arange(start)[None], None, 1)
+        own = model(input_ids=prompt, past_key_values=own_cache, use_cache=True, logits_to_keep=1).logits[0]
+        assert torch.equal(lean, own)
+        lean = run_model(model, lean_cache, new, tree.position_ids(start), tree.attention_mask(start), 0)
+        own = model(input_ids=new, past_key_values=own_cache, use_cache=True, position_ids=tree.position_ids(start),
+                    attention_mask=tree.attention_mask(start)).logits[0]
+    assert torch.equal(lean, own), f"max diff {(lean - own).abs().max():.3g}"
+
+
 @pytest.mark.parametrize("tree", [Tree.chain(3), Tree.k_ary(2, 3),
                                   Tree.from_parents([-1, 0, 0, 0, 1, 1, 2, 4, 4, 5, 7, 7, 10])],
                          ids=["chain3", "binary3", "irregular"])
