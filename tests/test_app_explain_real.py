@@ -23,7 +23,7 @@ pytestmark = pytest.mark.real_pair
 def server(real_pair):
     target, draft, tokenizer = real_pair
     # The bundled profile and calibrations are those of the int4 draft, which CPUs with native bf16
-    # load by default; elsewhere the draft loads as int8 (fastest_format), which has none bundled.
+    # load by default; elsewhere it loads as q4k or int8 (fastest_format), whose pair may have none.
     # The views explain the bundled pair's numbers either way, so the test is the same on both.
     pair = pair_name("default-target", "default-draft", None, target) + "@int4"
     profile = ASSETS / "profiles" / "cpu-x86_64-2threads__default-target_default-draft_int4__float32.json"

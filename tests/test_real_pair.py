@@ -97,9 +97,11 @@ def test_tree_forward_logits_equal_causal_path_logits(real_pair, chat_prompts):
 def test_kv_caches_after_20_steps_equal_a_fresh_prefill(real_pair, chat_prompts, engine):
     """After compaction the caches hold exactly the committed sequence, as if run from scratch.
 
-    The float32 target's cache matches to 1e-4. A quantised draft (int4/int8: activations rounded
-    to bf16 or int8, rounding that depends on the batch) matches to 1e-3 of the cache's scale;
-    a cache misaligned by one slot misses by far more, so compaction errors cannot hide in that."""
+    The float32 target's cache matches to 1e-4. A quantised draft (int4: activations rounded to
+    bf16, rounding that depends on the batch; q4k: int8 per row) matches to 1e-3 of the cache's
+    scale; a cache misaligned by one slot misses by far more, so compaction errors cannot hide in
+    that. (An int8 draft, one activation scale for the whole batch, is no default: see
+    :func:`engine.backends.quantize.fastest_format`.)"""
     target, draft, _ = real_pair
     params = engine._validate(chat_prompts[1], 200, 0.0, 1.0, Tree.k_ary(2, 3), 0, [])
     state = _DecodeState(engine, list(chat_prompts[1]), params)
