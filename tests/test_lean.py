@@ -1,5 +1,5 @@
-"""The lean forward of the k-quant models (engine/backends/lean.py): fused products equal the
-separate ones bit for bit, and the whole forward equals the model's own forward bit for bit,
+"""The lean forward of the k-quant models (engine/backends/lean.py): the whole forward equals the
+model's own forward bit for bit,
 through a causal prompt and tree-masked steps, on the dynamic and the static KV cache."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from engine import SpeculativeEngine, Tree
 from engine.backends import kquant
 from engine.backends.kquant import KQuantLinear, kquant_model
-from engine.backends.lean import LeanDecoder, fuse, supports
+from engine.backends.lean import LeanDecoder, supports
 from engine.core.runner import StaticRunner, run_model
 
 
@@ -28,24 +28,6 @@ def compiled():
 def layer(kind: str, out: int, seed: int, bias: bool = False) -> KQuantLinear:
     bias_values = torch.randn(out, generator=torch.Generator().manual_seed(seed)) if bias else None
     return KQuantLinear(kind, packed(kind, random_blocks(kind, out, 512, seed=seed)), 512, out, bias_values)
-
-
-@pytest.mark.parametrize("kind", ["q4k", "q6k"])
-def test_a_fused_product_equals_the_separate_ones_and_they_keep_their_numbers(kind):
-    parts = [layer(kind, 64, 1, bias=True), layer(kind, 32, 2, bias=True), layer(kind, 16, 3, bias=True)]
-    x = torch.randn(5, 512)
-    before = [p(x) for p in parts]
-    fused = fuse(parts)
-    assert torch.equal(fused(x), torch.cat(before, dim=-1))
-    assert all(torch.equal(p(x), b) for p, b in zip(parts, before))  # now views into the fused buffers
-    assert all(p.qs.untyped_storage().data_ptr() == fused.qs.untyped_storage().data_ptr() for p in parts)
-
-
-def test_layers_of_other_kinds_or_bias_are_not_fused():
-    with pytest.raises(ValueError, match="one k-quant kind"):
-        fuse([layer("q4k", 16, 1), layer("q6k", 16, 2)])
-    with pytest.raises(ValueError, match="a bias or none"):
-        fuse([layer("q4k", 16, 1, bias=True), layer("q4k", 16, 2)])
 
 
 def tiny_q4k(builder=tm.qwen2, seed: int = 5) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -366,7 +366,7 @@ def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None, cache_fi
     quantized.set_attn_implementation(ATTENTION_NAME)
     from engine.backends.lean import attach
 
-    attach(quantized)  # after the cache is written: the fused layers' buffers become shared views
+    attach(quantized)
     return quantized.eval()
 
 

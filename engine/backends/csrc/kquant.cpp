@@ -536,6 +536,162 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   return out;
 }
 
+// ---- a whole decoder layer's glue (engine/backends/lean.py) -----------------------------------
+//
+// The lean forward spends as long in Python and torch dispatch as in arithmetic on 2 cores once
+// the matrices are 4-bit. A LeanLayer holds one llama-style layer's packed matrices and runs
+// everything but the KV-cache update in two calls. Its operations are the model's own, per
+// element in the same order (the norms and SiLU through the same ATen kernels; adds, products and
+// rotary by hand, which with -ffp-contract=off are the same IEEE operations), so its output equals
+// the model's own forward bit for bit; tests/test_lean.py checks it.
+
+struct PackedLinear {
+  bool q4;                         // Q4_K (qs, sc, mn, d, dmin) or Q6_K (qs, sc, d)
+  std::vector<torch::Tensor> t;
+  int64_t n, k;                    // outputs; inputs as packed (a multiple of 256, zeros past the model's)
+  c10::optional<torch::Tensor> bias;
+};
+
+// (kind, packed tensors in PACKED_NAMES order, outputs, packed inputs, bias) from Python.
+using LinearSpec = std::tuple<std::string, std::vector<torch::Tensor>, int64_t, int64_t, c10::optional<torch::Tensor>>;
+
+std::vector<PackedLinear> packed_linears(const std::vector<LinearSpec>& specs) {
+  std::vector<PackedLinear> out;
+  for (const auto& [kind, tensors, n, k, bias] : specs) {
+    TORCH_CHECK(kind == "q4k" || kind == "q6k", "unknown k-quant kind ", kind);
+    TORCH_CHECK(n % TILE == 0 && k % QK == 0, "outputs must be a multiple of 16, inputs of 256");
+    TORCH_CHECK(out.empty() || out[0].k == k, "products side by side need one input size");
+    out.push_back(PackedLinear{kind == "q4k", tensors, n, k, bias});
+  }
+  return out;
+}
+
+// x [R, K] (K already padded) through ``linears`` side by side into out [R, ld] from column 0.
+void products_into(const std::vector<PackedLinear>& linears, const torch::Tensor& x2, float* out, int64_t ld) {
+  torch::Tensor xq, sx, s16;
+  const Rows rows = quantized_rows(x2, xq, sx, s16);
+  const int64_t R = x2.size(0);
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (linear, tile) over every output tile
+  for (size_t i = 0; i < linears.size(); ++i)
+    for (int64_t t = 0; t < linears[i].n / TILE; ++t) tiles.emplace_back((int64_t)i, t);
+  std::vector<int64_t> column(linears.size(), 0);
+  for (size_t i = 1; i < linears.size(); ++i) column[i] = column[i - 1] + linears[i - 1].n;
+  at::parallel_for(0, (int64_t)tiles.size(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const auto [i, t] = tiles[k];
+      const PackedLinear& L = linears[i];
+      float* o = out + column[i];
+      if (L.q4)
+        tile_q4k(L.t[0].data_ptr<uint8_t>(), L.t[1].data_ptr<uint8_t>(), L.t[2].data_ptr<uint8_t>(),
+                 L.t[3].data_ptr<float>(), L.t[4].data_ptr<float>(), rows, R, o, ld, t);
+      else
+        tile_q6k(L.t[0].data_ptr<uint8_t>(), L.t[1].data_ptr<int8_t>(), L.t[2].data_ptr<float>(), rows, R, o, ld, t);
+    }
+  });
+  for (size_t i = 0; i < linears.size(); ++i) {
+    if (!linears[i].bias.has_value()) continue;
+    const float* b = linears[i].bias->data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r) {
+      float* o = out + r * ld + column[i];
+      for (int64_t c = 0; c < linears[i].n; ++c) o[c] = o[c] + b[c];
+    }
+  }
+}
+
+// x [..., in] -> [R, sum of n], with zero inputs appended up to the packed width (as KQuantLinear).
+torch::Tensor products(const std::vector<PackedLinear>& linears, const torch::Tensor& x) {
+  const int64_t padded = linears[0].k;
+  torch::Tensor x2 = x.reshape({-1, x.size(-1)});
+  if (x2.size(1) != padded) x2 = torch::constant_pad_nd(x2, {0, padded - x2.size(1)});
+  x2 = x2.contiguous();
+  int64_t total = 0;
+  for (const auto& L : linears) total += L.n;
+  auto out = torch::empty({x2.size(0), total}, torch::kFloat32);
+  products_into(linears, x2, out.data_ptr<float>(), total);
+  return out;
+}
+
+// The model's RMSNorm (Qwen2RMSNorm / LlamaRMSNorm on float32), the same ATen calls in order.
+torch::Tensor rms_norm(const torch::Tensor& hidden, const torch::Tensor& weight, double eps) {
+  auto variance = hidden.pow(2).mean({-1}, true);
+  return weight * (hidden * torch::rsqrt(variance + eps));
+}
+
+class LeanLayer {
+ public:
+  LeanLayer(torch::Tensor norm1, double eps1, torch::Tensor norm2, double eps2, std::vector<LinearSpec> qkv,
+            std::vector<LinearSpec> o, std::vector<LinearSpec> gate_up, std::vector<LinearSpec> down, int64_t heads,
+            int64_t kv_heads, int64_t head_dim, double scaling)
+      : norm1_(norm1), norm2_(norm2), eps1_(eps1), eps2_(eps2), qkv_(packed_linears(qkv)), o_(packed_linears(o)),
+        gate_up_(packed_linears(gate_up)), down_(packed_linears(down)), heads_(heads), kv_heads_(kv_heads),
+        dim_(head_dim), scaling_(scaling) {}
+
+  // hidden [1, R, E], cos and sin [1, R, D] -> (query [H, R, D], key and value [1, KVH, R, D]), rotated.
+  std::vector<torch::Tensor> attention_in(const torch::Tensor& hidden, const torch::Tensor& cos,
+                                          const torch::Tensor& sin) const {
+    const int64_t R = hidden.size(1), D = dim_, half = D / 2, H = heads_, KVH = kv_heads_;
+    const torch::Tensor qkv = products(qkv_, rms_norm(hidden, norm1_, eps1_));
+    TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "q/k/v outputs do not match the heads");
+    auto query = torch::empty({H, R, D}, torch::kFloat32);
+    auto key = torch::empty({1, KVH, R, D}, torch::kFloat32);
+    auto value = torch::empty({1, KVH, R, D}, torch::kFloat32);
+    const torch::Tensor c = cos.contiguous(), s = sin.contiguous();
+    const float *src = qkv.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
+    float *qp = query.data_ptr<float>(), *kp = key.data_ptr<float>(), *vp = value.data_ptr<float>();
+    const int64_t width = qkv.size(1);
+    for (int64_t r = 0; r < R; ++r) {
+      const float *cr = cp + r * D, *sr = sp + r * D;
+      for (int64_t h = 0; h < H + KVH; ++h) {  // x*cos + rotate_half(x)*sin, as apply_rotary_pos_emb
+        const float* x = src + r * width + h * D;
+        float* y = h < H ? qp + (h * R + r) * D : kp + ((h - H) * R + r) * D;
+        for (int64_t i = 0; i < D; ++i) {
+          const float rotated = i < half ? -x[i + half] : x[i - half];
+          y[i] = x[i] * cr[i] + rotated * sr[i];
+        }
+      }
+      for (int64_t h = 0; h < KVH; ++h)
+        std::memcpy(vp + (h * R + r) * D, src + r * width + (H + KVH + h) * D, D * sizeof(float));
+    }
+    return {query, key, value};
+  }
+
+  // The rest of the layer: attention over key/value [1, KVH, L, D] under ``mask`` (as attention()),
+  // the output projection, the residual, the MLP and its residual. hidden [1, R, E] -> [1, R, E].
+  torch::Tensor attention_out(const torch::Tensor& hidden, const torch::Tensor& query, const torch::Tensor& key,
+                              const torch::Tensor& value, const torch::Tensor& mask) const {
+    const int64_t R = hidden.size(1), E = hidden.size(2);
+    const torch::Tensor attended = attention(query, key[0].contiguous(), value[0].contiguous(), mask, scaling_);
+    torch::Tensor h1 = products(o_, attended.reshape({R, -1})).reshape({1, R, E});
+    add_into(h1, hidden);
+    const torch::Tensor gate_up = products(gate_up_, rms_norm(h1, norm2_, eps2_));
+    const int64_t mid = gate_up.size(1) / 2;
+    const torch::Tensor gate = torch::silu(gate_up.narrow(1, 0, mid));
+    auto product = torch::empty({R, mid}, torch::kFloat32);
+    const float *g = gate.data_ptr<float>(), *u = gate_up.data_ptr<float>();
+    float* p = product.data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < mid; ++i) p[r * mid + i] = g[r * mid + i] * u[r * 2 * mid + mid + i];
+    torch::Tensor out = products(down_, product).reshape({1, R, E});
+    add_into(out, h1);
+    return out;
+  }
+
+ private:
+  // y = x + y (the residual first, as ``residual + f(x)``), in place; both contiguous [1, R, E].
+  static void add_into(torch::Tensor& y, const torch::Tensor& x) {
+    const torch::Tensor xc = x.contiguous();
+    const float* a = xc.data_ptr<float>();
+    float* b = y.data_ptr<float>();
+    for (int64_t i = 0, n = y.numel(); i < n; ++i) b[i] = a[i] + b[i];
+  }
+
+  torch::Tensor norm1_, norm2_;
+  double eps1_, eps2_;
+  std::vector<PackedLinear> qkv_, o_, gate_up_, down_;
+  int64_t heads_, kv_heads_, dim_;
+  double scaling_;
+};
+
 // Which integer path was compiled: "avx512-vnni", "avx2" or "portable".
 std::string simd_path() {
 #if defined(KQ_VNNI)
@@ -553,4 +709,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations, "int8 activations per 256-input block");
   m.def("attention", &attention, "batch-invariant attention for one sequence");
   m.def("simd_path", &simd_path, "which integer path was compiled (avx512-vnni, avx2, portable)");
+  pybind11::class_<LeanLayer>(m, "LeanLayer")
+      .def(pybind11::init<torch::Tensor, double, torch::Tensor, double, std::vector<LinearSpec>, std::vector<LinearSpec>,
+                          std::vector<LinearSpec>, std::vector<LinearSpec>, int64_t, int64_t, int64_t, double>())
+      .def("attention_in", &LeanLayer::attention_in, "hidden [1,R,E], cos, sin [1,R,D] -> query, key, value")
+      .def("attention_out", &LeanLayer::attention_out, "the rest of the layer: [1,R,E] -> [1,R,E]");
 }
