@@ -704,14 +704,15 @@ std::string simd_path() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4k_linear", &q4k_linear, "x @ W.T for a Q4_K weight (batch-invariant)");
-  m.def("q6k_linear", &q6k_linear, "x @ W.T for a Q6_K weight (batch-invariant)");
+  const auto unlocked = pybind11::call_guard<pybind11::gil_scoped_release>();  // other Python threads run meanwhile
+  m.def("q4k_linear", &q4k_linear, "x @ W.T for a Q4_K weight (batch-invariant)", unlocked);
+  m.def("q6k_linear", &q6k_linear, "x @ W.T for a Q6_K weight (batch-invariant)", unlocked);
   m.def("quantize_activations", &quantize_activations, "int8 activations per 256-input block");
-  m.def("attention", &attention, "batch-invariant attention for one sequence");
+  m.def("attention", &attention, "batch-invariant attention for one sequence", unlocked);
   m.def("simd_path", &simd_path, "which integer path was compiled (avx512-vnni, avx2, portable)");
   pybind11::class_<LeanLayer>(m, "LeanLayer")
       .def(pybind11::init<torch::Tensor, double, torch::Tensor, double, std::vector<LinearSpec>, std::vector<LinearSpec>,
                           std::vector<LinearSpec>, std::vector<LinearSpec>, int64_t, int64_t, int64_t, double>())
-      .def("attention_in", &LeanLayer::attention_in, "hidden [1,R,E], cos, sin [1,R,D] -> query, key, value")
-      .def("attention_out", &LeanLayer::attention_out, "the rest of the layer: [1,R,E] -> [1,R,E]");
+      .def("attention_in", &LeanLayer::attention_in, "hidden [1,R,E], cos, sin [1,R,D] -> query, key, value", unlocked)
+      .def("attention_out", &LeanLayer::attention_out, "the rest of the layer: [1,R,E] -> [1,R,E]", unlocked);
 }
