@@ -146,10 +146,10 @@ def test_bench_puts_peer_rows_beside_ours(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(peer, "peer_binaries", lambda bin_dir=None: (fake, ""))
     seen = {}
 
-    def fake_run_peer(prompts, new_tokens, temperature, top_p, prompt_texts, repeats, binaries, ggufs):
+    def fake_run_peer(prompts, new_tokens, temperature, top_p, prompt_texts, configs, order, binaries, ggufs):
         seen.update(prompts=prompts, new_tokens=new_tokens, texts=prompt_texts, ggufs=ggufs, binaries=binaries)
         runs = []
-        for config, tps in zip(peer.peer_configurations(), (20.0, 10.0, 14.0, 12.0)):
+        for config, tps in zip(configs, (20.0, 10.0, 14.0, 12.0)):
             r = PeerRuns(config, [PeerResult(config.name, tps, new_tokens, "x", [1] * new_tokens,
                                              draft_tokens=8 if config.uses_draft else None,
                                              draft_accepted=6 if config.uses_draft else None)])
@@ -177,6 +177,39 @@ def test_bench_puts_peer_rows_beside_ours(tmp_path, monkeypatch, capsys):
     table = bench.markdown_table(report)
     assert "| vs llama.cpp target-only |" in table and "| llama.cpp draft n-max=4 p-min=0 |  | 10.00 |" in table
     assert "llama.cpp outputs identical to llama.cpp target-only: True" in capsys.readouterr().out
+
+
+def test_the_peer_runs_each_prompt_right_after_ours_and_a_failed_configuration_stops(tmp_path, monkeypatch, capsys):
+    """Interleaved per prompt, so that a shared machine's load meets both engines alike; a
+    configuration failing on one prompt is left out from then on, the others keep every prompt."""
+    fake = peer.PeerBinaries(Path("/x/llama-server"), Path("/x/llama-speculative"), Path("/x/llama-bench"))
+    monkeypatch.setattr(peer, "peer_binaries", lambda bin_dir=None: (fake, ""))
+    calls = []
+
+    def fake_run_peer(prompts, new_tokens, temperature, top_p, prompt_texts, configs, order, binaries, ggufs):
+        print(f"peer {order}", flush=True)
+        calls.append(([c.name for c in configs], order))
+        runs = []
+        for config in configs:
+            failing = config.kind == "speculative" and order == [(0, 0)]
+            runs.append(PeerRuns(config, [] if failing else [PeerResult(config.name, 10.0 + order[0][1], 2, "x", [1, 2])],
+                                 error="GGML_ASSERT" if failing else None))
+        return runs
+
+    monkeypatch.setattr(peer, "run_peer", fake_run_peer)
+    target, draft = support.tiny_pair()
+    report = bench.run(prompts=2, new_tokens=2, quick=True, out_dir=tmp_path, pair=(target, draft, support.tokenizer()),
+                       peer="llama.cpp", peer_ggufs=(TARGET, DRAFT))
+    names = [c.name for c in peer.peer_configurations()]
+    tree = next(c.name for c in peer.peer_configurations() if c.kind == "speculative")
+    assert calls == [(names, [(0, 0)]), ([n for n in names if n != tree], [(0, 1)])]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("prompt", "peer"))]
+    assert [line.split(":")[0] if line.startswith("prompt") else line for line in lines] == \
+        ["prompt 0"] * (len(lines) // 2 - 1) + ["peer [(0, 0)]"] + ["prompt 1"] * (len(lines) // 2 - 1) + ["peer [(0, 1)]"]
+    rows = {r["name"]: r for r in report["results"]}
+    assert tree not in rows and report["peer"]["failed"] == {tree: "GGML_ASSERT"}
+    assert rows[peer.TARGET_ONLY]["runs_tokens_per_s"] == [10.0, 11.0]
+    assert report["peer"]["outputs_identical_to_target_only"] is True
 
 
 def test_bench_command_line_takes_the_peer(monkeypatch):

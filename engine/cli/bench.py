@@ -7,8 +7,8 @@ prompt so machine noise hits every configuration alike; figures are medians. ``-
 samples (outputs are compared with target-only decoding at temperature 0 only). With
 ``--device cuda`` it runs the GPU benchmark (:mod:`engine.cli.bench_gpu`). ``--peer llama.cpp`` also
 runs llama.cpp (:mod:`engine.peer.llama_cpp`, built by ``make peer``) on the same GGUF files, prompts, token
-counts and sampling, after our configurations, and adds a "vs llama.cpp target-only" ratio to
-every row.
+counts and sampling, prompt by prompt right after ours (so both meet the same load on a shared
+machine), and adds a "vs llama.cpp target-only" ratio to every row.
 """
 from __future__ import annotations
 
@@ -102,9 +102,10 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     """The benchmark on ``pair`` = (target, draft, tokenizer), by default the embedded pair (its
     target in ``target_format``): ``repeats`` rounds over the prompts (each round runs every
     configuration on a prompt before the next prompt); medians over all runs. Outputs are compared
-    with target-only decoding at temperature 0 only. ``peer="llama.cpp"`` then runs llama.cpp's
-    configurations on the pair's GGUF files (``peer_ggufs``, by default the embedded pair's); when
-    it is not built, one line says so and the benchmark goes on without it."""
+    with target-only decoding at temperature 0 only. ``peer="llama.cpp"`` also runs llama.cpp's
+    configurations on the pair's GGUF files (``peer_ggufs``, by default the embedded pair's), on
+    each prompt right after ours (:class:`PeerSide`); when it is not built, one line says so and
+    the benchmark goes on without it."""
     from engine.core.speculative import SpeculativeEngine
     from engine.models.loading import load_default_pair, pair_name
     from engine.models.prompts import encode_chat, load_prompt_set
@@ -120,6 +121,8 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
                              auto=tuner is not None, greedy=temperature == 0, hf=hf)
     engine.generate(prompt_ids[0], max_new_tokens=4, tree=Tree.chain(2))  # warm-up
     ours, theirs = [c for c in configs if c.hf is None], [c for c in configs if c.hf is not None]
+    peer_side = PeerSide(peer, prompt_ids, tokenizer, new_tokens, temperature, top_p,
+                         peer_ggufs if peer_ggufs or pair is not None else "default") if peer else None
     runs = [(round_, i, ids) for round_ in range(repeats) for i, ids in enumerate(prompt_ids)]
     for round_, i, ids in runs:
         for config in ours:
@@ -144,10 +147,9 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
                 config.tokens_per_s.append(len(tokens) / max(seconds - prefill_s, 1e-9))  # decode rate
                 config.outputs.append(tokens)
                 print(f"prompt {i}: {config.name:<42} {config.tokens_per_s[-1]:6.2f} tok/s", flush=True)
-    peer_runs, peer_info = [], None
-    if peer:
-        peer_runs, peer_info = run_peer(peer, prompt_ids, tokenizer, new_tokens, temperature, top_p, repeats,
-                                        peer_ggufs if peer_ggufs or pair is not None else "default")
+        if peer_side is not None:
+            peer_side.run(round_, i)
+    peer_runs, peer_info = peer_side.finish() if peer_side is not None else ([], None)
     baseline = statistics.median(configs[0].tokens_per_s)
     greedy = temperature == 0
     identical = greedy and all(c.outputs == configs[0].outputs for c in configs if c.hf is None)
@@ -185,37 +187,68 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
 PEER_TARGET_ONLY = "llama.cpp target-only"
 
 
-def run_peer(peer: str, prompt_ids: list[list[int]], tokenizer, new_tokens: int, temperature: float, top_p: float,
-             repeats: int, ggufs) -> tuple[list, dict]:
-    """llama.cpp's configurations (:func:`engine.peer.llama_cpp.run_peer`) on the bench's prompts, or none with
-    one line saying why (not built, no GGUF files for a non-default pair, or a failed run)."""
-    from engine.peer import llama_cpp as peer_mod
-    if peer != "llama.cpp":
-        raise ValueError(f"unknown peer {peer!r} (only llama.cpp)")
-    binaries, reason = peer_mod.peer_binaries()
-    if binaries is None:
+class PeerSide:
+    """llama.cpp's configurations (:func:`engine.peer.llama_cpp.run_peer`) on the bench's prompts,
+    one prompt at a time (:meth:`run`, called right after ours on that prompt), or none, with one
+    line saying why: not built, no GGUF files for a non-default pair, or a failed run. A
+    configuration that fails is left out from then on; the peer never costs us our own figures."""
+
+    def __init__(self, peer: str, prompt_ids: list[list[int]], tokenizer, new_tokens: int, temperature: float,
+                 top_p: float, ggufs) -> None:
+        from engine.peer import llama_cpp as peer_mod
+        if peer != "llama.cpp":
+            raise ValueError(f"unknown peer {peer!r} (only llama.cpp)")
+        self.peer_mod, self.prompt_ids, self.new_tokens = peer_mod, prompt_ids, new_tokens
+        self.temperature, self.top_p = temperature, top_p
+        self.runs: dict[str, object] = {}   # configuration name -> PeerRuns over the prompts run so far
+        self.failed: dict[str, str] = {}    # configuration name -> why it stopped
+        self.skipped: str | None = None
+        self.binaries, reason = peer_mod.peer_binaries()
+        if self.binaries is None:
+            self._skip(reason)
+        elif ggufs is None:
+            self._skip("llama.cpp peer skipped: it runs on GGUF files, and this pair has none (pass peer_ggufs)")
+        else:
+            try:
+                self.ggufs = peer_mod.default_ggufs() if ggufs == "default" else tuple(Path(g) for g in ggufs)
+            except Exception as exc:  # noqa: BLE001 - e.g. the embedded pair not assembled
+                self._skip(f"llama.cpp peer failed: {exc}")
+            self.texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
+
+    def _skip(self, reason: str) -> None:
         print(reason, flush=True)
-        return [], {"name": peer, "skipped": reason}
-    if ggufs is None:
-        reason = "llama.cpp peer skipped: it runs on GGUF files, and this pair has none (pass peer_ggufs)"
-        print(reason, flush=True)
-        return [], {"name": peer, "skipped": reason}
-    try:
-        ggufs = peer_mod.default_ggufs() if ggufs == "default" else tuple(Path(g) for g in ggufs)
-        texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
-        runs = peer_mod.run_peer(prompt_ids, new_tokens, temperature, top_p, prompt_texts=texts, repeats=repeats,
-                                 binaries=binaries, ggufs=ggufs)
-    except Exception as exc:  # the peer must never cost us our own figures
-        reason = f"llama.cpp peer failed: {exc}"
-        print(reason, flush=True)
-        return [], {"name": peer, "skipped": reason}
-    failed = {r.name: r.error for r in runs if r.error is not None}
-    runs = [r for r in runs if r.error is None]
-    flags = [r.identical_to_target_only() for r in runs]
-    return runs, {"name": peer, "skipped": None, "failed": failed, "version": f"llama-cpp-python {peer_mod.PEER_VERSION} sdist, vendor/llama.cpp",
-                  "threads": peer_mod.DEFAULT_THREADS, "ggufs": [str(g) for g in ggufs],
-                  "binaries": binaries.as_dict(),
-                  "outputs_identical_to_target_only": None if any(f is None for f in flags) else all(flags)}
+        self.skipped, self.runs = reason, {}
+
+    def run(self, round_: int, index: int) -> None:
+        """Every configuration still standing on prompt ``index`` of round ``round_``."""
+        if self.skipped:
+            return
+        configs = [c for c in self.peer_mod.peer_configurations() if c.name not in self.failed]
+        try:
+            runs = self.peer_mod.run_peer(self.prompt_ids, self.new_tokens, self.temperature, self.top_p,
+                                          prompt_texts=self.texts, configs=configs, order=[(round_, index)],
+                                          binaries=self.binaries, ggufs=self.ggufs)
+        except Exception as exc:  # noqa: BLE001 - the peer must never cost us our own figures
+            self._skip(f"llama.cpp peer failed: {exc}")
+            return
+        for runs_ in runs:
+            self.runs.setdefault(runs_.name, self.peer_mod.PeerRuns(runs_.config)).results.extend(runs_.results)
+            if runs_.error is not None:
+                self.failed[runs_.name] = runs_.error
+
+    def finish(self) -> tuple[list, dict]:
+        """``(the configurations that ran everywhere, the report's "peer" entry)``."""
+        if self.skipped:
+            return [], {"name": "llama.cpp", "skipped": self.skipped}
+        if self.temperature == 0:
+            self.peer_mod.mark_same_as_target_only(list(self.runs.values()))
+        runs = [r for name, r in self.runs.items() if name not in self.failed]
+        flags = [r.identical_to_target_only() for r in runs]
+        return runs, {"name": "llama.cpp", "skipped": None, "failed": self.failed, "interleaved": True,
+                      "version": f"llama-cpp-python {self.peer_mod.PEER_VERSION} sdist, vendor/llama.cpp",
+                      "threads": self.peer_mod.DEFAULT_THREADS, "ggufs": [str(g) for g in self.ggufs],
+                      "binaries": self.binaries.as_dict(),
+                      "outputs_identical_to_target_only": None if any(f is None for f in flags) else all(flags)}
 
 
 def peer_summary(runs, baseline_tps: float) -> dict:

@@ -371,9 +371,11 @@ def run_command(command: list[str], timeout_s: float, grace_s: float = 5.0) -> t
 def run_peer(prompts: list[list[int]], new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              prompt_texts: list[str] | None = None, repeats: int = 1, configs: list[PeerConfig] | None = None,
              binaries: PeerBinaries | None = None, ggufs: tuple[Path, Path] | None = None,
-             threads: int = DEFAULT_THREADS, timeout_s: float = 900.0, log=print) -> list[PeerRuns]:
+             threads: int = DEFAULT_THREADS, timeout_s: float = 900.0, log=print,
+             order: list[tuple[int, int]] | None = None) -> list[PeerRuns]:
     """Every configuration on every prompt, ``repeats`` rounds (seed ``i + 1000 * round``, as the
-    bench seeds ours): one server per configuration, the prompts posted in turn. At temperature 0
+    bench seeds ours), or on the ``(round, prompt index)`` pairs of ``order`` only: one server per
+    configuration, the prompts posted in turn. At temperature 0
     each answer is compared with llama.cpp's target-only answer to the same prompt (token ids;
     text for ``llama-speculative``, which prints text only, and which needs ``prompt_texts``)."""
     if binaries is None:
@@ -383,7 +385,7 @@ def run_peer(prompts: list[list[int]], new_tokens: int, temperature: float = 0.0
     target, draft = ggufs or default_ggufs()
     configs = configs or peer_configurations()
     ctx = context_size(max(len(p) for p in prompts), new_tokens)
-    order = [(round_, i) for round_ in range(repeats) for i in range(len(prompts))]
+    order = order or [(round_, i) for round_ in range(repeats) for i in range(len(prompts))]
     all_runs = []
     for config in configs:
         runs = PeerRuns(config)
