@@ -57,7 +57,7 @@ def test_each_row_of_an_n_token_forward_equals_decoding_that_token_alone(q4k_tar
 
 
 def test_the_lean_forward_gives_the_models_own_logits_bit_for_bit(q4k_target, chat_prompts):
-    """The real target's one-loop forward (fused q/k/v and gate/up, engine/backends/lean.py) against
+    """The real target's one-loop forward (two native calls a layer, engine/backends/lean.py) against
     its Hugging Face forward: a chat prompt, then a 13-node tree under its mask."""
     from engine.core.runner import run_model
 

@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -36,6 +37,7 @@ namespace {
 
 constexpr int QK = 256;
 constexpr int TILE = 16;
+constexpr int64_t TILE_CHUNK = 8;  // tiles a thread takes at a time (8 x 16 outputs)
 
 // ---- activations ---------------------------------------------------------------------------
 
@@ -432,6 +434,19 @@ torch::Tensor output_like(const torch::Tensor& x, int64_t N) {
   return torch::empty(sizes, torch::kFloat32);
 }
 
+// work(i) for i in [0, count), handed out in chunks of ``chunk`` to whichever thread is free: on a
+// shared machine one slowed core then costs its share of the time, not the whole call's (a static
+// split waits for the slower half). Each item is computed by the same code whichever thread runs it.
+template <typename F>
+void for_each_dynamic(int64_t count, int64_t chunk, const F& work) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), (count + chunk - 1) / chunk);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t start = next.fetch_add(chunk); start < count; start = next.fetch_add(chunk))
+      for (int64_t i = start, stop = std::min(start + chunk, count); i < stop; ++i) work(i);
+  });
+}
+
 }  // namespace
 
 // x [..., K] float32 -> [..., N] float32 with a q4k weight of N outputs.
@@ -449,9 +464,7 @@ torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& qs, const 
   const float* dd = d.data_ptr<float>();
   const float* dm = dmin.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, N / TILE, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) tile_q4k(q, s, m, dd, dm, rows, R, o, N, t);
-  });
+  for_each_dynamic(N / TILE, TILE_CHUNK, [&](int64_t t) { tile_q4k(q, s, m, dd, dm, rows, R, o, N, t); });
   return out;
 }
 
@@ -467,9 +480,7 @@ torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& qs, const 
   const int8_t* s = sc.data_ptr<int8_t>();
   const float* dd = d.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, N / TILE, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) tile_q6k(q, s, dd, rows, R, o, N, t);
-  });
+  for_each_dynamic(N / TILE, TILE_CHUNK, [&](int64_t t) { tile_q6k(q, s, dd, rows, R, o, N, t); });
   return out;
 }
 
@@ -576,17 +587,15 @@ void products_into(const std::vector<PackedLinear>& linears, const torch::Tensor
     for (int64_t t = 0; t < linears[i].n / TILE; ++t) tiles.emplace_back((int64_t)i, t);
   std::vector<int64_t> column(linears.size(), 0);
   for (size_t i = 1; i < linears.size(); ++i) column[i] = column[i - 1] + linears[i - 1].n;
-  at::parallel_for(0, (int64_t)tiles.size(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const auto [i, t] = tiles[k];
-      const PackedLinear& L = linears[i];
-      float* o = out + column[i];
-      if (L.q4)
-        tile_q4k(L.t[0].data_ptr<uint8_t>(), L.t[1].data_ptr<uint8_t>(), L.t[2].data_ptr<uint8_t>(),
-                 L.t[3].data_ptr<float>(), L.t[4].data_ptr<float>(), rows, R, o, ld, t);
-      else
-        tile_q6k(L.t[0].data_ptr<uint8_t>(), L.t[1].data_ptr<int8_t>(), L.t[2].data_ptr<float>(), rows, R, o, ld, t);
-    }
+  for_each_dynamic((int64_t)tiles.size(), TILE_CHUNK, [&](int64_t k) {
+    const auto [i, t] = tiles[k];
+    const PackedLinear& L = linears[i];
+    float* o = out + column[i];
+    if (L.q4)
+      tile_q4k(L.t[0].data_ptr<uint8_t>(), L.t[1].data_ptr<uint8_t>(), L.t[2].data_ptr<uint8_t>(),
+               L.t[3].data_ptr<float>(), L.t[4].data_ptr<float>(), rows, R, o, ld, t);
+    else
+      tile_q6k(L.t[0].data_ptr<uint8_t>(), L.t[1].data_ptr<int8_t>(), L.t[2].data_ptr<float>(), rows, R, o, ld, t);
   });
   for (size_t i = 0; i < linears.size(); ++i) {
     if (!linears[i].bias.has_value()) continue;
