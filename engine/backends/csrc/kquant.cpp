@@ -447,41 +447,76 @@ void for_each_dynamic(int64_t count, int64_t chunk, const F& work) {
   });
 }
 
+struct PackedLinear {
+  bool q4;                         // Q4_K (qs, sc, mn, d, dmin) or Q6_K (qs, sc, d)
+  std::vector<torch::Tensor> t;
+  int64_t n, k;                    // outputs; inputs as packed (a multiple of 256, zeros past the model's)
+  c10::optional<torch::Tensor> bias;
+};
+
+// x2 [R, K] (K already padded) through ``linears`` side by side into out [R, ld] from column 0: the
+// activations quantised once, every output tile of every linear in one parallel pass.
+void products_into(const std::vector<PackedLinear>& linears, const torch::Tensor& x2, float* out, int64_t ld) {
+  torch::Tensor xq, sx, s16;
+  const Rows rows = quantized_rows(x2, xq, sx, s16);
+  const int64_t R = x2.size(0);
+  struct Pointers {  // read once per call: data_ptr<T>() checks the dtype, too slow per tile
+    bool q4;
+    const uint8_t *qs, *sc, *mn;
+    const float *d, *dmin;
+  };
+  std::vector<Pointers> weights;
+  std::vector<int64_t> column{0}, first_tile{0};  // per linear, then the totals
+  for (const auto& L : linears) {
+    TORCH_CHECK(L.t[0].numel() == (L.q4 ? L.n * rows.K / 2 : L.n * rows.K), L.q4 ? "q4k" : "q6k",
+                " weight does not match ", L.n, " x ", rows.K);
+    weights.push_back(L.q4 ? Pointers{true, L.t[0].data_ptr<uint8_t>(), L.t[1].data_ptr<uint8_t>(),
+                                      L.t[2].data_ptr<uint8_t>(), L.t[3].data_ptr<float>(), L.t[4].data_ptr<float>()}
+                           : Pointers{false, L.t[0].data_ptr<uint8_t>(),
+                                      reinterpret_cast<const uint8_t*>(L.t[1].data_ptr<int8_t>()), nullptr,
+                                      L.t[2].data_ptr<float>(), nullptr});
+    column.push_back(column.back() + L.n);
+    first_tile.push_back(first_tile.back() + L.n / TILE);
+  }
+  for_each_dynamic(first_tile.back(), TILE_CHUNK, [&](int64_t k) {
+    size_t i = 0;
+    while (k >= first_tile[i + 1]) ++i;
+    const Pointers& w = weights[i];
+    const int64_t t = k - first_tile[i];
+    if (w.q4)
+      tile_q4k(w.qs, w.sc, w.mn, w.d, w.dmin, rows, R, out + column[i], ld, t);
+    else
+      tile_q6k(w.qs, reinterpret_cast<const int8_t*>(w.sc), w.d, rows, R, out + column[i], ld, t);
+  });
+  for (size_t i = 0; i < linears.size(); ++i) {
+    if (!linears[i].bias.has_value()) continue;
+    const float* b = linears[i].bias->data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r) {
+      float* o = out + r * ld + column[i];
+      for (int64_t c = 0; c < linears[i].n; ++c) o[c] = o[c] + b[c];
+    }
+  }
+}
+
+// x [..., K] -> [..., N] through one packed weight (no bias: KQuantLinear adds it).
+torch::Tensor linear(const PackedLinear& weight, const torch::Tensor& x) {
+  auto x2 = flat_rows(x);
+  auto out = output_like(x, weight.n);
+  products_into({weight}, x2, out.data_ptr<float>(), weight.n);
+  return out;
+}
+
 }  // namespace
 
 // x [..., K] float32 -> [..., N] float32 with a q4k weight of N outputs.
 torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc,
                          const torch::Tensor& mn, const torch::Tensor& d, const torch::Tensor& dmin, int64_t N) {
-  auto x2 = flat_rows(x);
-  torch::Tensor xq, sx, s16;
-  const Rows rows = quantized_rows(x2, xq, sx, s16);
-  const int64_t R = x2.size(0);
-  TORCH_CHECK(qs.numel() == N * rows.K / 2, "q4k weight does not match ", N, " x ", rows.K);
-  auto out = output_like(x, N);
-  const uint8_t* q = qs.data_ptr<uint8_t>();
-  const uint8_t* s = sc.data_ptr<uint8_t>();
-  const uint8_t* m = mn.data_ptr<uint8_t>();
-  const float* dd = d.data_ptr<float>();
-  const float* dm = dmin.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  for_each_dynamic(N / TILE, TILE_CHUNK, [&](int64_t t) { tile_q4k(q, s, m, dd, dm, rows, R, o, N, t); });
-  return out;
+  return linear(PackedLinear{true, {qs, sc, mn, d, dmin}, N, x.size(-1), c10::nullopt}, x);
 }
 
 torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc,
                          const torch::Tensor& d, int64_t N) {
-  auto x2 = flat_rows(x);
-  torch::Tensor xq, sx, s16;
-  const Rows rows = quantized_rows(x2, xq, sx, s16);
-  const int64_t R = x2.size(0);
-  TORCH_CHECK(qs.numel() == N * rows.K, "q6k weight does not match ", N, " x ", rows.K);
-  auto out = output_like(x, N);
-  const uint8_t* q = qs.data_ptr<uint8_t>();
-  const int8_t* s = sc.data_ptr<int8_t>();
-  const float* dd = d.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  for_each_dynamic(N / TILE, TILE_CHUNK, [&](int64_t t) { tile_q6k(q, s, dd, rows, R, o, N, t); });
-  return out;
+  return linear(PackedLinear{false, {qs, sc, d}, N, x.size(-1), c10::nullopt}, x);
 }
 
 // Exposed for tests: the activation quantisation (xq, sx, s16) of x [R, K].
@@ -556,13 +591,6 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
 // rotary by hand, which with -ffp-contract=off are the same IEEE operations), so its output equals
 // the model's own forward bit for bit; tests/test_lean.py checks it.
 
-struct PackedLinear {
-  bool q4;                         // Q4_K (qs, sc, mn, d, dmin) or Q6_K (qs, sc, d)
-  std::vector<torch::Tensor> t;
-  int64_t n, k;                    // outputs; inputs as packed (a multiple of 256, zeros past the model's)
-  c10::optional<torch::Tensor> bias;
-};
-
 // (kind, packed tensors in PACKED_NAMES order, outputs, packed inputs, bias) from Python.
 using LinearSpec = std::tuple<std::string, std::vector<torch::Tensor>, int64_t, int64_t, c10::optional<torch::Tensor>>;
 
@@ -575,36 +603,6 @@ std::vector<PackedLinear> packed_linears(const std::vector<LinearSpec>& specs) {
     out.push_back(PackedLinear{kind == "q4k", tensors, n, k, bias});
   }
   return out;
-}
-
-// x [R, K] (K already padded) through ``linears`` side by side into out [R, ld] from column 0.
-void products_into(const std::vector<PackedLinear>& linears, const torch::Tensor& x2, float* out, int64_t ld) {
-  torch::Tensor xq, sx, s16;
-  const Rows rows = quantized_rows(x2, xq, sx, s16);
-  const int64_t R = x2.size(0);
-  std::vector<std::pair<int64_t, int64_t>> tiles;  // (linear, tile) over every output tile
-  for (size_t i = 0; i < linears.size(); ++i)
-    for (int64_t t = 0; t < linears[i].n / TILE; ++t) tiles.emplace_back((int64_t)i, t);
-  std::vector<int64_t> column(linears.size(), 0);
-  for (size_t i = 1; i < linears.size(); ++i) column[i] = column[i - 1] + linears[i - 1].n;
-  for_each_dynamic((int64_t)tiles.size(), TILE_CHUNK, [&](int64_t k) {
-    const auto [i, t] = tiles[k];
-    const PackedLinear& L = linears[i];
-    float* o = out + column[i];
-    if (L.q4)
-      tile_q4k(L.t[0].data_ptr<uint8_t>(), L.t[1].data_ptr<uint8_t>(), L.t[2].data_ptr<uint8_t>(),
-               L.t[3].data_ptr<float>(), L.t[4].data_ptr<float>(), rows, R, o, ld, t);
-    else
-      tile_q6k(L.t[0].data_ptr<uint8_t>(), L.t[1].data_ptr<int8_t>(), L.t[2].data_ptr<float>(), rows, R, o, ld, t);
-  });
-  for (size_t i = 0; i < linears.size(); ++i) {
-    if (!linears[i].bias.has_value()) continue;
-    const float* b = linears[i].bias->data_ptr<float>();
-    for (int64_t r = 0; r < R; ++r) {
-      float* o = out + r * ld + column[i];
-      for (int64_t c = 0; c < linears[i].n; ++c) o[c] = o[c] + b[c];
-    }
-  }
 }
 
 // x [..., in] -> [R, sum of n], with zero inputs appended up to the packed width (as KQuantLinear).
