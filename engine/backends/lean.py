@@ -55,8 +55,8 @@ class LeanDecoder:
 
     def __init__(self, model: torch.nn.Module) -> None:
         base = model.model
-        self.embed, self.rotary, self.lm_head = base.embed_tokens, base.rotary_emb, model.lm_head
-        self.final_norm, self.final_eps = base.norm.weight, base.norm.variance_epsilon
+        self.embed, self.rotary = base.embed_tokens, base.rotary_emb
+        self.final_norm, self.lm_head = base.norm, model.lm_head
         self.decoder_layers = list(base.layers[: model.config.num_hidden_layers])
         self._native: list | None = None
 
@@ -80,8 +80,7 @@ class LeanDecoder:
             if rows is None:
                 rows = _mask_rows(mask, q_len, key.shape[2])
             hidden = layer.attention_out(hidden, query, key, value, rows)
-        variance = hidden.pow(2).mean(-1, keepdim=True)  # the final norm, as Qwen2RMSNorm / LlamaRMSNorm
-        hidden = self.final_norm * (hidden * torch.rsqrt(variance + self.final_eps))
+        hidden = self.final_norm(hidden)
         return self.lm_head(hidden[:, -logits_to_keep:, :] if logits_to_keep else hidden)
 
 

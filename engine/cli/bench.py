@@ -211,9 +211,9 @@ class PeerSide:
         else:
             try:
                 self.ggufs = peer_mod.default_ggufs() if ggufs == "default" else tuple(Path(g) for g in ggufs)
+                self.texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
             except Exception as exc:  # noqa: BLE001 - e.g. the embedded pair not assembled
                 self._skip(f"llama.cpp peer failed: {exc}")
-            self.texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
 
     def _skip(self, reason: str) -> None:
         print(reason, flush=True)
