@@ -23,8 +23,8 @@ from engine.tuning.profile import HardwareProfile
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 Q4K = "default-target@q4k+default-draft@int4"
 FLOAT = "default-target+default-draft@int4"
-PROFILES = {Q4K: ASSETS / "profiles/cpu-x86_64-2threads__default-target_q4k_default-draft_int4__float32.json",
-            FLOAT: ASSETS / "profiles/cpu-x86_64-2threads__default-target_default-draft_int4__float32.json"}
+PROFILES = {Q4K: ASSETS / "profiles/cpu-x86_64-avx2-2threads__default-target_q4k_default-draft_int4__float32.json",
+            FLOAT: ASSETS / "profiles/cpu-x86_64-avx512vnni-2threads__default-target_default-draft_int4__float32.json"}
 
 
 def profile(pair: str) -> HardwareProfile:

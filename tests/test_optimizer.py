@@ -77,3 +77,18 @@ def test_a_profile_saved_before_the_overhead_term_reads_as_no_overhead():
     raw = json.loads(synthetic(lambda n: 30.0).to_json())
     del raw["step_overhead"]
     assert HardwareProfile.from_json(json.dumps(raw)).step_overhead == 0.0
+
+
+def test_cpu_profiles_are_named_by_the_isa_the_kernels_use(monkeypatch):
+    """A profile measured on an AVX2 CPU must not price trees on an AVX-512 VNNI one (the k-quant
+    kernels run several times faster there), so the CPU's ISA is part of the device name."""
+    import torch
+
+    from engine.backends import kernels
+    from engine.tuning.profile import cpu_isa, device_name
+
+    for flags, isa in [({"avx2", "avx512f", "avx512bw", "avx512_vnni"}, "avx512vnni"),
+                       ({"avx2", "avx512f"}, "avx2"), ({"sse4_2"}, "generic"), (set(), "generic")]:
+        monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert cpu_isa() == isa
+        assert device_name(torch.device("cpu")).endswith(f"-{isa}-{torch.get_num_threads()}threads")

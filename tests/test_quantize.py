@@ -99,7 +99,7 @@ def test_quantize_draft_formats():
     assert quantize_draft(bf16, "auto") is bf16  # auto leaves non-CPU-fp32 drafts alone
     assert draft_format(quantize_draft(model, "int4")) == "int4"
     assert draft_format(quantize_draft(model, "auto")) in DRAFT_FORMATS
-    assert fastest_format() == ("int4" if cpu_has_bf16() else "q4k" if kernels_available() else "int8")
+    assert fastest_format() == ("q4k" if kernels_available() else "int4" if cpu_has_bf16() else "int8")
     with pytest.raises(ValueError, match="draft format must be one of"):
         quantize_draft(model, "int3")
 

@@ -14,11 +14,22 @@ does not double); :func:`unpack_linears` restores the original exactly.
 """
 from __future__ import annotations
 
+import functools
 import types
+from pathlib import Path
 
 import torch
 
 from engine.backends.mapped import file_mappings, own_copy, returning_freed_memory
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The flags this CPU advertises in Linux's ``/proc/cpuinfo`` (empty where it cannot be read)."""
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return frozenset()
 
 
 def packing_available() -> bool:

@@ -12,7 +12,7 @@ decides every committed token), so the draft may be approximated to make each le
 - ``q4k``: the target's k-quant kernels (:mod:`engine.backends.kquant`): the GGUF's own Q4_K/Q6_K
   blocks where it has them, the other layers quantised to Q4_K (inputs padded to whole super-blocks
   of 256), activations int8 per super-block, no bf16 conversions.
-- ``auto``: int4 on CPUs with native bf16, else q4k where the kernels build, else int8 (see
+- ``auto``: q4k where the kernels build, else int4 on CPUs with native bf16, else int8 (see
   :func:`fastest_format`).
 
 The target is another matter: every committed token is its argmax (or its sample), so it must be
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from engine.backends.kernels import on_cpu_fp32, own_memory, unpack_linears
+from engine.backends.kernels import cpu_flags, on_cpu_fp32, own_memory, unpack_linears
 from engine.backends.mapped import FileMapping, file_mappings, own_copy
 
 DRAFT_FORMATS = ("auto", "int4", "int8", "q4k", "none")
@@ -244,33 +244,29 @@ def target_quantization(fmt: str, model_on_cpu_fp32: bool = True) -> str:
 
 
 def fastest_format() -> str:
-    """The draft format for this CPU: ``int4`` where it has native bf16 arithmetic (AVX-512 bf16
-    or AMX), else ``q4k`` where the k-quant kernels build, else ``int8``.
+    """The draft format for this CPU: ``q4k`` where the k-quant kernels build, else ``int4`` where
+    the CPU has native bf16 arithmetic (AVX-512 bf16 or AMX), else ``int8``.
 
-    int4 keeps the draft's agreement with the target (default pair, greedy top-1: int4 0.80,
-    float32 0.81, int8 0.69) and on a bf16 CPU runs a level 5-8x faster than float32 (whole
-    default draft, one level of 1 / 8 tokens: int4 26 / 79 ms, float32 155 / 375 ms, int8 28 / 41
-    ms, on a 2-core AVX-512 bf16 EPYC). Without native bf16 the int4 kernel converts every
-    activation (1 / 4 / 8 tokens: 59 / 78 / 142 ms on a 2-core AVX2 EPYC), and q4k, the GGUF's own
-    blocks with int8 activations per row, is the cheapest at the narrow levels that trees on such
-    a CPU have (30 / 46 / 83 ms, int8 44 / 48 / 58 ms). int8 quantises activations with one scale
-    for the whole batch, so a prompt's outlier token coarsens every other row of its prefill (the
-    draft's cache after a prefill differs from its step-by-step cache by 30% of its norm); it is
-    the fallback where no compiler builds the kernels.
-    Decided from the CPU's flags rather than timed: on a shared 2-core machine a start-up timing
-    of these millisecond products flips from run to run.
+    q4k keeps the GGUF's own blocks, computes each row on its own (int8 activations per row and
+    super-block) and runs through the lean forward (:mod:`engine.backends.lean`), two native calls
+    a layer. One level of the default draft for 1 / 2 / 4 / 8 tokens, alternating in one process:
+    q4k 17 / 20 / 26 / 49 ms, int4 26 / 31 / 42 / 69 ms on a 2-core AVX-512 VNNI + bf16 EPYC
+    (2026-11-25); q4k 30 / 33 / 46 / 83 ms, int4 59 / 68 / 78 / 142 ms, int8 44 / 48 / 48 / 58 ms
+    on a 2-core AVX2 EPYC, where int4 converts every activation to bf16 in software. int8 quantises
+    activations with one scale for the whole batch, so a prompt's outlier token coarsens every
+    other row of its prefill (the draft's cache after a prefill differs from its step-by-step
+    cache by 30% of its norm); it is the last resort. Decided from what builds and the CPU's
+    flags rather than timed: on a shared 2-core machine a start-up timing of these millisecond
+    products flips from run to run.
     """
-    if cpu_has_bf16():
-        return "int4"
     from engine.backends.kquant import kernels_available
 
-    return "q4k" if kernels_available() else "int8"
+    if kernels_available():
+        return "q4k"
+    return "int4" if cpu_has_bf16() else "int8"
 
 
 def cpu_has_bf16() -> bool:
     """True when this x86 CPU advertises native bf16 instructions (Linux ``/proc/cpuinfo``)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags

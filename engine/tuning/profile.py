@@ -153,9 +153,24 @@ def measure_step_overhead(target, draft, prompt: list[int], forward_s: float, to
 
 
 def device_name(device: torch.device) -> str:
+    """What a profile is measured on: the GPU's name, or the CPU's architecture, vector ISA and
+    thread count (``cpu-x86_64-avx512vnni-2threads``). The ISA is part of it because machines of
+    the same architecture differ several-fold here: the k-quant kernels take int8 dot products in
+    one VNNI instruction where AVX2 needs three."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu-{platform.machine()}-{torch.get_num_threads()}threads"
+    return f"cpu-{platform.machine()}-{cpu_isa()}-{torch.get_num_threads()}threads"
+
+
+def cpu_isa() -> str:
+    """The widest integer vector ISA this CPU advertises that the kernels use: ``avx512vnni``,
+    ``avx2`` or ``generic`` (also where the flags cannot be read)."""
+    from engine.backends.kernels import cpu_flags
+
+    flags = cpu_flags()
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+        return "avx512vnni"
+    return "avx2" if "avx2" in flags else "generic"
 
 
 def profile_path(profile_dir: Path, device: str, pair: str, dtype: str) -> Path:
