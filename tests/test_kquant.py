@@ -3,6 +3,8 @@ blocks, the compiled kernel equal bit for bit to the pure-torch reference, and r
 depend on the rest of the batch."""
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -80,6 +82,32 @@ def test_the_largest_quants_and_activations_do_not_overflow_the_integer_sums(kin
     tensors = packed(kind, blocks)
     x = torch.full((5, 512), sign)
     assert torch.equal(KQuantLinear(kind, tensors, 512, 32)(x), reference_linear(kind, x, tensors, 32))
+
+
+def test_every_integer_path_computes_the_references_numbers(compiled):
+    """The extension has an AVX-512 VNNI, an AVX2 and a portable path; the engine runs whichever
+    this CPU builds natively. Build the others this CPU can run and check that each gives the
+    reference's numbers bit for bit, at ordinary and at the largest quants, so a layout change is
+    proven on every path, not just the one of the machine that tests it."""
+    from engine.backends.kernels import cpu_flags
+
+    marches = ["x86-64"] + (["x86-64-v3"] if "avx2" in cpu_flags() else [])
+    if platform.machine() != "x86_64":
+        marches = []
+    paths = {compiled.simd_path(): compiled} | {(e := kquant.compile_kernels(m)).simd_path(): e for m in marches}
+    assert "portable" in paths or platform.machine() != "x86_64"
+    for kind in ("q4k", "q6k"):
+        saturated = random_blocks(kind, 32, 512, seed=4)  # every quant, scale and min at its largest
+        saturated[..., slice(4, None) if kind == "q4k" else slice(0, 192)] = 0xFF
+        for blocks, x in ((random_blocks(kind, 48, 768, seed=1), torch.randn(7, 768) * torch.logspace(-2, 1, 768)),
+                          (saturated, torch.full((5, 512), -1.0))):
+            tensors = packed(kind, blocks)
+            n = blocks.shape[0]
+            expected = reference_linear(kind, x, tensors, n)
+            for path, extension in paths.items():
+                kernel = extension.q4k_linear if kind == "q4k" else extension.q6k_linear
+                got = kernel(x, *(tensors[name] for name in kquant.PACKED_NAMES[kind]), n)
+                assert torch.equal(got, expected), (path, kind)
 
 
 @pytest.mark.parametrize("kind", ["q4k", "q6k"])

@@ -37,7 +37,7 @@ SUPER_BLOCK = 256
 TILE = 16
 SOURCE = Path(__file__).with_name("csrc") / "kquant.cpp"
 ATTENTION_NAME = "kquant"
-CACHE_FORMAT = 1  # bump when the packed layout changes
+CACHE_FORMAT = 2  # bump when the packed layout changes (2: Q6_K at 6 bits a weight, not 8)
 
 # GGUF tensor name (after ``blk.N.``) -> Hugging Face module path (after ``model.layers.N.``), for
 # the llama-style architectures whose converters keep q/k unpermuted (qwen2).
@@ -54,23 +54,31 @@ GGUF_LINEARS = {
 def _extension():
     """The compiled kernels, built once into the cache (about a minute), or None when they cannot
     be built here (no compiler); the reason is logged."""
+    venv_bin = Path(sys.executable).parent  # pip's ninja lands beside the interpreter, maybe off PATH
+    if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
+        os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
+    try:
+        return compile_kernels("native")
+    except (OSError, RuntimeError, ImportError) as exc:
+        log.warning("the k-quant kernels could not be built (%s); using the pure-torch reference", exc)
+        return None
+
+
+def compile_kernels(march: str = "native"):
+    """Build (once, into the cache) and import the kernels for ``-march=<march>``: ``native`` is what
+    the engine uses; ``x86-64-v3`` (AVX2) and ``x86-64`` (portable) let a test check that every
+    integer path computes the same numbers. Raises what the compiler or the import raise."""
     from torch.utils.cpp_extension import load
 
     from engine.models.loading import cache_dir
 
-    venv_bin = Path(sys.executable).parent  # pip's ninja lands beside the interpreter, maybe off PATH
-    if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
-        os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
     digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
-    build = cache_dir() / "kernels" / f"kquant-{digest}"
+    suffix = "" if march == "native" else "-" + march.replace("-", "_")
+    build = cache_dir() / "kernels" / f"kquant-{digest}{suffix}"
     build.mkdir(parents=True, exist_ok=True)
-    try:
-        return load(name="sequoia_kquant", sources=[str(SOURCE)], build_directory=str(build),
-                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=os.environ.get("SEQUOIA_VERBOSE_BUILD") == "1")
-    except (OSError, RuntimeError, ImportError) as exc:
-        log.warning("the k-quant kernels could not be built (%s); using the pure-torch reference", exc)
-        return None
+    return load(name="sequoia_kquant" + suffix.replace("-", "_"), sources=[str(SOURCE)], build_directory=str(build),
+                extra_cflags=["-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=os.environ.get("SEQUOIA_VERBOSE_BUILD") == "1")
 
 
 def kernels_available() -> bool:
@@ -162,7 +170,10 @@ def pack_q6k(blocks: np.ndarray) -> dict[str, torch.Tensor]:
     low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
     high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
     q = (low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)).reshape(n, nb, 16, 4, 4)
-    packed = np.moveaxis(_tiles(q.astype(np.uint8)), -1, -2)  # [NT, nb, 16, 4, 16 outputs, 4 inputs]
+    per_load = np.moveaxis(_tiles(q.astype(np.uint8)), -1, -2).reshape(n // TILE, nb, 16, 4, 64)  # 16 outputs x 4 inputs
+    nibbles = (per_load & 0x0F)[..., 0::2, :] | ((per_load & 0x0F)[..., 1::2, :] << 4)  # loads 0|1, 2|3
+    highs = sum(((per_load[..., l, :] >> 4) & 0x03) << (2 * l) for l in range(4)).astype(np.uint8)
+    packed = np.concatenate([nibbles, highs[..., None, :]], axis=-2)  # [NT, nb, 16, 3, 64]
     return {
         "qs": torch.from_numpy(np.ascontiguousarray(packed)).reshape(-1),
         "sc": torch.from_numpy(np.ascontiguousarray(_tiles(sc))).reshape(-1),
@@ -189,7 +200,10 @@ def _integer_weight(kind: str, t: dict[str, torch.Tensor], n: int, k: int):
         q = torch.stack([raw & 0x0F, raw >> 4], dim=-2).reshape(n, nb, subs, group)
         sc, mn = untile(t["sc"], subs).float()[..., None], untile(t["mn"], subs).float()[..., None]
         return q, d * sc, untile(t["dmin"])[..., None, None] * mn
-    q = t["qs"].reshape(nt, nb, 16, 4, TILE, 4).movedim(4, 1).reshape(n, nb, subs, group)
+    raw = t["qs"].reshape(nt, nb, 16, 3, 64).int()
+    loads = [((raw[..., l // 2, :] >> (4 * (l % 2))) & 0x0F) | (((raw[..., 2, :] >> (2 * l)) & 0x03) << 4)
+             for l in range(4)]
+    q = torch.stack(loads, dim=3).reshape(nt, nb, 16, 4, TILE, 4).movedim(4, 1).reshape(n, nb, subs, group)
     scale = d * untile(t["sc"], subs).float()[..., None]
     return q, scale, 32 * scale
 

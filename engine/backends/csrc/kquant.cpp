@@ -11,8 +11,10 @@
 //        32j+8l+i in its low nibble and 32j+8l+4+i in its high one, for output o of the tile;
 //        sc, mn [8][16] uint8 (6-bit scales and mins); d, dmin [16] float.
 //        w = d*sc*q - dmin*mn, q in 0..15 (GGUF Q4_K, kept exactly).
-//   q6k: qs [16 sub-blocks][4][64] bytes: byte o*4+i of load l of sub-block j holds input
-//        16j+4l+i (q in 0..63); sc [16][16] int8; d [16] float. w = d*sc*(q-32) (GGUF Q6_K).
+//   q6k: qs [16 sub-blocks][3][64] bytes (6.75 bits a weight, as GGUF's 6.5625 plus the scales'
+//        share): for input 16j+4l+i of output o, q in 0..63 has its low nibble in byte o*4+i of
+//        vector l/2 (low nibble for even l, high for odd) and its two high bits at bits 2l, 2l+1
+//        of byte o*4+i of vector 2; sc [16][16] int8; d [16] float. w = d*sc*(q-32) (GGUF Q6_K).
 // Activations: per row and super-block, x ~= sx * xq with xq int8 = round(x * 127 / max|x|).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -96,8 +98,28 @@ void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
     const int64_t t = tile * nb + blk;
     const uint8_t* q = qs + t * 2048;
     __m512i a[NR], b[NR];
+    // The mins' term sum_j mn_j * S_j (S_j: the sub-block's activation sum, |S_j| <= 32 * 127) as
+    // four int16-pair dot products a row: lane l of mp[k] holds (mn_2k[l], mn_2k+1[l]).
+    __m512i mp[4];
+    #pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m128i m0 = _mm_loadu_si128((const __m128i*)(mn + t * 128 + 2 * k * 16));
+      const __m128i m1 = _mm_loadu_si128((const __m128i*)(mn + t * 128 + (2 * k + 1) * 16));
+      mp[k] = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(m0, m1), _mm_unpacklo_epi8(m0, m1)));
+    }
     #pragma GCC unroll 8
-    for (int rr = 0; rr < NR; ++rr) a[rr] = b[rr] = _mm512_setzero_si512();
+    for (int rr = 0; rr < NR; ++rr) {
+      const int32_t* s16 = rows.s16 + (r0 + rr) * (rows.K / 16) + blk * 16;
+      __m512i bb = _mm512_setzero_si512();
+      #pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t lo = (uint16_t)(int16_t)(s16[4 * k] + s16[4 * k + 1]);
+        const uint32_t hi = (uint16_t)(int16_t)(s16[4 * k + 2] + s16[4 * k + 3]);
+        bb = _mm512_dpwssd_epi32(bb, mp[k], _mm512_set1_epi32((int32_t)(lo | (hi << 16))));
+      }
+      a[rr] = _mm512_setzero_si512();
+      b[rr] = bb;
+    }
     for (int j = 0; j < 8; ++j) {
       __m512i w[8];
       #pragma GCC unroll 8
@@ -107,11 +129,9 @@ void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
         w[2 * l + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
       }
       const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(sc + t * 128 + j * 16)));
-      const __m512i mnv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mn + t * 128 + j * 16)));
       #pragma GCC unroll 8
       for (int rr = 0; rr < NR; ++rr) {
         const int8_t* xq = rows.xq + (r0 + rr) * rows.K + blk * QK + j * 32;
-        const int32_t* s16 = rows.s16 + (r0 + rr) * (rows.K / 16) + blk * 16;
         __m512i dot = _mm512_setzero_si512();
         #pragma GCC unroll 8
         for (int l = 0; l < 4; ++l) {
@@ -122,7 +142,6 @@ void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
           dot = _mm512_dpbusd_epi32(dot, w[2 * l + 1], _mm512_set1_epi32(x1));
         }
         a[rr] = _mm512_add_epi32(a[rr], _mm512_mullo_epi32(dot, scv));
-        b[rr] = _mm512_add_epi32(b[rr], _mm512_mullo_epi32(mnv, _mm512_set1_epi32(s16[2 * j] + s16[2 * j + 1])));
       }
     }
     const __m512 dv = _mm512_loadu_ps(d + t * TILE), dminv = _mm512_loadu_ps(dmin + t * TILE);
@@ -147,19 +166,38 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& r
   for (int rr = 0; rr < NR; ++rr) y[rr] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t t = tile * nb + blk;
-    const uint8_t* q = qs + t * 4096;
+    const uint8_t* q = qs + t * 3072;
+    // sum_j sc_j * (dot_j - 32 s_j) = sum_j sc_j * dot_j - 32 * sum_j sc_j * s_j (exact in int32);
+    // the second sum as eight int16-pair dot products a row (lane l of sp holds sc_2k[l], sc_2k+1[l]).
     __m512i a[NR];
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) a[rr] = _mm512_setzero_si512();
-    for (int j = 0; j < 16; ++j) {
-      __m512i w[4];
+    for (int k = 0; k < 8; ++k) {
+      const __m128i s0 = _mm_loadu_si128((const __m128i*)(sc + t * 256 + 2 * k * 16));
+      const __m128i s1 = _mm_loadu_si128((const __m128i*)(sc + t * 256 + (2 * k + 1) * 16));
+      const __m512i sp = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(s0, s1), _mm_unpacklo_epi8(s0, s1)));
       #pragma GCC unroll 8
-      for (int l = 0; l < 4; ++l) w[l] = _mm512_loadu_si512(q + j * 256 + l * 64);
+      for (int rr = 0; rr < NR; ++rr) {
+        const int32_t* s16 = rows.s16 + (r0 + rr) * (rows.K / 16) + blk * 16;
+        const uint32_t pair = (uint32_t)(uint16_t)(int16_t)s16[2 * k] | ((uint32_t)(uint16_t)(int16_t)s16[2 * k + 1] << 16);
+        a[rr] = _mm512_dpwssd_epi32(a[rr], sp, _mm512_set1_epi32((int32_t)pair));
+      }
+    }
+    #pragma GCC unroll 8
+    for (int rr = 0; rr < NR; ++rr) a[rr] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(a[rr], 5));
+    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(0x30);
+    for (int j = 0; j < 16; ++j) {
+      const __m512i lo01 = _mm512_loadu_si512(q + j * 192), lo23 = _mm512_loadu_si512(q + j * 192 + 64);
+      const __m512i hb = _mm512_loadu_si512(q + j * 192 + 128);
+      __m512i w[4];  // (low nibble) | (two high bits << 4), as one ternary-logic op: A | (B & C)
+      w[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(lo01, low), _mm512_slli_epi16(hb, 4), high, 0xF8);
+      w[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(lo01, 4), low), _mm512_slli_epi16(hb, 2), high, 0xF8);
+      w[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(lo23, low), hb, high, 0xF8);
+      w[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(lo23, 4), low), _mm512_srli_epi16(hb, 2), high, 0xF8);
       const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + t * 256 + j * 16)));
       #pragma GCC unroll 8
       for (int rr = 0; rr < NR; ++rr) {
         const int8_t* xq = rows.xq + (r0 + rr) * rows.K + blk * QK + j * 16;
-        const int32_t s = rows.s16[(r0 + rr) * (rows.K / 16) + blk * 16 + j];
         __m512i dot = _mm512_setzero_si512();
         #pragma GCC unroll 8
         for (int l = 0; l < 4; ++l) {
@@ -167,7 +205,7 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& r
           std::memcpy(&x0, xq + l * 4, 4);
           dot = _mm512_dpbusd_epi32(dot, w[l], _mm512_set1_epi32(x0));
         }
-        a[rr] = _mm512_add_epi32(a[rr], _mm512_mullo_epi32(_mm512_sub_epi32(dot, _mm512_set1_epi32(32 * s)), scv));
+        a[rr] = _mm512_add_epi32(a[rr], _mm512_mullo_epi32(dot, scv));
       }
     }
     const __m512 dv = _mm512_loadu_ps(d + t * TILE);
@@ -277,14 +315,20 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& r
   for (int rr = 0; rr < NR; ++rr) y[rr] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t t = tile * nb + blk;
-    const uint8_t* q = qs + t * 4096 + h * 32;
+    const uint8_t* q = qs + t * 3072 + h * 32;
+    const __m256i low = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(0x30);
     __m256i a[NR];
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) a[rr] = _mm256_setzero_si256();
     for (int j = 0; j < 16; ++j) {
-      __m256i w[4];
-      #pragma GCC unroll 4
-      for (int l = 0; l < 4; ++l) w[l] = _mm256_loadu_si256((const __m256i*)(q + j * 256 + l * 64));
+      const __m256i lo01 = _mm256_loadu_si256((const __m256i*)(q + j * 192));
+      const __m256i lo23 = _mm256_loadu_si256((const __m256i*)(q + j * 192 + 64));
+      const __m256i hb = _mm256_loadu_si256((const __m256i*)(q + j * 192 + 128));
+      __m256i w[4];  // (low nibble) | (two high bits << 4)
+      w[0] = _mm256_or_si256(_mm256_and_si256(lo01, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), high));
+      w[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo01, 4), low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), high));
+      w[2] = _mm256_or_si256(_mm256_and_si256(lo23, low), _mm256_and_si256(hb, high));
+      w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo23, 4), low), _mm256_and_si256(_mm256_srli_epi16(hb, 2), high));
       const __m256i scv = widen8(sc + t * 256 + j * 16 + h * 8);
       #pragma GCC unroll 8
       for (int rr = 0; rr < NR; ++rr) {
@@ -344,7 +388,11 @@ inline void dot_q6(const uint8_t* qs, const int8_t* xq, int32_t* dot) {
   for (int o = 0; o < TILE; ++o) {
     int32_t s = 0;
     for (int l = 0; l < 4; ++l)
-      for (int i = 0; i < 4; ++i) s += qs[l * 64 + o * 4 + i] * xq[l * 4 + i];
+      for (int i = 0; i < 4; ++i) {
+        const int q = ((qs[(l / 2) * 64 + o * 4 + i] >> (4 * (l % 2))) & 0x0F) |
+                      (((qs[128 + o * 4 + i] >> (2 * l)) & 0x03) << 4);
+        s += q * xq[l * 4 + i];
+      }
     dot[o] = s;
   }
 }
@@ -397,12 +445,12 @@ void tile_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& r
     const int8_t* xq = rows.xq + r * rows.K;
     for (int64_t blk = 0; blk < nb; ++blk) {
       const int64_t t = tile * nb + blk;
-      const uint8_t* q = qs + t * 4096;
+      const uint8_t* q = qs + t * 3072;
       const int8_t* scb = sc + t * 256;
       const int32_t* s16 = rows.s16 + r * (rows.K / 16) + blk * 16;
       for (int o = 0; o < TILE; ++o) a[o] = 0;
       for (int j = 0; j < 16; ++j) {
-        dot_q6(q + j * 256, xq + blk * QK + j * 16, dot);
+        dot_q6(q + j * 192, xq + blk * QK + j * 16, dot);
         for (int o = 0; o < TILE; ++o) a[o] += scb[j * 16 + o] * (dot[o] - 32 * s16[j]);
       }
       accumulate(y, d + t * TILE, rows.sx[r * nb + blk], a);
@@ -468,7 +516,7 @@ void products_into(const std::vector<PackedLinear>& linears, const torch::Tensor
   std::vector<Pointers> weights;
   std::vector<int64_t> column{0}, first_tile{0};  // per linear, then the totals
   for (const auto& L : linears) {
-    TORCH_CHECK(L.t[0].numel() == (L.q4 ? L.n * rows.K / 2 : L.n * rows.K), L.q4 ? "q4k" : "q6k",
+    TORCH_CHECK(L.t[0].numel() == (L.q4 ? L.n * rows.K / 2 : L.n * rows.K * 3 / 4), L.q4 ? "q4k" : "q6k",
                 " weight does not match ", L.n, " x ", rows.K);
     weights.push_back(L.q4 ? Pointers{true, L.t[0].data_ptr<uint8_t>(), L.t[1].data_ptr<uint8_t>(),
                                       L.t[2].data_ptr<uint8_t>(), L.t[3].data_ptr<float>(), L.t[4].data_ptr<float>()}
@@ -717,7 +765,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations, "int8 activations per 256-input block");
   m.def("attention", &attention, "batch-invariant attention for one sequence", unlocked);
   m.def("simd_path", &simd_path, "which integer path was compiled (avx512-vnni, avx2, portable)");
-  pybind11::class_<LeanLayer>(m, "LeanLayer")
+  pybind11::class_<LeanLayer>(m, "LeanLayer", pybind11::module_local())
       .def(pybind11::init<torch::Tensor, double, torch::Tensor, double, std::vector<LinearSpec>, std::vector<LinearSpec>,
                           std::vector<LinearSpec>, std::vector<LinearSpec>, int64_t, int64_t, int64_t, double>())
       .def("attention_in", &LeanLayer::attention_in, "hidden [1,R,E], cos, sin [1,R,D] -> query, key, value", unlocked)
