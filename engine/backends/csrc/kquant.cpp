@@ -43,26 +43,72 @@ constexpr int64_t TILE_CHUNK = 8;  // tiles a thread takes at a time (8 x 16 out
 
 // ---- activations ---------------------------------------------------------------------------
 
+// One super-block of 256 inputs: xb -> qb int8, its scale, and the sums of its 16 groups of 16.
+// Per element the same IEEE steps on every path (|x|, max, x * inv, clamp to +-127, round to
+// nearest even); maxima and integer sums are exact in any order, so the SIMD paths vectorise them.
+#if defined(KQ_VNNI)
+inline float quantize_block(const float* xb, int8_t* qb, int32_t* sums) {
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  __m512 m = _mm512_setzero_ps();
+  for (int i = 0; i < QK; i += 16) m = _mm512_max_ps(m, _mm512_andnot_ps(sign, _mm512_loadu_ps(xb + i)));
+  const float amax = _mm512_reduce_max_ps(m);
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int j = 0; j < QK / 16; ++j) {
+    const __m512 v = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_mul_ps(_mm512_loadu_ps(xb + j * 16), inv)));
+    const __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128((__m128i*)(qb + j * 16), _mm512_cvtsepi32_epi8(q));
+    sums[j] = _mm512_reduce_add_epi32(q);
+  }
+  return amax;
+}
+#elif defined(KQ_AVX2)
+inline float quantize_block(const float* xb, int8_t* qb, int32_t* sums) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < QK; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float amax = 0.f;
+  for (float v : lanes) amax = std::fmax(amax, v);
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  for (int j = 0; j < QK / 16; ++j) {
+    __m256i q[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256 v = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(xb + j * 16 + h * 8), inv)));
+      q[h] = _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    const __m128i w0 = _mm_packs_epi32(_mm256_castsi256_si128(q[0]), _mm256_extracti128_si256(q[0], 1));
+    const __m128i w1 = _mm_packs_epi32(_mm256_castsi256_si128(q[1]), _mm256_extracti128_si256(q[1], 1));
+    _mm_storeu_si128((__m128i*)(qb + j * 16), _mm_packs_epi16(w0, w1));
+    alignas(32) int32_t t[8];
+    _mm256_store_si256((__m256i*)t, _mm256_add_epi32(q[0], q[1]));
+    sums[j] = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+  }
+  return amax;
+}
+#else
+inline float quantize_block(const float* xb, int8_t* qb, int32_t* sums) {
+  float amax = 0.f;
+  for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int i = 0; i < QK; ++i) qb[i] = (int8_t)std::nearbyint(std::fmin(127.f, std::fmax(-127.f, xb[i] * inv)));
+  for (int j = 0; j < QK / 16; ++j) {
+    int32_t s = 0;
+    for (int i = 0; i < 16; ++i) s += qb[j * 16 + i];
+    sums[j] = s;
+  }
+  return amax;
+}
+#endif
+
 // x [R, K] float -> xq [R, K] int8, sx [R, K/256] float, s16 [R, K/16] int32 (sums of xq).
 void quantize_rows(const float* x, int64_t R, int64_t K, int8_t* xq, float* sx, int32_t* s16) {
   const int64_t nb = K / QK;
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + r * K + b * QK;
-      float amax = 0.f;
-      for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-      const float scale = amax / 127.f;
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* qb = xq + r * K + b * QK;
-      for (int i = 0; i < QK; ++i) qb[i] = (int8_t)std::nearbyint(std::fmin(127.f, std::fmax(-127.f, xb[i] * inv)));
-      sx[r * nb + b] = scale;
-      for (int j = 0; j < QK / 16; ++j) {
-        int32_t s = 0;
-        for (int i = 0; i < 16; ++i) s += qb[j * 16 + i];
-        s16[r * (K / 16) + b * 16 + j] = s;
-      }
-    }
-  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t b = 0; b < nb; ++b)
+      sx[r * nb + b] = quantize_block(x + r * K + b * QK, xq + r * K + b * QK, s16 + r * (K / 16) + b * 16) / 127.f;
 }
 
 struct Rows {
