@@ -189,6 +189,23 @@ def test_a_packed_target_is_cached_and_read_back_identically(tmp_path, compiled)
     assert kquant_model(other, cache_file=cache)(ids).logits.shape == (1, 4, 32)
 
 
+@pytest.mark.parametrize("kind", ["q4k", "q6k"])
+def test_a_cache_of_either_kind_is_read_back_instead_of_packing_again(tmp_path, kind):
+    """A GGUF target has Q4_K and Q6_K layers: a cache holding either must be taken as it is (a
+    size check that expected another layout once made every start pack the target again)."""
+    import tiny_models as tm
+
+    model = tm.qwen2(seed=1, vocab_size=32, hidden_size=256, layers=1)
+    name = "model.layers.0.self_attn.q_proj"
+    layer = KQuantLinear(kind, packed(kind, random_blocks(kind, 256, 256, seed=5)), 256, 256,
+                         model.get_submodule(name).bias)
+    cache = tmp_path / "kquant.safetensors"
+    kquant._write_cache(cache, {name: layer})
+    read = kquant._read_cache(cache, model)
+    assert read is not None and read[name].kind == kind
+    assert all(torch.equal(read[name].packed()[key], tensor) for key, tensor in layer.packed().items())
+
+
 def test_building_the_int4_target_leaves_the_float_model_as_it_was(compiled):
     import tiny_models as tm
 

@@ -384,6 +384,11 @@ def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None, cache_fi
     return quantized.eval()
 
 
+def packed_bytes(kind: str, out_features: int, in_features: int) -> int:
+    """Bytes of a layer's packed quants (``qs``): 4 bits a weight for Q4_K, 6 for Q6_K."""
+    return padded_size(in_features) * out_features * (4 if kind == "q4k" else 6) // 8
+
+
 def padded_size(in_features: int) -> int:
     """``in_features`` rounded up to whole super-blocks (a 896-wide layer is packed as 1024)."""
     return -(-in_features // SUPER_BLOCK) * SUPER_BLOCK
@@ -431,8 +436,7 @@ def _read_cache(path: Path, model: torch.nn.Module) -> dict[str, KQuantLinear] |
         if type(linear) is not torch.nn.Linear:
             return None
         parts = {key.rpartition(".")[2]: t for key, t in tensors.items() if key.rpartition(".")[0] == name}
-        if parts.get("qs") is None or parts["qs"].numel() * (2 if kind == "q4k" else 1) != \
-                padded_size(linear.in_features) * linear.out_features:
+        if parts.get("qs") is None or parts["qs"].numel() != packed_bytes(kind, linear.out_features, linear.in_features):
             return None
         layers[name] = KQuantLinear(kind, parts, linear.in_features, linear.out_features, linear.bias)
     return layers
