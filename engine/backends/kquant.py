@@ -73,10 +73,10 @@ def compile_kernels(march: str = "native"):
     from engine.models.loading import cache_dir
 
     digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
-    suffix = "" if march == "native" else "-" + march.replace("-", "_")
-    build = cache_dir() / "kernels" / f"kquant-{digest}{suffix}"
+    tag = "" if march == "native" else "_" + march.replace("-", "_")  # a module name of its own per path
+    build = cache_dir() / "kernels" / f"kquant-{digest}{tag}"
     build.mkdir(parents=True, exist_ok=True)
-    return load(name="sequoia_kquant" + suffix.replace("-", "_"), sources=[str(SOURCE)], build_directory=str(build),
+    return load(name="sequoia_kquant" + tag, sources=[str(SOURCE)], build_directory=str(build),
                 extra_cflags=["-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=os.environ.get("SEQUOIA_VERBOSE_BUILD") == "1")
 

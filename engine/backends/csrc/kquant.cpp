@@ -40,6 +40,14 @@ namespace {
 constexpr int QK = 256;
 constexpr int TILE = 16;
 constexpr int64_t TILE_CHUNK = 8;  // tiles a thread takes at a time (8 x 16 outputs)
+constexpr int64_t Q4K_BYTES = TILE * QK / 2;      // packed quants of a tile's super-block: 4 bits a weight
+constexpr int64_t Q6K_BYTES = TILE * QK * 3 / 4;  // 6 bits a weight
+
+// Two int16 values (each |v| < 2^15) as one int32 lane pattern: lo in the low half, hi in the high
+// one, for the int16-pair products (madd_epi16, dpwssd) that take them two at a time.
+inline int32_t int16_pair(int32_t lo, int32_t hi) {
+  return (int32_t)((uint32_t)(uint16_t)lo | ((uint32_t)(uint16_t)hi << 16));
+}
 
 // ---- activations ---------------------------------------------------------------------------
 
@@ -130,6 +138,11 @@ void by_row_blocks(int64_t R, F rows_of) {
 }
 
 #ifdef KQ_VNNI
+// Bytes a[0], b[0], a[1], b[1], ... a[15], b[15]: widened to int16, lane l holds the pair (a[l], b[l]).
+inline __m256i interleave_bytes(__m128i a, __m128i b) {
+  return _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+}
+
 // The VNNI path: NR rows share each sub-block's unpacked weights; per lane, the same operations
 // as the portable path below (integer sums are exact in any order, the float steps are identical).
 template <int NR>
@@ -142,7 +155,7 @@ void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
   for (int rr = 0; rr < NR; ++rr) y[rr] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t t = tile * nb + blk;
-    const uint8_t* q = qs + t * 2048;
+    const uint8_t* q = qs + t * Q4K_BYTES;
     __m512i a[NR], b[NR];
     // The mins' term sum_j mn_j * S_j (S_j: the sub-block's activation sum, |S_j| <= 32 * 127) as
     // four int16-pair dot products a row: lane l of mp[k] holds (mn_2k[l], mn_2k+1[l]).
@@ -151,7 +164,7 @@ void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
     for (int k = 0; k < 4; ++k) {
       const __m128i m0 = _mm_loadu_si128((const __m128i*)(mn + t * 128 + 2 * k * 16));
       const __m128i m1 = _mm_loadu_si128((const __m128i*)(mn + t * 128 + (2 * k + 1) * 16));
-      mp[k] = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(m0, m1), _mm_unpacklo_epi8(m0, m1)));
+      mp[k] = _mm512_cvtepu8_epi16(interleave_bytes(m0, m1));
     }
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) {
@@ -159,9 +172,8 @@ void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
       __m512i bb = _mm512_setzero_si512();
       #pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) {
-        const uint32_t lo = (uint16_t)(int16_t)(s16[4 * k] + s16[4 * k + 1]);
-        const uint32_t hi = (uint16_t)(int16_t)(s16[4 * k + 2] + s16[4 * k + 3]);
-        bb = _mm512_dpwssd_epi32(bb, mp[k], _mm512_set1_epi32((int32_t)(lo | (hi << 16))));
+        const int32_t pair = int16_pair(s16[4 * k] + s16[4 * k + 1], s16[4 * k + 2] + s16[4 * k + 3]);
+        bb = _mm512_dpwssd_epi32(bb, mp[k], _mm512_set1_epi32(pair));
       }
       a[rr] = _mm512_setzero_si512();
       b[rr] = bb;
@@ -212,7 +224,7 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& r
   for (int rr = 0; rr < NR; ++rr) y[rr] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t t = tile * nb + blk;
-    const uint8_t* q = qs + t * 3072;
+    const uint8_t* q = qs + t * Q6K_BYTES;
     // sum_j sc_j * (dot_j - 32 s_j) = sum_j sc_j * dot_j - 32 * sum_j sc_j * s_j (exact in int32);
     // the second sum as eight int16-pair dot products a row (lane l of sp holds sc_2k[l], sc_2k+1[l]).
     __m512i a[NR];
@@ -221,12 +233,11 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& r
     for (int k = 0; k < 8; ++k) {
       const __m128i s0 = _mm_loadu_si128((const __m128i*)(sc + t * 256 + 2 * k * 16));
       const __m128i s1 = _mm_loadu_si128((const __m128i*)(sc + t * 256 + (2 * k + 1) * 16));
-      const __m512i sp = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(s0, s1), _mm_unpacklo_epi8(s0, s1)));
+      const __m512i sp = _mm512_cvtepi8_epi16(interleave_bytes(s0, s1));
       #pragma GCC unroll 8
       for (int rr = 0; rr < NR; ++rr) {
         const int32_t* s16 = rows.s16 + (r0 + rr) * (rows.K / 16) + blk * 16;
-        const uint32_t pair = (uint32_t)(uint16_t)(int16_t)s16[2 * k] | ((uint32_t)(uint16_t)(int16_t)s16[2 * k + 1] << 16);
-        a[rr] = _mm512_dpwssd_epi32(a[rr], sp, _mm512_set1_epi32((int32_t)pair));
+        a[rr] = _mm512_dpwssd_epi32(a[rr], sp, _mm512_set1_epi32(int16_pair(s16[2 * k], s16[2 * k + 1])));
       }
     }
     #pragma GCC unroll 8
@@ -309,7 +320,7 @@ void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
   for (int rr = 0; rr < NR; ++rr) y[rr] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t t = tile * nb + blk;
-    const uint8_t* q = qs + t * 2048 + h * 32;
+    const uint8_t* q = qs + t * Q4K_BYTES + h * 32;
     __m256i a[NR], b[NR];
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) a[rr] = b[rr] = _mm256_setzero_si256();
@@ -333,7 +344,7 @@ void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
       #pragma GCC unroll 8
       for (int rr = 0; rr < NR; ++rr) {
         const int32_t* s16 = rows.s16 + (r0 + rr) * (rows.K / 16) + blk * 16;
-        const __m256i sums = _mm256_set1_epi32((int32_t)(((uint32_t)s16[2 * j] & 0xFFFFu) | ((uint32_t)s16[2 * j + 1] << 16)));
+        const __m256i sums = _mm256_set1_epi32(int16_pair(s16[2 * j], s16[2 * j + 1]));
         a[rr] = _mm256_add_epi32(a[rr], _mm256_madd_epi16(acc[rr], scv));
         b[rr] = _mm256_add_epi32(b[rr], _mm256_madd_epi16(mnv, sums));
       }
@@ -361,7 +372,7 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& r
   for (int rr = 0; rr < NR; ++rr) y[rr] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t t = tile * nb + blk;
-    const uint8_t* q = qs + t * 3072 + h * 32;
+    const uint8_t* q = qs + t * Q6K_BYTES + h * 32;
     const __m256i low = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(0x30);
     __m256i a[NR];
     #pragma GCC unroll 8
@@ -463,7 +474,7 @@ void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
     const int8_t* xq = rows.xq + r * rows.K;
     for (int64_t blk = 0; blk < nb; ++blk) {
       const int64_t t = tile * nb + blk;
-      const uint8_t* q = qs + t * 2048;
+      const uint8_t* q = qs + t * Q4K_BYTES;
       const uint8_t* scb = sc + t * 128;
       const uint8_t* mnb = mn + t * 128;
       const int32_t* s16 = rows.s16 + r * (rows.K / 16) + blk * 16;
@@ -491,7 +502,7 @@ void tile_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& r
     const int8_t* xq = rows.xq + r * rows.K;
     for (int64_t blk = 0; blk < nb; ++blk) {
       const int64_t t = tile * nb + blk;
-      const uint8_t* q = qs + t * 3072;
+      const uint8_t* q = qs + t * Q6K_BYTES;
       const int8_t* scb = sc + t * 256;
       const int32_t* s16 = rows.s16 + r * (rows.K / 16) + blk * 16;
       for (int o = 0; o < TILE; ++o) a[o] = 0;
@@ -562,7 +573,7 @@ void products_into(const std::vector<PackedLinear>& linears, const torch::Tensor
   std::vector<Pointers> weights;
   std::vector<int64_t> column{0}, first_tile{0};  // per linear, then the totals
   for (const auto& L : linears) {
-    TORCH_CHECK(L.t[0].numel() == (L.q4 ? L.n * rows.K / 2 : L.n * rows.K * 3 / 4), L.q4 ? "q4k" : "q6k",
+    TORCH_CHECK(L.t[0].numel() == L.n / TILE * (rows.K / QK) * (L.q4 ? Q4K_BYTES : Q6K_BYTES), L.q4 ? "q4k" : "q6k",
                 " weight does not match ", L.n, " x ", rows.K);
     weights.push_back(L.q4 ? Pointers{true, L.t[0].data_ptr<uint8_t>(), L.t[1].data_ptr<uint8_t>(),
                                       L.t[2].data_ptr<uint8_t>(), L.t[3].data_ptr<float>(), L.t[4].data_ptr<float>()}
