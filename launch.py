@@ -64,7 +64,8 @@ def build_worker(args: argparse.Namespace):
                                   "tiny-random-qwen2-perturbed (dev)", **worker_policy(args))
 
     from engine.models.loading import load_pair, pair_name
-    print("loading models (the first start assembles and dequantises the weights: a few minutes)...", flush=True)
+    print("loading models (a first start assembles and packs the embedded pair's weights: under a minute)...",
+          flush=True)
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
                                          args.trust_remote_code, offload=args.offload,
                                          draft_format=args.draft_format, target_format=args.target_format)

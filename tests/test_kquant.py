@@ -200,8 +200,8 @@ def test_a_cache_of_either_kind_is_read_back_instead_of_packing_again(tmp_path, 
     layer = KQuantLinear(kind, packed(kind, random_blocks(kind, 256, 256, seed=5)), 256, 256,
                          model.get_submodule(name).bias)
     cache = tmp_path / "kquant.safetensors"
-    kquant._write_cache(cache, {name: layer})
-    read = kquant._read_cache(cache, model)
+    kquant.write_cache(cache, {name: layer})
+    read = kquant.read_cache(cache, model)
     assert read is not None and read[name].kind == kind
     assert all(torch.equal(read[name].packed()[key], tensor) for key, tensor in layer.packed().items())
 

@@ -11,14 +11,14 @@ row is bit-identical to the same row of the float32 embedding transformers built
 """
 from __future__ import annotations
 
-import mmap
-import struct
 from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
+
+from engine.backends.gguf_file import GGUFTensor, read_blocks, tensor_table
 
 TOKEN_EMBEDDING = "token_embd.weight"
 
@@ -83,72 +83,21 @@ def gguf_embedding(gguf_path: str | Path, name: str = TOKEN_EMBEDDING) -> GGUFEm
     The blocks are read out of the file into memory of their own (131 MB for the embedded
     target's Q4_K embedding) and the file is closed: the module keeps no map of it."""
     path = Path(gguf_path)
-    qtype, dims, offset = tensor_location(path, name)
-    if len(dims) != 2:
-        raise ValueError(f"{path.name}: {name} is not a matrix (dimensions {list(dims)})")
-    dim, rows = dims  # GGUF lists the innermost dimension first
-    row_bytes = quant_shape_to_byte_shape((dim,), qtype)[-1]
-    blocks = np.fromfile(path, dtype=np.uint8, count=rows * row_bytes, offset=offset)
-    if blocks.size != rows * row_bytes:
-        raise ValueError(f"{path.name} is truncated: {name} needs {rows * row_bytes} bytes at {offset}")
-    blocks.shape = (rows, row_bytes)  # in place: the array still owns its memory (a reshape is a view)
-    return GGUFEmbedding(blocks, qtype, dim)
-
-
-# GGUF value types (gguf.GGUFValueType) and their sizes; 8 is a string, 9 an array.
-_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
+    tensor = _find(path, name)
+    if len(tensor.dims) != 2:
+        raise ValueError(f"{path.name}: {name} is not a matrix (dimensions {list(tensor.dims)})")
+    return GGUFEmbedding(read_blocks(path, tensor), tensor.qtype, tensor.dims[0])
 
 
 def tensor_location(path: str | Path, name: str) -> tuple[GGMLQuantizationType, tuple[int, ...], int]:
     """``(type, dimensions innermost first, absolute byte offset)`` of tensor ``name`` in a GGUF
-    file (little-endian, version 2 or 3), read from the header alone.
+    file, read from the header alone (:func:`engine.backends.gguf_file.tensor_table`)."""
+    tensor = _find(Path(path), name)
+    return tensor.qtype, tensor.dims, tensor.offset
 
-    ``gguf.GGUFReader`` builds an array per metadata value on opening, which takes seconds for a
-    Qwen2.5 file (two lists of 151k tokenizer strings); this walks past them in a fraction of that."""
-    path = Path(path)
-    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        if data[:4] != b"GGUF":
-            raise ValueError(f"{path.name} is not a GGUF file")
-        version, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
-        if version not in (2, 3):
-            raise ValueError(f"{path.name}: GGUF version {version} (little-endian 2 or 3 expected)")
 
-        def string_end(pos: int) -> int:
-            return pos + 8 + struct.unpack_from("<Q", data, pos)[0]
-
-        def value_end(kind: int, pos: int) -> int:
-            if kind == _STRING:
-                return string_end(pos)
-            if kind != _ARRAY:
-                return pos + _SCALARS[kind]
-            item, count = struct.unpack_from("<IQ", data, pos)
-            pos += 12
-            if item in _SCALARS:
-                return pos + count * _SCALARS[item]
-            for _ in range(count):
-                pos = value_end(item, pos)
-            return pos
-
-        pos, alignment = 24, 32
-        for _ in range(n_kv):
-            key_end = string_end(pos)
-            key = bytes(data[pos + 8:key_end])
-            kind = struct.unpack_from("<I", data, key_end)[0]
-            if key == b"general.alignment" and kind == _UINT32:
-                alignment = struct.unpack_from("<I", data, key_end + 4)[0]
-            pos = value_end(kind, key_end + 4)
-        found = None
-        for _ in range(n_tensors):
-            name_end = string_end(pos)
-            tensor_name = bytes(data[pos + 8:name_end]).decode()
-            n_dims = struct.unpack_from("<I", data, name_end)[0]
-            dims = struct.unpack_from(f"<{n_dims}Q", data, name_end + 4)
-            kind, offset = struct.unpack_from("<IQ", data, name_end + 4 + 8 * n_dims)
-            pos = name_end + 4 + 8 * n_dims + 12
-            if tensor_name == name:
-                found = (GGMLQuantizationType(kind), tuple(int(d) for d in dims), offset)
-    if found is None:
+def _find(path: Path, name: str) -> GGUFTensor:
+    tensor = tensor_table(path).get(name)
+    if tensor is None:
         raise ValueError(f"{path.name} has no tensor {name!r}")
-    data_start = pos + (-pos) % alignment
-    return found[0], found[1], data_start + found[2]
+    return tensor

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engine.backends.mapped import file_mappings, own_copy, returning_freed_memory
+from engine.backends.mapped import backing_file, file_mappings, own_copy, returning_freed_memory
 
 
 @functools.cache
@@ -70,17 +70,19 @@ def _pack_linears(model: torch.nn.Module) -> int:
     return count
 
 
-def own_memory(model: torch.nn.Module) -> None:
+def own_memory(model: torch.nn.Module, mapped_only: bool = False) -> None:
     """Give ``model``'s dense tensors storage of their own. Weights loaded from safetensors are
     views of one memory map of the file, which stays mapped (and resident) while any view lives:
     once the linear layers are repacked or quantised, copying the few tensors left (embeddings,
     norms, biases) lets the whole file go. Mapped tensors are read from the file
-    (:func:`engine.backends.mapped.own_copy`), so the map itself never becomes resident."""
+    (:func:`engine.backends.mapped.own_copy`), so the map itself never becomes resident.
+    ``mapped_only``: copy only those, for a model whose other tensors are known to be its own."""
     mappings = file_mappings()
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             if tensor.device.type == "cpu" and not tensor.is_mkldnn:
-                tensor.data = own_copy(tensor.data, mappings)
+                if not mapped_only or backing_file(tensor.data, mappings) is not None:
+                    tensor.data = own_copy(tensor.data, mappings)
 
 
 def unpack_linears(model: torch.nn.Module) -> int:

@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.backends.gguf_file import GGUFTensor
+
 log = logging.getLogger(__name__)
 
 SUPER_BLOCK = 256
@@ -326,27 +328,34 @@ def register_attention() -> None:
 
 # ---- a whole target ----------------------------------------------------------------------------
 
-def gguf_quantized_linears(gguf_path: Path) -> dict[str, tuple[str, np.ndarray]]:
-    """Hugging Face module name -> (kind, raw blocks ``[N, K/256, bytes]``) for every Q4_K/Q6_K
-    matrix of a llama-style GGUF (the output head included); other types are left out."""
-    from gguf import GGMLQuantizationType, GGUFReader
-
-    kinds = {GGMLQuantizationType.Q4_K: "q4k", GGMLQuantizationType.Q6_K: "q6k"}
+def gguf_linear_tensors(table: dict[str, GGUFTensor]) -> dict[str, GGUFTensor]:
+    """Hugging Face module name -> GGUF tensor for every linear layer of a llama-style GGUF's
+    ``table`` (:func:`engine.backends.gguf_file.tensor_table`; the output head included), whatever its type."""
     linears = {}
-    for tensor in GGUFReader(str(gguf_path)).tensors:
-        kind = kinds.get(tensor.tensor_type)
+    for tensor in table.values():
         parts = tensor.name.split(".")
-        if kind is None or parts[-1] != "weight":
+        if parts[-1] != "weight" or len(tensor.dims) != 2:
             continue
         if parts[0] == "blk" and parts[2] in GGUF_LINEARS:
-            name = f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"
+            linears[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = tensor
         elif tensor.name == "output.weight":
-            name = "lm_head"
-        else:
-            continue
-        k, n = (int(v) for v in tensor.shape[:2])
-        linears[name] = (kind, np.asarray(tensor.data).reshape(n, k // SUPER_BLOCK, -1))
+            linears["lm_head"] = tensor
     return linears
+
+
+def pack_gguf_tensor(gguf_path: Path, tensor: GGUFTensor) -> tuple[str, dict[str, torch.Tensor]]:
+    """``(kind, packed tensors)`` of a GGUF matrix: Q4_K and Q6_K blocks are kept exactly; any
+    other type is dequantised (as transformers does) and quantised by :func:`quantize_q4k`, its
+    inputs padded with zeros to whole super-blocks."""
+    from gguf import GGMLQuantizationType
+
+    from engine.backends.gguf_file import read_blocks, read_dequantised
+
+    if tensor.qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
+        blocks = read_blocks(gguf_path, tensor).reshape(tensor.rows, tensor.dims[0] // SUPER_BLOCK, -1)
+        return ("q4k", pack_q4k(blocks)) if tensor.qtype == GGMLQuantizationType.Q4_K else ("q6k", pack_q6k(blocks))
+    weight = torch.from_numpy(read_dequantised(gguf_path, tensor))
+    return "q4k", quantize_q4k(torch.nn.functional.pad(weight, (0, padded_size(tensor.dims[0]) - tensor.dims[0])))
 
 
 def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None, cache_file: Path | None = None,
@@ -363,25 +372,34 @@ def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None, cache_fi
     it after them): read when present and fitting, written otherwise, so later starts skip packing.
     ``embedding``: the input embedding the copy takes instead of ``model``'s (e.g. a
     :class:`~engine.backends.gguf_embedding.GGUFEmbedding`); ``model``'s is then never copied."""
-    from engine.backends.kernels import on_cpu_fp32, own_memory
+    from engine.backends.kernels import on_cpu_fp32
 
     if not on_cpu_fp32(model):
         raise ValueError("the int4 target is built from a CPU float32 model; this one is elsewhere")
-    register_attention()
-    layers = (cache_file and _read_cache(cache_file, model)) or _pack_layers(model, gguf_path)
+    layers = (cache_file and read_cache(cache_file, model)) or _pack_layers(model, gguf_path)
     if cache_file and not cache_file.exists():
-        _write_cache(cache_file, layers)
+        write_cache(cache_file, layers)
     memo = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     memo.update({id(model.get_submodule(name)): layer for name, layer in layers.items()})
     quantized = copy.deepcopy(model, memo)  # shares every tensor left; the replaced layers are the new ones
     if embedding is not None:
         quantized.set_input_embeddings(embedding)  # before own_memory: the float one is never copied
-    own_memory(quantized)
-    quantized.set_attn_implementation(ATTENTION_NAME)
+    return finish_kquant(quantized)
+
+
+def finish_kquant(model: torch.nn.Module, mapped_only: bool = False) -> torch.nn.Module:
+    """Ready a model whose linear layers are :class:`KQuantLinear`: its tensors get memory of their
+    own (only those mapped from a file with ``mapped_only``, see
+    :func:`engine.backends.kernels.own_memory`), attention becomes :func:`kquant_attention` and the
+    lean forward is attached."""
+    from engine.backends.kernels import own_memory
     from engine.backends.lean import attach
 
-    attach(quantized)
-    return quantized.eval()
+    register_attention()
+    own_memory(model, mapped_only)
+    model.set_attn_implementation(ATTENTION_NAME)
+    attach(model)
+    return model.eval()
 
 
 def packed_bytes(kind: str, out_features: int, in_features: int) -> int:
@@ -395,17 +413,23 @@ def padded_size(in_features: int) -> int:
 
 
 def _pack_layers(model: torch.nn.Module, gguf_path: Path | None) -> dict[str, KQuantLinear]:
-    from_file = gguf_quantized_linears(gguf_path) if gguf_path else {}
+    from gguf import GGMLQuantizationType
+
+    from engine.backends.gguf_file import tensor_table
+
+    exact = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
+    from_file = {name: t for name, t in gguf_linear_tensors(tensor_table(gguf_path)).items()
+                 if t.qtype in exact} if gguf_path else {}
     layers = {}
     for name, linear in model.named_modules():
         if type(linear) is not torch.nn.Linear:
             continue
         if name in from_file:
-            kind, blocks = from_file[name]
-            if blocks.shape[0] != linear.out_features or blocks.shape[1] * SUPER_BLOCK != linear.in_features:
+            tensor = from_file[name]
+            if (tensor.rows, tensor.dims[0]) != (linear.out_features, linear.in_features):
                 raise ValueError(f"{gguf_path.name}: {name} does not match the model's layer")
-            layers[name] = KQuantLinear(kind, pack_q4k(blocks) if kind == "q4k" else pack_q6k(blocks),
-                                        linear.in_features, linear.out_features, linear.bias)
+            layers[name] = KQuantLinear(*pack_gguf_tensor(gguf_path, tensor), linear.in_features,
+                                        linear.out_features, linear.bias)
         elif linear.out_features % TILE == 0:
             weight = linear.weight.detach()
             weight = weight.to_dense() if weight.is_mkldnn else weight
@@ -415,7 +439,7 @@ def _pack_layers(model: torch.nn.Module, gguf_path: Path | None) -> dict[str, KQ
     return layers
 
 
-def _read_cache(path: Path, model: torch.nn.Module) -> dict[str, KQuantLinear] | None:
+def read_cache(path: Path, model: torch.nn.Module) -> dict[str, KQuantLinear] | None:
     """The cached layers when the file exists and fits ``model``'s linear layers, else None."""
     import json
 
@@ -442,7 +466,7 @@ def _read_cache(path: Path, model: torch.nn.Module) -> dict[str, KQuantLinear] |
     return layers
 
 
-def _write_cache(path: Path, layers: dict[str, KQuantLinear]) -> None:
+def write_cache(path: Path, layers: dict[str, KQuantLinear]) -> None:
     """Write the packed layers atomically; a failure only costs packing again at the next start."""
     import json
 

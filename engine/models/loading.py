@@ -1,8 +1,11 @@
 """Model loading: the embedded default pair (GGUF split over PyPI packages) and any HF pair.
 
-The default pair is reassembled once into the user cache, checked against a pinned SHA-256,
-dequantised by transformers (about a minute per model) and saved as safetensors so later starts
-load in seconds. Every failure becomes a one-line :class:`ModelLoadError` naming the fix.
+The default pair is reassembled once into the user cache and checked against a pinned SHA-256.
+In the k-quant format (the CPU default for both models) each model is then built straight from
+its GGUF (:mod:`engine.models.gguf_direct`: the file's own blocks packed once, no float32 copy);
+in any other format transformers dequantises it (about a minute per model) and the float32
+weights are saved as safetensors so later starts load in seconds. Every failure becomes a
+one-line :class:`ModelLoadError` naming the fix.
 """
 from __future__ import annotations
 
@@ -211,6 +214,14 @@ def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = 
     quantized_cache = embedding = None
     with returning_freed_memory():
         gguf = None
+        if model_id in DEFAULT_IDS and _kquant_straight_from_gguf(dtype, device, draft_format):
+            from engine.models.gguf_direct import kquant_dir, load_kquant_gguf
+
+            source = DEFAULT_IDS[model_id]
+            model, tokenizer = load_kquant_gguf(assemble_gguf(source), kquant_dir(source.name))
+            with _in_use_lock:
+                _load_keys[model] = key
+            return model, tokenizer
         if model_id in DEFAULT_IDS:
             model, tokenizer = _load_source(DEFAULT_IDS[model_id], dtype)
             quantized_cache = _dequantised_dir(DEFAULT_IDS[model_id], dtype)  # pinned weights: safe to key on
@@ -225,6 +236,16 @@ def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = 
     with _in_use_lock:
         _load_keys[model] = key
     return model, tokenizer
+
+
+def _kquant_straight_from_gguf(dtype: torch.dtype, device: str, draft_format: str) -> bool:
+    """Whether an embedded model asked for in ``draft_format`` is the k-quant one, which is built
+    from its GGUF without the float32 model (:mod:`engine.models.gguf_direct`)."""
+    from engine.backends.quantize import fastest_format
+
+    if dtype != torch.float32 or device != "cpu":
+        return False
+    return draft_format == "q4k" or (draft_format == "auto" and fastest_format() == "q4k")
 
 
 def _gguf_embedding(gguf: Path, model: torch.nn.Module):

@@ -1,0 +1,89 @@
+"""The embedded pair built straight from its GGUF files (engine/models/gguf_direct.py): the same
+model, bit for bit, as the k-quant copy of the float32 model transformers dequantises, built
+without dequantising anything but the norms and biases, and read back from its cache later."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.backends.gguf_embedding import GGUFEmbedding
+from engine.backends.kquant import KQuantLinear, kquant_model
+from engine.models import gguf_direct
+from engine.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, _gguf_embedding, assemble_gguf, load_model
+
+pytestmark = pytest.mark.real_pair
+
+
+def tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def assert_same_model(ours: torch.nn.Module, reference: torch.nn.Module, ids: list[int]) -> None:
+    """Same layers, same tensors bit for bit, same config and the same logits for ``ids``."""
+    assert [type(m).__name__ for m in ours.modules()] == [type(m).__name__ for m in reference.modules()]
+    mine, theirs = tensors(ours), tensors(reference)
+    assert mine.keys() == theirs.keys()
+    differ = [name for name in mine if not torch.equal(mine[name], theirs[name])]
+    assert differ == []
+    assert isinstance(ours.get_input_embeddings(), GGUFEmbedding)
+    assert ours.get_input_embeddings().qtype == reference.get_input_embeddings().qtype
+    ignore = {"_name_or_path"}
+    assert {k: v for k, v in ours.config.to_dict().items() if k not in ignore} == \
+        {k: v for k, v in reference.config.to_dict().items() if k not in ignore}
+    assert ours.generation_config.to_dict() == reference.generation_config.to_dict()
+    with torch.inference_mode():
+        assert torch.equal(ours(torch.tensor([ids])).logits, reference(torch.tensor([ids])).logits)
+
+
+@pytest.fixture(scope="module")
+def float_draft():
+    return load_model("default-draft", torch.float32, "cpu", False, "none")[0]
+
+
+def test_the_target_straight_from_its_gguf_is_the_kquant_copy_of_the_float_target(_stock_pair, chat_prompts):
+    float_target, _, float_tokenizer = _stock_pair
+    gguf = assemble_gguf(DEFAULT_TARGET)
+    straight, tokenizer = load_model("default-target", torch.float32, "cpu", False, "q4k")
+    assert sum(isinstance(m, KQuantLinear) for m in straight.modules()) == 28 * 7 + 1
+    reference = kquant_model(float_target, gguf, embedding=_gguf_embedding(gguf, float_target))
+    assert_same_model(straight, reference, chat_prompts[0])
+    assert tokenizer.get_vocab() == float_tokenizer.get_vocab()
+    assert tokenizer.chat_template == float_tokenizer.chat_template
+    assert tokenizer.all_special_tokens == float_tokenizer.all_special_tokens
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (float_tokenizer.eos_token_id, float_tokenizer.pad_token_id)
+
+
+def test_a_first_start_builds_the_draft_without_dequantising_the_model(tmp_path, monkeypatch, float_draft,
+                                                                         _stock_pair, chat_prompts):
+    """From an empty cache (but the assembled GGUF): no float32 model and no dequantised cache;
+    the packed weights, config and tokenizer are kept, and the next start reads them back."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    assembled = assemble_gguf(DEFAULT_DRAFT)
+    monkeypatch.setenv("SEQUOIA_CACHE", str(tmp_path))
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / DEFAULT_DRAFT.filename).symlink_to(assembled)
+    reading = gguf_utils.load_gguf_checkpoint
+
+    def metadata_only(path, return_tensors=False, **kwargs):
+        assert not return_tensors, "a whole model was dequantised"
+        return reading(path, return_tensors, **kwargs)
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", metadata_only)
+    first, tokenizer = load_model("default-draft", torch.float32, "cpu", False, "q4k")
+    directory = gguf_direct.kquant_dir(DEFAULT_DRAFT.name)
+    assert directory.parent.parent == tmp_path and sorted(p.name for p in tmp_path.iterdir()) == ["gguf", "kquant"]
+    assert {"config.json", "tokenizer.json", "kquant-v2.safetensors"} <= {p.name for p in directory.iterdir()}
+    gguf = assemble_gguf(DEFAULT_DRAFT)
+    reference = kquant_model(float_draft, gguf, embedding=_gguf_embedding(gguf, float_draft))
+    assert_same_model(first, reference, chat_prompts[0])
+    assert tokenizer.get_vocab() == _stock_pair[2].get_vocab()
+
+    def no_packing(*args):
+        raise AssertionError("packed again instead of reading the cache")
+
+    monkeypatch.setattr(gguf_direct, "pack_gguf_tensor", no_packing)
+    again, _ = load_model("default-draft", torch.float32, "cpu", False, "q4k")
+    assert again is not first
+    assert_same_model(again, reference, chat_prompts[1])
+
