@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from engine.backends.gguf_file import GGUFTensor, MetadataReader, read_dequantised, tensor_table
+from engine.backends.gguf_embedding import GGUFEmbedding
+from engine.backends.gguf_file import GGUFTensor, MetadataReader, read_blocks, read_dequantised, tensor_table
 from engine.backends.kquant import CACHE_FORMAT, GGUF_LINEARS, KQuantLinear, finish_kquant, gguf_linear_tensors, \
     pack_gguf_tensor, read_cache, write_cache
 from engine.errors import ModelLoadError
@@ -72,8 +73,6 @@ def kquant_from_gguf(gguf: Path, config, cache_file: Path | None = None) -> torc
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from engine.backends.gguf_embedding import gguf_embedding
-
     table = tensor_table(gguf)
     with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers (rotary) real
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -88,7 +87,9 @@ def kquant_from_gguf(gguf: Path, config, cache_file: Path | None = None) -> torc
             module_name, _, attribute = hf_name.rpartition(".")
             values = torch.from_numpy(read_dequantised(gguf, tensor))
             setattr(model.get_submodule(module_name), attribute, torch.nn.Parameter(values, requires_grad=False))
-    model.set_input_embeddings(gguf_embedding(gguf, TOKEN_EMBEDDING))
+    if TOKEN_EMBEDDING in table:
+        embedding = table[TOKEN_EMBEDDING]
+        model.set_input_embeddings(GGUFEmbedding(read_blocks(gguf, embedding), embedding.qtype, embedding.dims[0]))
     missing = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
         raise ModelLoadError(f"{gguf.name} has no tensor for {', '.join(missing[:3])}"
