@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.backends.gguf_embedding import GGUFEmbedding
-from engine.backends.kquant import KQuantLinear, kquant_model
+from engine.backends.kquant import CACHE_FORMAT, KQuantLinear, kquant_model
 from engine.models import gguf_direct
 from engine.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, _gguf_embedding, assemble_gguf, load_model
 
@@ -73,7 +73,7 @@ def test_a_first_start_builds_the_draft_without_dequantising_the_model(tmp_path,
     first, tokenizer = load_model("default-draft", torch.float32, "cpu", False, "q4k")
     directory = gguf_direct.kquant_dir(DEFAULT_DRAFT.name)
     assert directory.parent.parent == tmp_path and sorted(p.name for p in tmp_path.iterdir()) == ["gguf", "kquant"]
-    assert {"config.json", "tokenizer.json", "kquant-v2.safetensors"} <= {p.name for p in directory.iterdir()}
+    assert {"config.json", "tokenizer.json", f"kquant-v{CACHE_FORMAT}.safetensors"} <= {p.name for p in directory.iterdir()}
     gguf = assemble_gguf(DEFAULT_DRAFT)
     reference = kquant_model(float_draft, gguf, embedding=_gguf_embedding(gguf, float_draft))
     assert_same_model(first, reference, chat_prompts[0])

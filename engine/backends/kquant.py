@@ -39,7 +39,7 @@ SUPER_BLOCK = 256
 TILE = 16
 SOURCE = Path(__file__).with_name("csrc") / "kquant.cpp"
 ATTENTION_NAME = "kquant"
-CACHE_FORMAT = 2  # bump when the packed layout changes (2: Q6_K at 6 bits a weight, not 8)
+CACHE_FORMAT = 3  # bump when the packed layout changes (2: Q6_K at 6 bits a weight, not 8; 3: d, dmin as fp16)
 
 # GGUF tensor name (after ``blk.N.``) -> Hugging Face module path (after ``model.layers.N.``), for
 # the llama-style architectures whose converters keep q/k unpermuted (qwen2).
@@ -117,8 +117,8 @@ def pack_q4k(blocks: np.ndarray) -> dict[str, torch.Tensor]:
 
     n, nb, _ = blocks.shape
     flat = blocks.reshape(n * nb, -1)
-    d = flat[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(n, nb)
-    dmin = flat[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(n, nb)
+    d = flat[:, 0:2].copy().view(np.float16).reshape(n, nb)
+    dmin = flat[:, 2:4].copy().view(np.float16).reshape(n, nb)
     sc, mn = Q4_K.get_scale_min(flat[:, 4:16].copy())
     qs = flat[:, 16:].reshape(n * nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     q = (qs & 0x0F).reshape(n, nb, SUPER_BLOCK)
@@ -143,11 +143,11 @@ def quantize_q4k(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     q = torch.where(scale > 0, torch.round((w + offset) / scale.clamp(min=1e-30)), 0).clamp(0, 15)
     as_np = lambda t, dtype: t.numpy().astype(dtype)  # noqa: E731
     return _tile_q4k(as_np(q.reshape(n, -1, SUPER_BLOCK), np.uint8), as_np(sc, np.uint8), as_np(mn, np.uint8),
-                     as_np(d, np.float32), as_np(dmin, np.float32))
+                     as_np(d, np.float16), as_np(dmin, np.float16))  # d, dmin are fp16 values: exact
 
 
 def _tile_q4k(q: np.ndarray, sc: np.ndarray, mn: np.ndarray, d: np.ndarray, dmin: np.ndarray) -> dict[str, torch.Tensor]:
-    """``q [N, NB, 256]`` (0..15), ``sc, mn [N, NB, 8]`` (0..63), ``d, dmin [N, NB]`` -> tiles."""
+    """``q [N, NB, 256]`` (0..15), ``sc, mn [N, NB, 8]`` (0..63), ``d, dmin [N, NB]`` (fp16 values) -> tiles."""
     n, nb = q.shape[:2]
     if n % TILE:
         raise ValueError(f"the Q4_K kernel needs outputs in multiples of {TILE}, got {n}")
@@ -156,8 +156,8 @@ def _tile_q4k(q: np.ndarray, sc: np.ndarray, mn: np.ndarray, d: np.ndarray, dmin
     packed = np.moveaxis(_tiles(nibbles), -1, -2)  # [NT, nb, 8, 4, 16 outputs, 4 inputs]
     as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(-1)  # noqa: E731
     return {"qs": as_tensor(packed), "sc": as_tensor(_tiles(sc.astype(np.uint8))),
-            "mn": as_tensor(_tiles(mn.astype(np.uint8))), "d": as_tensor(_tiles(d.astype(np.float32))),
-            "dmin": as_tensor(_tiles(dmin.astype(np.float32)))}
+            "mn": as_tensor(_tiles(mn.astype(np.uint8))), "d": as_tensor(_tiles(d.astype(np.float16))),
+            "dmin": as_tensor(_tiles(dmin.astype(np.float16)))}
 
 
 def pack_q6k(blocks: np.ndarray) -> dict[str, torch.Tensor]:
@@ -168,7 +168,7 @@ def pack_q6k(blocks: np.ndarray) -> dict[str, torch.Tensor]:
     flat = blocks.reshape(n * nb, -1)
     ql, qh = flat[:, :128], flat[:, 128:192]
     sc = flat[:, 192:208].copy().view(np.int8).reshape(n, nb, 16)
-    d = flat[:, 208:210].copy().view(np.float16).astype(np.float32).reshape(n, nb)
+    d = flat[:, 208:210].copy().view(np.float16).reshape(n, nb)
     low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
     high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
     q = (low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)).reshape(n, nb, 16, 4, 4)
@@ -196,12 +196,12 @@ def _integer_weight(kind: str, t: dict[str, torch.Tensor], n: int, k: int):
     nt, nb = n // TILE, k // SUPER_BLOCK
     subs, group = (8, 32) if kind == "q4k" else (16, 16)
     untile = lambda x, *inner: x.reshape(nt, nb, *inner, TILE).movedim(-1, 1).reshape(n, nb, *inner)  # noqa: E731
-    d = untile(t["d"])[..., None, None]
+    d = untile(t["d"]).float()[..., None, None]
     if kind == "q4k":
         raw = t["qs"].reshape(nt, nb, 8, 4, TILE, 4).movedim(4, 1).reshape(n, nb, 8, 4, 4)
         q = torch.stack([raw & 0x0F, raw >> 4], dim=-2).reshape(n, nb, subs, group)
         sc, mn = untile(t["sc"], subs).float()[..., None], untile(t["mn"], subs).float()[..., None]
-        return q, d * sc, untile(t["dmin"])[..., None, None] * mn
+        return q, d * sc, untile(t["dmin"]).float()[..., None, None] * mn
     raw = t["qs"].reshape(nt, nb, 16, 3, 64).int()
     loads = [((raw[..., l // 2, :] >> (4 * (l % 2))) & 0x0F) | (((raw[..., 2, :] >> (2 * l)) & 0x03) << 4)
              for l in range(4)]
@@ -236,11 +236,11 @@ def reference_linear(kind: str, x: torch.Tensor, tensors: dict[str, torch.Tensor
     sums = xq.reshape(r, nb, subs, group).sum(-1)  # [r, nb, subs]
     tile = lambda name, *inner: tensors[name].reshape(out_features // TILE, nb, *inner, TILE).movedim(-1, 1) \
         .reshape(out_features, nb, *inner)  # noqa: E731
-    d = tile("d")
+    d = tile("d").float()
     if kind == "q4k":
         a = (tile("sc", subs).long()[None] * dots).sum(-1)
         b = (tile("mn", subs).long()[None] * sums[:, None]).sum(-1)
-        dmin = tile("dmin")
+        dmin = tile("dmin").float()
     else:
         a = (tile("sc", subs).long()[None] * (dots - 32 * sums[:, None])).sum(-1)
     y = torch.zeros(r, out_features)

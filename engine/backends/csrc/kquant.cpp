@@ -9,14 +9,15 @@
 // Layouts (built in engine/kquant.py), per tile of 16 output features and super-block of 256 inputs:
 //   q4k: qs [8 sub-blocks][4][64] bytes: byte o*4+i of load l of sub-block j holds input
 //        32j+8l+i in its low nibble and 32j+8l+4+i in its high one, for output o of the tile;
-//        sc, mn [8][16] uint8 (6-bit scales and mins); d, dmin [16] float.
+//        sc, mn [8][16] uint8 (6-bit scales and mins); d, dmin [16] fp16.
 //        w = d*sc*q - dmin*mn, q in 0..15 (GGUF Q4_K, kept exactly).
 //   q6k: qs [16 sub-blocks][3][64] bytes (6.75 bits a weight, as GGUF's 6.5625 plus the scales'
 //        share): for input 16j+4l+i of output o, q in 0..63 has its low nibble in byte o*4+i of
 //        vector l/2 (low nibble for even l, high for odd) and its two high bits at bits 2l, 2l+1
-//        of byte o*4+i of vector 2; sc [16][16] int8; d [16] float. w = d*sc*(q-32) (GGUF Q6_K).
+//        of byte o*4+i of vector 2; sc [16][16] int8; d [16] fp16. w = d*sc*(q-32) (GGUF Q6_K).
 // Activations: per row and super-block, x ~= sx * xq with xq int8 = round(x * 127 / max|x|).
 #include <torch/extension.h>
+#include <c10/util/Half.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -30,7 +31,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define KQ_VNNI 1
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
 #define KQ_AVX2 1
 #endif
@@ -47,6 +48,14 @@ constexpr int64_t Q6K_BYTES = TILE * QK * 3 / 4;  // 6 bits a weight
 // one, for the int16-pair products (madd_epi16, dpwssd) that take them two at a time.
 inline int32_t int16_pair(int32_t lo, int32_t hi) {
   return (int32_t)((uint32_t)(uint16_t)lo | ((uint32_t)(uint16_t)hi << 16));
+}
+
+// The super-blocks' scales d and dmin are kept as the fp16 values GGUF stores (2 bytes, not 4); the
+// conversion to float is exact, so every path computes with the same float values as before.
+inline float half(uint16_t bits) { return c10::detail::fp16_ieee_to_fp32_value(bits); }
+
+inline const uint16_t* half_bits(const torch::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
 }
 
 // ---- activations ---------------------------------------------------------------------------
@@ -138,6 +147,9 @@ void by_row_blocks(int64_t R, F rows_of) {
 }
 
 #ifdef KQ_VNNI
+// 16 fp16 scales as float lanes (exact).
+inline __m512 half16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
 // Bytes a[0], b[0], a[1], b[1], ... a[15], b[15]: widened to int16, lane l holds the pair (a[l], b[l]).
 inline __m256i interleave_bytes(__m128i a, __m128i b) {
   return _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
@@ -146,7 +158,7 @@ inline __m256i interleave_bytes(__m128i a, __m128i b) {
 // The VNNI path: NR rows share each sub-block's unpacked weights; per lane, the same operations
 // as the portable path below (integer sums are exact in any order, the float steps are identical).
 template <int NR>
-void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const float* d, const float* dmin,
+void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin,
               const Rows& rows, int64_t r0, float* out, int64_t N, int64_t tile) {
   const int64_t nb = rows.K / QK;
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -202,7 +214,7 @@ void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
         a[rr] = _mm512_add_epi32(a[rr], _mm512_mullo_epi32(dot, scv));
       }
     }
-    const __m512 dv = _mm512_loadu_ps(d + t * TILE), dminv = _mm512_loadu_ps(dmin + t * TILE);
+    const __m512 dv = half16(d + t * TILE), dminv = half16(dmin + t * TILE);
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) {
       const __m512 sx = _mm512_set1_ps(rows.sx[(r0 + rr) * nb + blk]);
@@ -216,7 +228,7 @@ void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
 }
 
 template <int NR>
-void rows_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& rows, int64_t r0, float* out,
+void rows_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t r0, float* out,
               int64_t N, int64_t tile) {
   const int64_t nb = rows.K / QK;
   __m512 y[NR];
@@ -265,7 +277,7 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& r
         a[rr] = _mm512_add_epi32(a[rr], _mm512_mullo_epi32(dot, scv));
       }
     }
-    const __m512 dv = _mm512_loadu_ps(d + t * TILE);
+    const __m512 dv = half16(d + t * TILE);
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) {
       const __m512 sx = _mm512_set1_ps(rows.sx[(r0 + rr) * nb + blk]);
@@ -276,14 +288,14 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& r
   for (int rr = 0; rr < NR; ++rr) _mm512_storeu_ps(out + (r0 + rr) * N + tile * TILE, y[rr]);
 }
 
-void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const float* d, const float* dmin,
+void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin,
               const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
   by_row_blocks(R, [&](auto block, int64_t r) {
     rows_q4k<decltype(block)::value>(qs, sc, mn, d, dmin, rows, r, out, N, tile);
   });
 }
 
-void tile_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& rows, int64_t R, float* out,
+void tile_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t R, float* out,
               int64_t N, int64_t tile) {
   by_row_blocks(R, [&](auto block, int64_t r) { rows_q6k<decltype(block)::value>(qs, sc, d, rows, r, out, N, tile); });
 }
@@ -300,6 +312,9 @@ inline __m256i bcast4(const int8_t* x) {
   return _mm256_set1_epi32(v);
 }
 
+// 8 fp16 scales as float lanes (exact; F16C).
+inline __m256 half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+
 inline __m256i widen8(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 
 // 8 unsigned bytes -> 8 int32 lanes each holding the byte twice as int16 (v | v << 16), so that
@@ -311,7 +326,7 @@ inline __m256i twice16(const uint8_t* p) {
 
 // Outputs 8h .. 8h+7 of a tile (byte offset 32h of each 64-byte load) for rows r0 .. r0+NR-1.
 template <int NR>
-void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const float* d, const float* dmin,
+void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin,
               const Rows& rows, int64_t r0, float* out, int64_t N, int64_t tile, int h) {
   const int64_t nb = rows.K / QK;
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -349,7 +364,7 @@ void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
         b[rr] = _mm256_add_epi32(b[rr], _mm256_madd_epi16(mnv, sums));
       }
     }
-    const __m256 dv = _mm256_loadu_ps(d + t * TILE + h * 8), dminv = _mm256_loadu_ps(dmin + t * TILE + h * 8);
+    const __m256 dv = half8(d + t * TILE + h * 8), dminv = half8(dmin + t * TILE + h * 8);
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) {
       const __m256 sx = _mm256_set1_ps(rows.sx[(r0 + rr) * nb + blk]);
@@ -363,7 +378,7 @@ void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
 }
 
 template <int NR>
-void rows_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& rows, int64_t r0, float* out,
+void rows_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t r0, float* out,
               int64_t N, int64_t tile, int h) {
   const int64_t nb = rows.K / QK;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -398,7 +413,7 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& r
         a[rr] = _mm256_add_epi32(a[rr], _mm256_mullo_epi32(_mm256_sub_epi32(dot, _mm256_set1_epi32(32 * s)), scv));
       }
     }
-    const __m256 dv = _mm256_loadu_ps(d + t * TILE + h * 8);
+    const __m256 dv = half8(d + t * TILE + h * 8);
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) {
       const __m256 sx = _mm256_set1_ps(rows.sx[(r0 + rr) * nb + blk]);
@@ -409,7 +424,7 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& r
   for (int rr = 0; rr < NR; ++rr) _mm256_storeu_ps(out + (r0 + rr) * N + tile * TILE + h * 8, y[rr]);
 }
 
-void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const float* d, const float* dmin,
+void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin,
               const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
   for (int h = 0; h < 2; ++h)
     by_row_blocks(R, [&](auto block, int64_t r) {
@@ -417,7 +432,7 @@ void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
     });
 }
 
-void tile_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& rows, int64_t R, float* out,
+void tile_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t R, float* out,
               int64_t N, int64_t tile) {
   for (int h = 0; h < 2; ++h)
     by_row_blocks(R, [&](auto block, int64_t r) { rows_q6k<decltype(block)::value>(qs, sc, d, rows, r, out, N, tile, h); });
@@ -455,17 +470,17 @@ inline void dot_q6(const uint8_t* qs, const int8_t* xq, int32_t* dot) {
 }
 
 // The float part: identical per lane whatever the row count.
-inline void accumulate(float* y, const float* d, float sx, const int32_t* a) {
-  for (int o = 0; o < TILE; ++o) y[o] = y[o] + (sx * d[o]) * (float)a[o];
+inline void accumulate(float* y, const uint16_t* d, float sx, const int32_t* a) {
+  for (int o = 0; o < TILE; ++o) y[o] = y[o] + (sx * half(d[o])) * (float)a[o];
 }
 
-inline void accumulate_min(float* y, const float* d, const float* dmin, float sx, const int32_t* a,
+inline void accumulate_min(float* y, const uint16_t* d, const uint16_t* dmin, float sx, const int32_t* a,
                            const int32_t* b) {
-  for (int o = 0; o < TILE; ++o) y[o] = y[o] + ((sx * d[o]) * (float)a[o] - (sx * dmin[o]) * (float)b[o]);
+  for (int o = 0; o < TILE; ++o) y[o] = y[o] + ((sx * half(d[o])) * (float)a[o] - (sx * half(dmin[o])) * (float)b[o]);
 }
 
 // One tile of 16 outputs for every row: out [R, N] float at column tile*16.
-void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const float* d, const float* dmin,
+void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin,
               const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
   const int64_t nb = rows.K / QK;
   alignas(64) int32_t dot[TILE], a[TILE], b[TILE];
@@ -493,7 +508,7 @@ void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const flo
   }
 }
 
-void tile_q6k(const uint8_t* qs, const int8_t* sc, const float* d, const Rows& rows, int64_t R, float* out,
+void tile_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t R, float* out,
               int64_t N, int64_t tile) {
   const int64_t nb = rows.K / QK;
   alignas(64) int32_t dot[TILE], a[TILE];
@@ -568,7 +583,7 @@ void products_into(const std::vector<PackedLinear>& linears, const torch::Tensor
   struct Pointers {  // read once per call: data_ptr<T>() checks the dtype, too slow per tile
     bool q4;
     const uint8_t *qs, *sc, *mn;
-    const float *d, *dmin;
+    const uint16_t *d, *dmin;  // fp16 bits
   };
   std::vector<Pointers> weights;
   std::vector<int64_t> column{0}, first_tile{0};  // per linear, then the totals
@@ -576,10 +591,10 @@ void products_into(const std::vector<PackedLinear>& linears, const torch::Tensor
     TORCH_CHECK(L.t[0].numel() == L.n / TILE * (rows.K / QK) * (L.q4 ? Q4K_BYTES : Q6K_BYTES), L.q4 ? "q4k" : "q6k",
                 " weight does not match ", L.n, " x ", rows.K);
     weights.push_back(L.q4 ? Pointers{true, L.t[0].data_ptr<uint8_t>(), L.t[1].data_ptr<uint8_t>(),
-                                      L.t[2].data_ptr<uint8_t>(), L.t[3].data_ptr<float>(), L.t[4].data_ptr<float>()}
+                                      L.t[2].data_ptr<uint8_t>(), half_bits(L.t[3]), half_bits(L.t[4])}
                            : Pointers{false, L.t[0].data_ptr<uint8_t>(),
                                       reinterpret_cast<const uint8_t*>(L.t[1].data_ptr<int8_t>()), nullptr,
-                                      L.t[2].data_ptr<float>(), nullptr});
+                                      half_bits(L.t[2]), nullptr});
     column.push_back(column.back() + L.n);
     first_tile.push_back(first_tile.back() + L.n / TILE);
   }
