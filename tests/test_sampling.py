@@ -125,3 +125,29 @@ def test_with_replacement_children_repeat_and_support_caps_distinct_children():
     assert sorted(sample_children(q, 5, True, generator).tolist()) == [1, 2]  # only two tokens have mass
     repeats = sample_children(q, 6, False, generator).tolist()
     assert len(repeats) == 6 and set(repeats) <= {1, 2} and repeats.count(1) >= 2
+
+
+def test_a_row_of_minus_infinity_is_uniform_and_other_rows_are_untouched():
+    """A row with no finite logit (every token masked) is taken as uniform at T > 0, as before the
+    shift-and-scale became one pass; a row beside it keeps its own softmax, -inf entries at 0."""
+    logits = torch.tensor([[float("-inf")] * 4, [0.0, 1.0, float("-inf"), 2.0]])
+    probs = logits_to_probs(logits, temperature=0.7)
+    assert torch.equal(probs[0], torch.full((4,), 0.25))
+    assert torch.equal(probs[1], torch.softmax(torch.tensor([0.0, 1.0, float("-inf"), 2.0]) / 0.7, dim=-1))
+    assert probs[1, 2] == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), -1e-3])
+def test_the_verifiers_check_refuses_every_kind_of_broken_row(bad):
+    from engine.core.verify import check_distributions
+    from engine.errors import InvalidDistributionError
+
+    probs = torch.full((3, 8), 1 / 8)
+    check_distributions(probs)
+    for row in range(3):
+        broken = probs.clone()
+        broken[row, 5] = bad
+        with pytest.raises(InvalidDistributionError):
+            check_distributions(broken)
+    with pytest.raises(InvalidDistributionError):
+        check_distributions(torch.zeros(2, 8))

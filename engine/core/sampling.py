@@ -19,7 +19,11 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float
         raise InvalidDistributionError("the model produced NaN/inf logits: load it in float32 (--dtype float32) "
                                        "or check its weights")
     if temperature > 0:  # shifted to max 0 first: a tiny temperature gives 0 or -inf, never inf - inf
-        logits = torch.nan_to_num((logits - row_max) / temperature, nan=0.0, neginf=float("-inf"))  # 0 / tiny -> 0
+        logits = (logits - row_max).div_(temperature)
+        # NaN only from 0 / 0 (a temperature below float32's range) or -inf - -inf (a row of -inf
+        # only): taken as 0, as a pass over every row would
+        if temperature < torch.finfo(torch.float32).tiny or bool(torch.isneginf(row_max).any()):
+            logits = torch.nan_to_num(logits, nan=0.0, neginf=float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if top_p < 1.0:
         probs = _top_p_filter(probs, top_p)

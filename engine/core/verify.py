@@ -140,8 +140,11 @@ def accept_child(p: torch.Tensor, q: torch.Tensor | None, child_tokens: list[int
 
 
 def check_distributions(probs: torch.Tensor) -> None:
-    """Rows of ``probs [..., V]`` must be finite, non-negative and carry mass."""
-    if not torch.isfinite(probs).all() or (probs < 0).any() or (probs.sum(dim=-1) <= 0).any():
+    """Rows of ``probs [..., V]`` must be finite, non-negative and carry mass. Two passes over the
+    vocabulary: a NaN entry makes the minimum NaN (not >= 0), and an infinite one (non-negative
+    entries) makes its row's sum infinite."""
+    lowest, totals = probs.amin(), probs.sum(dim=-1)
+    if not bool(lowest >= 0) or not bool(torch.isfinite(totals).all()) or bool((totals <= 0).any()):
         raise InvalidDistributionError("a verifier distribution has NaN/inf, negative entries or no mass")
 
 
