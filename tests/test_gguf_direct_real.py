@@ -70,10 +70,13 @@ def test_a_first_start_builds_the_draft_without_dequantising_the_model(tmp_path,
         return reading(path, return_tensors, **kwargs)
 
     monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", metadata_only)
-    first, tokenizer = load_model("default-draft", torch.float32, "cpu", False, "q4k")
     directory = gguf_direct.kquant_dir(DEFAULT_DRAFT.name)
+    directory.mkdir(parents=True)
+    (directory / "kquant-v1.safetensors").write_bytes(b"packed for an older layout")
+    first, tokenizer = load_model("default-draft", torch.float32, "cpu", False, "q4k")
     assert directory.parent.parent == tmp_path and sorted(p.name for p in tmp_path.iterdir()) == ["gguf", "kquant"]
     assert {"config.json", "tokenizer.json", f"kquant-v{CACHE_FORMAT}.safetensors"} <= {p.name for p in directory.iterdir()}
+    assert not (directory / "kquant-v1.safetensors").exists(), "a stale packed cache was left behind"
     gguf = assemble_gguf(DEFAULT_DRAFT)
     reference = kquant_model(float_draft, gguf, embedding=_gguf_embedding(gguf, float_draft))
     assert_same_model(first, reference, chat_prompts[0])

@@ -79,6 +79,9 @@ def kquant_from_gguf(gguf: Path, config, cache_file: Path | None = None) -> torc
     layers = (cache_file and read_cache(cache_file, model)) or _pack(gguf, table, model)
     if cache_file and not cache_file.exists():
         write_cache(cache_file, layers)
+        for stale in cache_file.parent.glob("kquant-v*.safetensors"):  # packed for an older layout
+            if stale != cache_file:
+                stale.unlink(missing_ok=True)
     for name, layer in layers.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
