@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,6 +45,8 @@ GGUF_BLOCK_FLOATS = {
 }
 GGUF_FLOATS = {"output_norm.weight": "model.norm.weight"}
 TOKEN_EMBEDDING = "token_embd.weight"
+# One first-start metadata reading at a time: it swaps two module globals of gguf and transformers.
+_METADATA_LOCK = threading.Lock()
 
 
 def kquant_dir(name: str) -> Path:
@@ -134,7 +137,7 @@ def _save_metadata(gguf: Path, directory: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     log.info("reading the config and tokenizer of %s (once)", gguf.name)
-    with _fast_metadata_reading():
+    with _METADATA_LOCK, _fast_metadata_reading():
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -162,7 +165,9 @@ def _fast_metadata_reading() -> Iterator[None]:
     7 s: it builds an array per value of the 151k-token vocabulary), and reads it again for the
     tokenizer. Within this block the reader is :class:`engine.backends.gguf_file.MetadataReader`
     (the same fields in a fraction of a second) and the first reading of a file
-    (``load_gguf_checkpoint`` without tensors) serves the later ones, each caller getting a copy."""
+    (``load_gguf_checkpoint`` without tensors) serves the later ones, each caller getting a copy.
+    The swap is process-wide while it lasts (a first start's few seconds): it serves only the
+    metadata readings made inside it, one at a time (``_METADATA_LOCK``)."""
     import gguf
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
