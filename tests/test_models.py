@@ -57,6 +57,24 @@ def test_corrupted_parts_are_refused_naming_the_packages(fake_source, tmp_path):
     assert not list((tmp_path / "cache").glob("*")), "a half-checked file must not stay in the cache"
 
 
+def test_a_gguf_that_fails_to_load_is_rechecked_and_a_corrupted_one_removed(fake_source, tmp_path, monkeypatch):
+    """The k-quant path (no float32 model) reports a file it cannot read in one line, and a file
+    that no longer matches its pinned digest is removed so that the next start reassembles it."""
+    from engine.models import loading
+
+    source, _ = fake_source
+    monkeypatch.setenv("SEQUOIA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(loading.DEFAULT_IDS, "fake-model", source)
+    with pytest.raises(ModelLoadError, match="could not load") as err:  # intact, but not a model
+        load_model("fake-model", draft_format="q4k")
+    assert "\n" not in str(err.value)
+    assembled = tmp_path / "cache" / "gguf" / source.filename
+    assembled.write_bytes(b"GGUF" + bytes(10))
+    with pytest.raises(ModelLoadError, match="corrupted and has been removed"):
+        load_model("fake-model", draft_format="q4k")
+    assert not assembled.exists()
+
+
 def test_missing_part_package_is_named(fake_source, tmp_path):
     source, _ = fake_source
     missing = GGUFSource(**{**source.__dict__, "parts": 4})

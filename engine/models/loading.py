@@ -218,7 +218,14 @@ def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = 
             from engine.models.gguf_direct import kquant_dir, load_kquant_gguf
 
             source = DEFAULT_IDS[model_id]
-            model, tokenizer = load_kquant_gguf(assemble_gguf(source), kquant_dir(source.name))
+            gguf = assemble_gguf(source)
+            try:
+                model, tokenizer = load_kquant_gguf(gguf, kquant_dir(source.name))
+            except ModelLoadError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a corrupted file surfaces as many exception types
+                verify_gguf(source, gguf)
+                raise ModelLoadError(f"could not load {gguf}: {exc}") from exc
             with _in_use_lock:
                 _load_keys[model] = key
             return model, tokenizer
