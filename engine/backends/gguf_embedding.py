@@ -77,13 +77,15 @@ class GGUFEmbedding(torch.nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name}"
 
 
-def gguf_embedding(gguf_path: str | Path, name: str = TOKEN_EMBEDDING) -> GGUFEmbedding:
+def gguf_embedding(gguf_path: str | Path, name: str = TOKEN_EMBEDDING,
+                   table: dict[str, GGUFTensor] | None = None) -> GGUFEmbedding:
     """The 2-D tensor ``name`` of the GGUF file at ``gguf_path`` as a :class:`GGUFEmbedding`.
+    ``table``: the file's :func:`~engine.backends.gguf_file.tensor_table` when the caller has it.
 
     The blocks are read out of the file into memory of their own (131 MB for the embedded
     target's Q4_K embedding) and the file is closed: the module keeps no map of it."""
     path = Path(gguf_path)
-    tensor = _find(path, name)
+    tensor = _find(path, name, table)
     if len(tensor.dims) != 2:
         raise ValueError(f"{path.name}: {name} is not a matrix (dimensions {list(tensor.dims)})")
     return GGUFEmbedding(read_blocks(path, tensor), tensor.qtype, tensor.dims[0])
@@ -96,8 +98,8 @@ def tensor_location(path: str | Path, name: str) -> tuple[GGMLQuantizationType, 
     return tensor.qtype, tensor.dims, tensor.offset
 
 
-def _find(path: Path, name: str) -> GGUFTensor:
-    tensor = tensor_table(path).get(name)
+def _find(path: Path, name: str, table: dict[str, GGUFTensor] | None = None) -> GGUFTensor:
+    tensor = (tensor_table(path) if table is None else table).get(name)
     if tensor is None:
         raise ValueError(f"{path.name} has no tensor {name!r}")
     return tensor

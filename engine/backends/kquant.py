@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.backends.gguf_file import GGUFTensor
+from engine.backends.gguf_file import GGUFTensor, read_blocks, read_dequantised
 
 log = logging.getLogger(__name__)
 
@@ -348,8 +348,6 @@ def pack_gguf_tensor(gguf_path: Path, tensor: GGUFTensor) -> tuple[str, dict[str
     other type is dequantised (as transformers does) and quantised by :func:`quantize_q4k`, its
     inputs padded with zeros to whole super-blocks."""
     from gguf import GGMLQuantizationType
-
-    from engine.backends.gguf_file import read_blocks, read_dequantised
 
     if tensor.qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
         blocks = read_blocks(gguf_path, tensor).reshape(tensor.rows, tensor.dims[0] // SUPER_BLOCK, -1)

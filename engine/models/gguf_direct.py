@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from engine.backends.gguf_embedding import GGUFEmbedding
-from engine.backends.gguf_file import GGUFTensor, MetadataReader, read_blocks, read_dequantised, tensor_table
+from engine.backends.gguf_embedding import TOKEN_EMBEDDING, gguf_embedding
+from engine.backends.gguf_file import GGUFTensor, MetadataReader, read_dequantised, tensor_table
 from engine.backends.kquant import CACHE_FORMAT, GGUF_LINEARS, KQuantLinear, finish_kquant, gguf_linear_tensors, \
     pack_gguf_tensor, read_cache, write_cache
 from engine.errors import ModelLoadError
@@ -44,7 +44,6 @@ GGUF_BLOCK_FLOATS = {
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 GGUF_FLOATS = {"output_norm.weight": "model.norm.weight"}
-TOKEN_EMBEDDING = "token_embd.weight"
 # One first-start metadata reading at a time: it swaps two module globals of gguf and transformers.
 _METADATA_LOCK = threading.Lock()
 
@@ -94,8 +93,7 @@ def kquant_from_gguf(gguf: Path, config, cache_file: Path | None = None) -> torc
             values = torch.from_numpy(read_dequantised(gguf, tensor))
             setattr(model.get_submodule(module_name), attribute, torch.nn.Parameter(values, requires_grad=False))
     if TOKEN_EMBEDDING in table:
-        embedding = table[TOKEN_EMBEDDING]
-        model.set_input_embeddings(GGUFEmbedding(read_blocks(gguf, embedding), embedding.qtype, embedding.dims[0]))
+        model.set_input_embeddings(gguf_embedding(gguf, TOKEN_EMBEDDING, table))
     missing = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
         raise ModelLoadError(f"{gguf.name} has no tensor for {', '.join(missing[:3])}"
