@@ -174,6 +174,21 @@ def test_attention_matches_torch_and_its_rows_are_independent(compiled):
             assert torch.equal(out[:, i:i + 1], alone), f"row {i}"
 
 
+
+def test_attention_reads_cache_buffer_views_where_they_lie(compiled):
+    """Keys/values as the leading slots of a larger buffer (the growing KV cache) or with rows not
+    contiguous give the bits their contiguous copies give."""
+    torch.manual_seed(1)
+    heads, kv_heads, length, dim, rows = 4, 2, 23, 32, 3
+    q = torch.randn(1, heads, rows, dim)
+    buffer_k, buffer_v = torch.randn(1, kv_heads, 64, dim), torch.randn(1, kv_heads, 64, dim)
+    k, v = buffer_k[:, :, :length], buffer_v[:, :, :length]
+    assert not k.is_contiguous()
+    expected = _attention(q, k.contiguous(), v.contiguous(), None)
+    assert torch.equal(_attention(q, k, v, None), expected)
+    transposed_k = k.contiguous().transpose(2, 3).contiguous().transpose(2, 3)  # rows strided
+    assert torch.equal(_attention(q, transposed_k, v, None), expected)
+
 def test_a_packed_target_is_cached_and_read_back_identically(tmp_path, compiled):
     import tiny_models as tm
 

@@ -313,7 +313,7 @@ def kquant_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
         mask = attention_mask[0, 0, :, -l:] if attention_mask.shape[-1] >= l else attention_mask[0, 0]
         mask = torch.where(mask, 0.0, float("-inf")) if mask.dtype == torch.bool else mask.float()
         mask = mask.expand(r, l).contiguous()
-    out = ext.attention(query[0].contiguous(), key[0].contiguous(), value[0].contiguous(), mask, float(scaling))
+    out = ext.attention(query[0].contiguous(), key[0], value[0], mask, float(scaling))
     return out[None], None
 
 

@@ -1,7 +1,74 @@
-"""KV-cache bookkeeping for tree verification: keep the prefix plus the accepted path only."""
+"""KV-cache bookkeeping for tree verification: keep the prefix plus the accepted path only; and a
+growing cache whose forwards write their keys and values in place."""
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+SPARE_SLOTS = 256  # room left after the filled slots when a growing layer (re)allocates
+
+
+class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose ``keys``/``values`` ``[batch, kv_heads, seq, head_dim]`` are views of
+    the first ``seq`` slots of a larger buffer: a forward writes its new slots in place, where
+    ``DynamicLayer`` concatenates, copying the whole cache of every layer at every forward (1.4 ms
+    of a one-token forward of the embedded target at 200 cached tokens, 0.8 ms of the draft's).
+
+    :func:`truncate` and :func:`compact` keep working on the views (shorter views of the same
+    buffer). When ``keys`` is anything else (set from outside, a deep copy) or the buffer is full,
+    the next update moves the filled slots into a new buffer with ``SPARE_SLOTS`` more room (half
+    the filled length more, past 512). The buffer belongs to this layer: a shallow copy of the
+    layer would share it, and the copy's writes would overwrite the original's later slots."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._regrow(0, key_states.shape[-2], key_states, value_states)
+        self.keys = self.own_keys = self.key_buffer.narrow(2, 0, 0)  # own_*: the views the last update set
+        self.values = self.own_values = self.value_buffer.narrow(2, 0, 0)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``key_states``/``value_states`` ``[batch, kv_heads, q, head_dim]`` after the filled
+        slots; returns the views of all filled slots, the new ones included."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        filled, new = self.keys.shape[-2], key_states.shape[-2]
+        needed = filled + new
+        if not ((self.keys is self.own_keys and self.values is self.own_values) or self._views_buffer()) \
+                or needed > self.key_buffer.shape[-2]:
+            self._regrow(filled, needed, key_states, value_states)
+        self.key_buffer.narrow(2, filled, new).copy_(key_states)
+        self.value_buffer.narrow(2, filled, new).copy_(value_states)
+        self.keys = self.own_keys = self.key_buffer.narrow(2, 0, needed)
+        self.values = self.own_values = self.value_buffer.narrow(2, 0, needed)
+        return self.keys, self.values
+
+    def _views_buffer(self) -> bool:
+        """Whether ``keys``/``values``, set from outside since the last update (:func:`truncate`,
+        :func:`compact`), are still leading views of this layer's buffers."""
+        buffer = self.key_buffer
+        return (self.keys.dim() == 4 and self.keys.data_ptr() == buffer.data_ptr() and self.keys.stride() == buffer.stride()
+                and self.values.data_ptr() == self.value_buffer.data_ptr()
+                and self.values.stride() == self.value_buffer.stride())
+
+    def _regrow(self, filled: int, needed: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        slots = needed + max(SPARE_SLOTS, needed // 2)
+        batch, heads, _, dim = key_states.shape
+        key_buffer = key_states.new_empty((batch, heads, slots, dim))
+        value_buffer = value_states.new_empty((batch, value_states.shape[1], slots, value_states.shape[-1]))
+        if filled:
+            key_buffer[:, :, :filled] = self.keys
+            value_buffer[:, :, :filled] = self.values
+        self.key_buffer, self.value_buffer = key_buffer, value_buffer
+
+
+def growing_cache(config) -> DynamicCache:
+    """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`GrowingLayer`
+    (sliding-window and other layer kinds stay as transformers makes them)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 def compact(cache, prefix_len: int, keep_nodes: list[int]) -> None:

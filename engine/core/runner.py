@@ -1,6 +1,7 @@
 """Model runners: one model, its KV cache, and the forward / compaction the decoding loop needs.
 
-- :class:`DynamicRunner` grows an HF ``DynamicCache`` (CPU default; no preallocation).
+- :class:`DynamicRunner` grows an HF ``DynamicCache`` whose layers write in place into buffers
+  with spare room (CPU default; :func:`engine.core.kv_cache.growing_cache`).
 - :class:`StaticRunner` preallocates the KV cache and the attention-mask buffers once per engine
   and, on CUDA, replays one CUDA graph per forward width (a draft level, the verified tree), so
   a step launches a few graph replays instead of thousands of kernels. Capture failures fall back
@@ -16,10 +17,9 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers import DynamicCache
 from transformers.cache_utils import Cache, StaticLayer
 
-from engine.core.kv_cache import compact
+from engine.core.kv_cache import compact, growing_cache
 from engine.trees.tree import additive_mask
 
 log = logging.getLogger(__name__)
@@ -31,16 +31,16 @@ def causal_tail(q: int) -> torch.Tensor:
 
 
 class DynamicRunner:
-    """Forwards over a growing ``DynamicCache``; a new one per generation."""
+    """Forwards over a growing ``DynamicCache`` (:func:`growing_cache`); a new one per generation."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device | None = None) -> None:
         """``device``: where inputs go, when the parameters do not say (accelerate's offloading)."""
         self.model = model
         self.device = device or next(model.parameters()).device
-        self.cache = DynamicCache(config=model.config)
+        self.cache = growing_cache(model.config)
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = growing_cache(self.model.config)
 
     def forward(self, token_ids: list[int], start: int, tail: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, logits_to_keep: int = 0, eager: bool = False) -> torch.Tensor:

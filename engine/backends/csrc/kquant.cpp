@@ -649,11 +649,19 @@ std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
 
 // ---- attention: one (head, row) at a time, a fixed order over keys and lanes ----------------
 
-// q [H, R, D], k and v [KVH, L, D] (contiguous float32), mask [R, L] additive (or empty: causal,
-// row i sees keys 0 .. L-R+i). Returns [R, H, D].
-torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+// Keys or values [KVH, L, D] whose rows are contiguous, any head stride (the leading slots of a
+// growing KV cache's buffer are read where they lie); anything else is copied first.
+static torch::Tensor rows_contiguous(const torch::Tensor& t) {
+  return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
+}
+
+// q [H, R, D] (contiguous), k and v [KVH, L, D] float32 (see rows_contiguous), mask [R, L]
+// additive (or empty: causal, row i sees keys 0 .. L-R+i). Returns [R, H, D].
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_in, const torch::Tensor& v_in,
                         const torch::Tensor& mask, double scaling) {
+  const torch::Tensor k = rows_contiguous(k_in), v = rows_contiguous(v_in);
   const int64_t H = q.size(0), R = q.size(1), D = q.size(2), KVH = k.size(0), L = k.size(1);
+  const int64_t k_head = k.stride(0), v_head = v.stride(0);
   TORCH_CHECK(D % 16 == 0 && H % KVH == 0, "attention needs D % 16 == 0 and H % KVH == 0");
   const bool causal = mask.numel() == 0;
   TORCH_CHECK(causal || (mask.size(0) == R && mask.size(1) == L), "mask must be [R, L]");
@@ -675,7 +683,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
       for (int64_t j = 0; j < visible; ++j) {
         const float bias = causal ? 0.f : mp[r * L + j];
         if (bias == -INFINITY) { p[j] = -INFINITY; continue; }
-        const float* kv = kp + (kvh * L + j) * D;
+        const float* kv = kp + kvh * k_head + j * D;
         float lanes[16] = {0};
         for (int64_t c = 0; c < D; c += 16)
           for (int i = 0; i < 16; ++i) lanes[i] = lanes[i] + qv[c + i] * kv[c + i];
@@ -692,7 +700,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
       for (int64_t c = 0; c < D; ++c) acc[c] = 0.f;
       for (int64_t j = 0; j < visible; ++j) {
         if (p[j] == 0.f) continue;
-        const float* vv = vp + (kvh * L + j) * D;
+        const float* vv = vp + kvh * v_head + j * D;
         for (int64_t c = 0; c < D; ++c) acc[c] = acc[c] + p[j] * vv[c];
       }
       float* ov = op + (r * H + h) * D;
@@ -787,7 +795,7 @@ class LeanLayer {
   torch::Tensor attention_out(const torch::Tensor& hidden, const torch::Tensor& query, const torch::Tensor& key,
                               const torch::Tensor& value, const torch::Tensor& mask) const {
     const int64_t R = hidden.size(1), E = hidden.size(2);
-    const torch::Tensor attended = attention(query, key[0].contiguous(), value[0].contiguous(), mask, scaling_);
+    const torch::Tensor attended = attention(query, key[0], value[0], mask, scaling_);
     torch::Tensor h1 = products(o_, attended.reshape({R, -1})).reshape({1, R, E});
     add_into(h1, hidden);
     const torch::Tensor gate_up = products(gate_up_, rms_norm(h1, norm2_, eps2_));
