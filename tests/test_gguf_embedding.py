@@ -77,6 +77,24 @@ def test_rows_equal_the_whole_tensor_dequantised(tiny_gguf, name):
             embedding(torch.tensor([0, bad]))
 
 
+def test_remembered_rows_are_the_dequantised_rows_and_stay_bounded(tiny_gguf, monkeypatch):
+    import engine.backends.gguf_embedding as module
+
+    path, _, blocks = tiny_gguf
+    monkeypatch.setattr(module, "REMEMBERED_ROWS", 8)
+    monkeypatch.setattr(module, "SHORT_INPUT", 4)
+    embedding = gguf_embedding(path)
+    whole = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q8_0))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(40):  # short inputs with repeats, through remembering and forgetting
+        ids = torch.randint(0, 64, (1, int(torch.randint(1, 5, (1,), generator=generator))), generator=generator)
+        out = embedding(ids)
+        assert torch.equal(out, whole[ids])
+        out.add_(1.0)  # the caller's tensor: changing it changes nothing remembered
+        assert len(embedding._rows) <= 8
+    assert torch.equal(embedding(torch.arange(64)), whole)  # a long input: dequantised directly
+
+
 def test_blocks_are_owned_frozen_and_shared_by_copies(tiny_gguf):
     path, _, blocks = tiny_gguf
     reader = GGUFReader(str(path))
