@@ -95,3 +95,21 @@ def test_the_runner_grows_its_cache_in_place():
         first = runner.cache.layers[0].key_buffer.data_ptr()
         runner.forward([6], 3)
     assert runner.cache.layers[0].key_buffer.data_ptr() == first and runner.cache.get_seq_length() == 4
+
+
+def test_truncating_an_owned_view_keeps_it_owned_and_a_foreign_one_foreign():
+    cache = growing_cache(tm.qwen2(seed=1).config)
+    for index in range(len(cache.layers)):
+        cache.update(*states(6, index), index)
+    truncate(cache, 4)
+    assert all(layer.keys is layer.own_keys for layer in cache.layers)
+    layer = cache.layers[0]
+    layer.keys = layer.keys.clone()  # from outside: not this layer's buffer
+    truncate(cache, 3)
+    assert layer.keys is not layer.own_keys and not layer._views_buffer()
+    reference = DynamicLayer()
+    reference.update(layer.keys.clone(), layer.values.clone())
+    key, value = states(2, 7)
+    layer.update(key, value)
+    reference.update(key, value)
+    assert_same(layer, reference)

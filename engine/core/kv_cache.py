@@ -83,15 +83,25 @@ def compact(cache, prefix_len: int, keep_nodes: list[int]) -> None:
         return
     index = torch.tensor(keep_nodes, dtype=torch.long) + prefix_len
     for layer in cache.layers:
-        for name in ("keys", "values"):
-            tensor = getattr(layer, name)
-            kept = tensor.index_select(2, index.to(tensor.device))
+        kept = []
+        for tensor in (layer.keys, layer.values):
+            moved = tensor.index_select(2, index.to(tensor.device))
             tensor = tensor[:, :, : prefix_len + len(keep_nodes)]
-            tensor[:, :, prefix_len:] = kept
-            setattr(layer, name, tensor)
+            tensor[:, :, prefix_len:] = moved
+            kept.append(tensor)
+        _set_states(layer, *kept)
 
 
 def truncate(cache, length: int) -> None:
     for layer in cache.layers:
-        layer.keys = layer.keys[:, :, :length]
-        layer.values = layer.values[:, :, :length]
+        _set_states(layer, layer.keys[:, :, :length], layer.values[:, :, :length])
+
+
+def _set_states(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Give ``layer`` shorter views of its keys and values; a :class:`GrowingLayer` that owned the
+    old views owns these too (they lie at the start of the same buffers), so its next update skips
+    the ownership test."""
+    owned = isinstance(layer, GrowingLayer) and layer.keys is layer.own_keys and layer.values is layer.own_values
+    layer.keys, layer.values = keys, values
+    if owned:
+        layer.own_keys, layer.own_values = keys, values

@@ -37,34 +37,45 @@ LIKELY = 1e-3  # tokens at least this likely are the first candidates for the nu
 def _top_p_filter(probs: torch.Tensor, top_p: float, candidates: int = TOP_P_CANDIDATES) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches ``top_p``; renormalise.
 
-    The nucleus is looked for among a few most likely tokens first (a ``topk`` of those at least
-    :data:`LIKELY` probable, then of ``candidates``: 10-30x cheaper than sorting 151,936
-    probabilities): when their mass reaches ``top_p`` every token outside them starts past the
-    nucleus, so the result is the full sort's exactly (the same prefix sums in the same order).
-    Rows whose nucleus may extend further are sorted in full.
+    Each row's nucleus is looked for among a few most likely tokens first: those at least
+    :data:`LIKELY` probable (one comparison pass and a sort of the few found), then the top
+    ``candidates`` (a ``topk``). When their mass reaches ``top_p``, every other token starts past
+    the nucleus, so the result is the full sort's exactly (the same prefix sums in the same order).
+    Rows whose nucleus may extend further are sorted in full. On 151,936 tokens the first try is
+    about 5x cheaper than a ``topk`` of the same few tokens and 50x cheaper than the full sort.
     """
-    vocab = probs.shape[-1]
-    likely = int((probs >= LIKELY).sum(dim=-1).max()) + 1
-    for count in sorted({min(likely, candidates), candidates}):
-        if count >= vocab:
-            break
-        top_probs, top_order = torch.topk(probs, count, dim=-1)
-        mass = torch.cumsum(top_probs, dim=-1)
-        if bool((mass[..., -1] >= top_p).all()):
-            return _keep_nucleus(probs, top_probs, top_order, mass, top_p)
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-    return _keep_nucleus(probs, sorted_probs, order, torch.cumsum(sorted_probs, dim=-1), top_p)
+    rows = probs.reshape(-1, probs.shape[-1])
+    filtered = torch.zeros_like(rows)
+    for row, out in zip(rows, filtered):
+        _keep_row_nucleus(row, out, top_p, candidates)
+    return (filtered / filtered.sum(dim=-1, keepdim=True)).reshape(probs.shape)
 
 
-def _keep_nucleus(probs: torch.Tensor, sorted_probs: torch.Tensor, order: torch.Tensor, mass: torch.Tensor,
-                  top_p: float) -> torch.Tensor:
-    """``probs [..., V]`` zeroed outside the nucleus, renormalised, from its most likely entries
-    ``sorted_probs [..., K]`` (descending) at vocabulary positions ``order [..., K]`` and their
-    running mass ``mass [..., K]``."""
-    mass_before = mass - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
-    filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return filtered / filtered.sum(dim=-1, keepdim=True)
+def _keep_row_nucleus(row: torch.Tensor, out: torch.Tensor, top_p: float, candidates: int) -> None:
+    """Write the nucleus of ``row [V]`` (unnormalised) into ``out [V]``, zero elsewhere."""
+    likely = (row >= LIKELY).nonzero().squeeze(1)
+    if 0 < likely.numel() < row.shape[0]:
+        top_probs, order = torch.sort(row[likely], descending=True)
+        if _write_nucleus(out, top_probs, likely[order], top_p):
+            return
+    if candidates < row.shape[0]:
+        top_probs, order = torch.topk(row, candidates)
+        if _write_nucleus(out, top_probs, order, top_p):
+            return
+    top_probs, order = torch.sort(row, descending=True)
+    _write_nucleus(out, top_probs, order, top_p, whole=True)
+
+
+def _write_nucleus(out: torch.Tensor, top_probs: torch.Tensor, order: torch.Tensor, top_p: float,
+                   whole: bool = False) -> bool:
+    """From a row's most likely entries ``top_probs [K]`` (descending) at vocabulary positions
+    ``order [K]``: when their mass reaches ``top_p`` (or they are the ``whole`` row), write those
+    inside the nucleus into ``out [V]`` and return True; else write nothing and return False."""
+    mass = torch.cumsum(top_probs, dim=-1)
+    if not whole and not bool(mass[-1] >= top_p):
+        return False
+    out.scatter_(-1, order, top_probs.masked_fill(mass - top_probs >= top_p, 0.0))
+    return True
 
 
 REJECTIONS = 8  # redraws of an already drawn child before its mass is removed outright
