@@ -7,5 +7,9 @@
 - ``app.conversation``: the chat's messages, context fitting, import and export;
 - ``app.worker``: the background thread that owns the models and serves requests in order;
 - ``app.openai_api``: ``/v1/chat/completions`` and ``/v1/models`` on the same worker;
-- ``app.pair``: a tiny random pair (real tokenizer) for trying the UI without the weights.
+- ``app.pair``: a tiny random pair (real tokenizer) for trying the UI without the weights;
+- ``app.gradio_stubs``: imports Gradio without the type-stub writer it runs at every import.
 """
+from app.gradio_stubs import skip_stub_writer
+
+skip_stub_writer()  # before any app module imports gradio: its import skips rewriting type stubs

@@ -35,3 +35,20 @@ def test_the_conversation_cache_budget_flag():
     assert launch.worker_policy(launch.parse_args([]))["kv_cache_bytes"] == DEFAULT_BUDGET_BYTES
     assert launch.worker_policy(launch.parse_args(["--kv-cache-mb", "64"]))["kv_cache_bytes"] == 64 << 20
     assert launch.worker_policy(launch.parse_args(["--kv-cache-mb", "0"]))["kv_cache_bytes"] == 0
+
+
+def test_the_app_imports_gradio_without_its_stub_writer():
+    """In a fresh interpreter, importing the app swaps Gradio's type-stub writer for a no-op before
+    any component class exists, and Gradio's components still build."""
+    import subprocess
+    import sys
+
+    script = (
+        "import app, gradio, gradio.component_meta as meta, app.gradio_stubs as stubs\n"
+        "assert meta.create_or_modify_pyi is stubs._write_no_stub\n"
+        "assert not any(isinstance(f, stubs._StubWriterSwap) for f in sys.meta_path)\n"
+        "assert gradio.Textbox(label='x').label == 'x'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", "import sys\n" + script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

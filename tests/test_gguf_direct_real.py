@@ -90,3 +90,29 @@ def test_a_first_start_builds_the_draft_without_dequantising_the_model(tmp_path,
     assert again is not first
     assert_same_model(again, reference, chat_prompts[1])
 
+
+
+def test_the_drafts_tokenizer_shares_the_targets_but_keeps_its_own_chat_template(_stock_pair):
+    """The embedded pair's tokenizer files are equal but for the chat template: the draft's is a
+    copy of the target's (no second 1 s build) that renders and encodes as a fresh load of its own
+    directory does."""
+    from transformers import AutoTokenizer
+
+    load_model("default-target", torch.float32, "cpu", False, "q4k")  # both directories kept
+    load_model("default-draft", torch.float32, "cpu", False, "q4k")
+    target_dir, draft_dir = (gguf_direct.kquant_dir(s.name) for s in (DEFAULT_TARGET, DEFAULT_DRAFT))
+    gguf_direct._TOKENIZERS.clear()
+    target_tokenizer = gguf_direct.load_tokenizer(target_dir)
+    draft_tokenizer = gguf_direct.load_tokenizer(draft_dir)
+    fresh = AutoTokenizer.from_pretrained(draft_dir)
+    assert draft_tokenizer is not target_tokenizer and draft_tokenizer._tokenizer is target_tokenizer._tokenizer
+    assert fresh.chat_template != target_tokenizer.chat_template  # the two templates do differ
+    assert draft_tokenizer.chat_template == fresh.chat_template
+    assert target_tokenizer.chat_template == AutoTokenizer.from_pretrained(target_dir).chat_template
+    messages = [{"role": "user", "content": "Write a haiku about caches. 缓存"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    assert draft_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False) == \
+        fresh.apply_chat_template(messages, tools=tools, tokenize=False)
+    text = "def f(x):\n    return x  # 缓存"
+    assert draft_tokenizer.encode(text) == fresh.encode(text)
+    assert gguf_direct.load_tokenizer(target_dir)._tokenizer is target_tokenizer._tokenizer

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
 import threading
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,6 +48,11 @@ GGUF_BLOCK_FLOATS = {
 GGUF_FLOATS = {"output_norm.weight": "model.norm.weight"}
 # One first-start metadata reading at a time: it swaps two module globals of gguf and transformers.
 _METADATA_LOCK = threading.Lock()
+# Tokenizers loaded from a kept directory, by the digest of the files that define them (all but the
+# chat template, the config and the weights): a draft whose files equal its target's shares them.
+_TOKENIZERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_TOKENIZERS_LOCK = threading.Lock()
+NOT_TOKENIZER_FILES = ("config.json", "chat_template.jinja")
 
 
 def kquant_dir(name: str) -> Path:
@@ -58,13 +65,38 @@ def kquant_dir(name: str) -> Path:
 def load_kquant_gguf(gguf: Path, directory: Path):
     """``(model, tokenizer)`` for the GGUF at ``gguf`` (a qwen2-style file), the model in the
     k-quant format; ``directory`` keeps its config, tokenizer and packed weights for later starts."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     if not (directory / "config.json").exists():
         _save_metadata(gguf, directory)
     config = AutoConfig.from_pretrained(directory)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    return kquant_from_gguf(gguf, config, directory / f"kquant-v{CACHE_FORMAT}.safetensors"), tokenizer
+    return kquant_from_gguf(gguf, config, directory / f"kquant-v{CACHE_FORMAT}.safetensors"), load_tokenizer(directory)
+
+
+def load_tokenizer(directory: Path):
+    """The tokenizer kept in ``directory``. When a tokenizer of the same files is already loaded
+    (the embedded draft's equal its target's but for the chat template), a shallow copy of it with
+    this directory's chat template is returned: building a 151,936-token BPE tokenizer takes
+    about 1 s of a warm start. The copy shares the loaded one's backend, as two users of one
+    tokenizer do."""
+    from transformers import AutoTokenizer
+
+    digest = hashlib.sha256()
+    for path in sorted(directory.iterdir()):
+        if path.name not in NOT_TOKENIZER_FILES and path.suffix != ".safetensors" and path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    key = digest.hexdigest()
+    with _TOKENIZERS_LOCK:
+        loaded = _TOKENIZERS.get(key)
+    if loaded is None:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        with _TOKENIZERS_LOCK:
+            _TOKENIZERS[key] = tokenizer
+        return tokenizer
+    twin = copy.copy(loaded)
+    template = directory / "chat_template.jinja"
+    twin.chat_template = template.read_text(encoding="utf-8") if template.is_file() else None
+    return twin
 
 
 def kquant_from_gguf(gguf: Path, config, cache_file: Path | None = None) -> torch.nn.Module:
