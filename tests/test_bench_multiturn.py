@@ -25,7 +25,8 @@ def test_the_runner_reuses_the_conversation_and_answers_the_same():
     assert reuse[0]["reused_tokens"] == 0
     for before, row in zip(reuse, reuse[1:]):
         assert before["prompt_tokens"] <= row["reused_tokens"] < row["prompt_tokens"]
-        assert row["cache_bytes"] > before["cache_bytes"]
+        # the caches hold more tokens each turn; their buffers grow with spare room, not every turn
+        assert row["cache_bytes"] >= before["cache_bytes"] > 0
     report = {"later_turns": [{"turn": 2, "prompt_tokens": 1500, "reused_tokens": 1400, "ttft_fresh_s": 12.0,
                                "ttft_reuse_s": 1.5, "speedup": 8.0}]}
     assert markdown_table(report).splitlines()[-1] == "| 2 | 1,500 | 1,400 | 12.00 s | 1.50 s | 8.0x |"
