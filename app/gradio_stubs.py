@@ -3,7 +3,7 @@
 Every ``import gradio`` re-derives the ``.pyi`` stub of each of its components: the metaclass of
 ``gradio.components`` reads the component's source file, parses it, and rewrites the stub next to
 it in site-packages (``gradio.component_meta.create_or_modify_pyi``). The stubs serve type
-checkers, not the running app, and the work is about 2 s of a 12 s warm start on 2 cores.
+checkers, not the running app, and the work took about 1.3 s of a warm start on 2 cores.
 :func:`skip_stub_writer` swaps that function for a no-op as ``gradio.component_meta`` is executed,
 before any component class exists. Where a Gradio release renames or drops the function, nothing
 is swapped and Gradio imports as it always did.

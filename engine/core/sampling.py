@@ -42,7 +42,8 @@ def _top_p_filter(probs: torch.Tensor, top_p: float, candidates: int = TOP_P_CAN
     ``candidates`` (a ``topk``). When their mass reaches ``top_p``, every other token starts past
     the nucleus, so the result is the full sort's exactly (the same prefix sums in the same order).
     Rows whose nucleus may extend further are sorted in full. On 151,936 tokens the first try is
-    about 5x cheaper than a ``topk`` of the same few tokens and 50x cheaper than the full sort.
+    2 to 5 times cheaper than a ``topk`` of the same few tokens and about 50 times cheaper than
+    the full sort.
     """
     rows = probs.reshape(-1, probs.shape[-1])
     filtered = torch.zeros_like(rows)
