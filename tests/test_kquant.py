@@ -84,11 +84,11 @@ def test_the_largest_quants_and_activations_do_not_overflow_the_integer_sums(kin
     assert torch.equal(KQuantLinear(kind, tensors, 512, 32)(x), reference_linear(kind, x, tensors, 32))
 
 
-def test_every_integer_path_computes_the_references_numbers(compiled):
-    """The extension has an AVX-512 VNNI, an AVX2 and a portable path; the engine runs whichever
-    this CPU builds natively. Build the others this CPU can run and check that each gives the
-    reference's numbers bit for bit, at ordinary and at the largest quants, so a layout change is
-    proven on every path, not just the one of the machine that tests it."""
+@pytest.fixture(scope="module")
+def every_path(compiled) -> dict:
+    """The extension built for each SIMD path this CPU runs: ``{simd_path: module}``. The engine
+    runs the native one; building the others lets a test prove a change on every path, not just
+    the one of the machine that tests it."""
     from engine.backends.kernels import cpu_flags
 
     marches = ["x86-64"] + (["x86-64-v3"] if "avx2" in cpu_flags() else [])
@@ -96,6 +96,13 @@ def test_every_integer_path_computes_the_references_numbers(compiled):
         marches = []
     paths = {compiled.simd_path(): compiled} | {(e := kquant.compile_kernels(m)).simd_path(): e for m in marches}
     assert "portable" in paths or platform.machine() != "x86_64"
+    return paths
+
+
+def test_every_integer_path_computes_the_references_numbers(every_path):
+    """The extension has an AVX-512 VNNI, an AVX2 and a portable path: each gives the reference's
+    numbers bit for bit, at ordinary and at the largest quants."""
+    paths = every_path
     for kind in ("q4k", "q6k"):
         saturated = random_blocks(kind, 32, 512, seed=4)  # every quant, scale and min at its largest
         saturated[..., slice(4, None) if kind == "q4k" else slice(0, 192)] = 0xFF
@@ -108,6 +115,32 @@ def test_every_integer_path_computes_the_references_numbers(compiled):
                 kernel = extension.q4k_linear if kind == "q4k" else extension.q6k_linear
                 got = kernel(x, *(tensors[name] for name in kquant.PACKED_NAMES[kind]), n)
                 assert torch.equal(got, expected), (path, kind)
+
+
+def test_every_path_attends_with_the_same_bits(every_path):
+    """AVX-512 builds score 16 keys at a time for the query heads sharing a key/value head (head
+    sizes 64 and 128); the other paths, and other head sizes, go one head and one key at a time.
+    Both must give the same bits: for causal chunks and tree masks with biases, key counts around
+    the 16-key blocks, and keys read from a larger buffer."""
+    generator = torch.Generator().manual_seed(5)
+    cases = 0
+    for heads, kv_heads, dim in ((12, 2, 128), (14, 2, 64), (4, 4, 64), (6, 3, 32)):
+        for length, rows in ((1, 1), (15, 1), (16, 2), (17, 3), (300, 2), (64, 16)):
+            q = torch.randn(heads, rows, dim, generator=generator) * 3
+            k = torch.randn(kv_heads, length + 5, dim, generator=generator)[:, :length] * 3
+            v = torch.randn(kv_heads, length + 5, dim, generator=generator)[:, :length]
+            seen = torch.rand(rows, length, generator=generator) < 0.6
+            seen[:, 0] = True
+            bias = torch.randn(rows, length, generator=generator) * (torch.rand(rows, length, generator=generator) < 0.3)
+            tree = torch.where(seen, bias, float("-inf")).contiguous()
+            for mask in (torch.empty(0), tree):
+                outs = {path: ext.attention(q, k, v, mask, dim ** -0.5) for path, ext in every_path.items()}
+                first = next(iter(outs.values()))
+                assert first.isfinite().all()
+                for path, out in outs.items():
+                    assert torch.equal(out, first), (path, heads, kv_heads, dim, length, rows, mask.numel())
+                cases += 1
+    assert cases == 48
 
 
 @pytest.mark.parametrize("kind", ["q4k", "q6k"])
@@ -151,9 +184,10 @@ def _attention(q, k, v, mask):
     return kquant_attention(None, q, k, v, mask, scaling=q.shape[-1] ** -0.5)[0]
 
 
-def test_attention_matches_torch_and_its_rows_are_independent(compiled):
+@pytest.mark.parametrize("dim", [32, 64, 128])
+def test_attention_matches_torch_and_its_rows_are_independent(compiled, dim):
     torch.manual_seed(0)
-    heads, kv_heads, length, dim, rows = 4, 2, 40, 32, 9
+    heads, kv_heads, length, rows = 4, 2, 40, 9
     q = torch.randn(1, heads, rows, dim)
     k, v = torch.randn(1, kv_heads, length, dim), torch.randn(1, kv_heads, length, dim)
     tree = torch.ones(rows, length, dtype=torch.bool)

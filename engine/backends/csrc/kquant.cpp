@@ -655,13 +655,132 @@ static torch::Tensor rows_contiguous(const torch::Tensor& t) {
   return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
 }
 
+// One (head, row) of attention, the reference order every path computes: for each visible key j in
+// order, a 16-lane dot product summed over the head's 16-wide chunks in order then halved as a tree
+// (lanes i + i+8, then i + i+4, i + i+2, i + i+1); the score times the scale plus the mask's bias;
+// exponentials against the row's maximum, summed in key order; the values weighted in key order
+// (zero weights skipped), each lane divided by the sum. Masked keys (-inf) take no part, so a row's
+// bits depend only on the sequence of keys it sees, never on where they lie or on the other rows.
+void attend_scalar(const float* qv, const float* kp, const float* vp, const float* bias_row, int64_t visible,
+                   int64_t D, float scale, float* ov, std::vector<float>& p, std::vector<float>& acc) {
+  float top = -INFINITY;
+  for (int64_t j = 0; j < visible; ++j) {
+    const float bias = bias_row == nullptr ? 0.f : bias_row[j];
+    if (bias == -INFINITY) { p[j] = -INFINITY; continue; }
+    const float* kv = kp + j * D;
+    float lanes[16] = {0};
+    for (int64_t c = 0; c < D; c += 16)
+      for (int i = 0; i < 16; ++i) lanes[i] = lanes[i] + qv[c + i] * kv[c + i];
+    for (int w = 8; w >= 1; w /= 2)
+      for (int i = 0; i < w; ++i) lanes[i] = lanes[i] + lanes[i + w];
+    p[j] = lanes[0] * scale + bias;
+    top = std::fmax(top, p[j]);
+  }
+  float total = 0.f;
+  for (int64_t j = 0; j < visible; ++j) {
+    p[j] = p[j] == -INFINITY ? 0.f : std::exp(p[j] - top);
+    total = total + p[j];
+  }
+  for (int64_t c = 0; c < D; ++c) acc[c] = 0.f;
+  for (int64_t j = 0; j < visible; ++j) {
+    if (p[j] == 0.f) continue;
+    const float* vv = vp + j * D;
+    for (int64_t c = 0; c < D; ++c) acc[c] = acc[c] + p[j] * vv[c];
+  }
+  for (int64_t c = 0; c < D; ++c) ov[c] = acc[c] / total;
+}
+
+#if defined(KQ_VNNI)
+// The scores of 16 keys at once: lanes[t] holds key t's 16 lane sums; lane t of the result is
+// attend_scalar's halving sum of lanes[t] (i + i+8, i + i+4, i + i+2, i + i+1: the same additions of
+// the same pairs, four keys or more per instruction), then put back in key order.
+inline __m512 halving_sums(const __m512 (&lanes)[16]) {
+  __m512 eight[8], four[4], two[2];
+  #pragma GCC unroll 8
+  for (int t = 0; t < 8; ++t)  // [key 2t lanes 0-7 | key 2t+1 lanes 0-7], each lane i summed with i+8
+    eight[t] = _mm512_add_ps(_mm512_shuffle_f32x4(lanes[2 * t], lanes[2 * t + 1], 0x44),
+                             _mm512_shuffle_f32x4(lanes[2 * t], lanes[2 * t + 1], 0xEE));
+  #pragma GCC unroll 4
+  for (int t = 0; t < 4; ++t)  // four keys' lanes 0-3, each summed with lane i+4
+    four[t] = _mm512_add_ps(_mm512_shuffle_f32x4(eight[2 * t], eight[2 * t + 1], 0x88),
+                            _mm512_shuffle_f32x4(eight[2 * t], eight[2 * t + 1], 0xDD));
+  #pragma GCC unroll 2
+  for (int t = 0; t < 2; ++t)  // lanes 0-1 of eight keys, each summed with lane i+2
+    two[t] = _mm512_add_ps(_mm512_shuffle_ps(four[2 * t], four[2 * t + 1], 0x44),
+                           _mm512_shuffle_ps(four[2 * t], four[2 * t + 1], 0xEE));
+  const __m512 one = _mm512_add_ps(_mm512_shuffle_ps(two[0], two[1], 0x88), _mm512_shuffle_ps(two[0], two[1], 0xDD));
+  // lane l now holds key 4 * (l % 4) + l / 4 (a 4 x 4 transpose, its own inverse)
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), one);
+}
+
+// attend_scalar's operations for the G query heads that share one key/value head, on one row: the
+// visible keys listed once (keys[m]: slot, bias[m]: the mask's bias), 16 keys' scores at a time.
+// DC = D / 16 chunks a head. scores: scratch [G * n], n rounded up to 16.
+template <int DC>
+void attend_group(const float* q0, int64_t q_step, int64_t G, const float* kp, const float* vp,
+                  const std::vector<int32_t>& keys, const std::vector<float>& bias, float scale,
+                  float* o0, int64_t o_step, std::vector<float>& scores) {
+  const int64_t n = static_cast<int64_t>(keys.size()), padded = (n + 15) / 16 * 16;
+  scores.resize(G * padded);
+  const __m512 zero = _mm512_setzero_ps(), scales = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qv = q0 + g * q_step;
+    __m512 q[DC];
+    #pragma GCC unroll 16
+    for (int c = 0; c < DC; ++c) q[c] = _mm512_loadu_ps(qv + 16 * c);
+    float* p = scores.data() + g * padded;
+    __m512 tops = _mm512_set1_ps(-INFINITY);
+    for (int64_t m0 = 0; m0 < n; m0 += 16) {
+      const int count = static_cast<int>(std::min<int64_t>(16, n - m0));
+      __m512 lanes[16];
+      #pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t) {
+        lanes[t] = zero;
+        if (t < count) {
+          const float* kv = kp + static_cast<int64_t>(keys[m0 + t]) * DC * 16;
+          #pragma GCC unroll 16
+          for (int c = 0; c < DC; ++c) lanes[t] = _mm512_add_ps(lanes[t], _mm512_mul_ps(q[c], _mm512_loadu_ps(kv + 16 * c)));
+        }
+      }
+      const __mmask16 valid = count == 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+      const __m512 s = _mm512_add_ps(_mm512_mul_ps(halving_sums(lanes), scales),
+                                     _mm512_maskz_loadu_ps(valid, bias.data() + m0));
+      _mm512_storeu_ps(p + m0, s);
+      tops = _mm512_mask_max_ps(tops, valid, s, tops);  // a NaN score leaves the maximum alone, as fmax
+    }
+    const float top = _mm512_reduce_max_ps(tops);
+    float total = 0.f;
+    for (int64_t m = 0; m < n; ++m) {
+      p[m] = p[m] == -INFINITY ? 0.f : std::exp(p[m] - top);
+      total = total + p[m];
+    }
+    __m512 acc[DC];
+    #pragma GCC unroll 16
+    for (int c = 0; c < DC; ++c) acc[c] = zero;
+    for (int64_t m = 0; m < n; ++m) {
+      if (p[m] == 0.f) continue;
+      const float* vv = vp + static_cast<int64_t>(keys[m]) * DC * 16;
+      const __m512 weight = _mm512_set1_ps(p[m]);
+      #pragma GCC unroll 16
+      for (int c = 0; c < DC; ++c) acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(weight, _mm512_loadu_ps(vv + 16 * c)));
+    }
+    const __m512 divisor = _mm512_set1_ps(total);
+    float* ov = o0 + g * o_step;
+    #pragma GCC unroll 16
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(ov + 16 * c, _mm512_div_ps(acc[c], divisor));
+  }
+}
+#endif
+
 // q [H, R, D] (contiguous), k and v [KVH, L, D] float32 (see rows_contiguous), mask [R, L]
-// additive (or empty: causal, row i sees keys 0 .. L-R+i). Returns [R, H, D].
+// additive (or empty: causal, row i sees keys 0 .. L-R+i). Returns [R, H, D]. Each (key/value
+// head, row) is one item of work: with AVX-512 and D of 64 or 128 its G = H / KVH query heads go
+// together (attend_group), otherwise one head at a time (attend_scalar); the bits are the same.
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_in, const torch::Tensor& v_in,
                         const torch::Tensor& mask, double scaling) {
   const torch::Tensor k = rows_contiguous(k_in), v = rows_contiguous(v_in);
   const int64_t H = q.size(0), R = q.size(1), D = q.size(2), KVH = k.size(0), L = k.size(1);
-  const int64_t k_head = k.stride(0), v_head = v.stride(0);
+  const int64_t k_head = k.stride(0), v_head = v.stride(0), G = H / KVH;
   TORCH_CHECK(D % 16 == 0 && H % KVH == 0, "attention needs D % 16 == 0 and H % KVH == 0");
   const bool causal = mask.numel() == 0;
   TORCH_CHECK(causal || (mask.size(0) == R && mask.size(1) == L), "mask must be [R, L]");
@@ -672,39 +791,38 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_in, const
   const float* mp = causal ? nullptr : mask.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float scale = (float)scaling;
+#if defined(KQ_VNNI)
+  if (D == 64 || D == 128) {
+    at::parallel_for(0, KVH * R, 1, [&](int64_t begin, int64_t end) {
+      std::vector<int32_t> keys;
+      std::vector<float> bias, scores;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t kvh = item / R, r = item % R;
+        keys.clear();
+        bias.clear();
+        for (int64_t j = 0, visible = causal ? L - R + r + 1 : L; j < visible; ++j) {
+          const float b = causal ? 0.f : mp[r * L + j];
+          if (b == -INFINITY) continue;
+          keys.push_back(static_cast<int32_t>(j));
+          bias.push_back(b);
+        }
+        const float* q0 = qp + (kvh * G * R + r) * D;
+        float* o0 = op + (r * H + kvh * G) * D;
+        if (D == 64)
+          attend_group<4>(q0, R * D, G, kp + kvh * k_head, vp + kvh * v_head, keys, bias, scale, o0, D, scores);
+        else
+          attend_group<8>(q0, R * D, G, kp + kvh * k_head, vp + kvh * v_head, keys, bias, scale, o0, D, scores);
+      }
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, H * R, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(L);
-    std::vector<float> acc(D);
+    std::vector<float> p(L), acc(D);
     for (int64_t hr = begin; hr < end; ++hr) {
-      const int64_t h = hr / R, r = hr % R, kvh = h / (H / KVH);
-      const float* qv = qp + (h * R + r) * D;
-      const int64_t visible = causal ? L - R + r + 1 : L;
-      float top = -INFINITY;
-      for (int64_t j = 0; j < visible; ++j) {
-        const float bias = causal ? 0.f : mp[r * L + j];
-        if (bias == -INFINITY) { p[j] = -INFINITY; continue; }
-        const float* kv = kp + kvh * k_head + j * D;
-        float lanes[16] = {0};
-        for (int64_t c = 0; c < D; c += 16)
-          for (int i = 0; i < 16; ++i) lanes[i] = lanes[i] + qv[c + i] * kv[c + i];
-        for (int w = 8; w >= 1; w /= 2)
-          for (int i = 0; i < w; ++i) lanes[i] = lanes[i] + lanes[i + w];
-        p[j] = lanes[0] * scale + bias;
-        top = std::fmax(top, p[j]);
-      }
-      float total = 0.f;
-      for (int64_t j = 0; j < visible; ++j) {
-        p[j] = p[j] == -INFINITY ? 0.f : std::exp(p[j] - top);
-        total = total + p[j];
-      }
-      for (int64_t c = 0; c < D; ++c) acc[c] = 0.f;
-      for (int64_t j = 0; j < visible; ++j) {
-        if (p[j] == 0.f) continue;
-        const float* vv = vp + kvh * v_head + j * D;
-        for (int64_t c = 0; c < D; ++c) acc[c] = acc[c] + p[j] * vv[c];
-      }
-      float* ov = op + (r * H + h) * D;
-      for (int64_t c = 0; c < D; ++c) ov[c] = acc[c] / total;
+      const int64_t h = hr / R, r = hr % R, kvh = h / G;
+      attend_scalar(qp + (h * R + r) * D, kp + kvh * k_head, vp + kvh * v_head, causal ? nullptr : mp + r * L,
+                    causal ? L - R + r + 1 : L, D, scale, op + (r * H + h) * D, p, acc);
     }
   });
   return out;
