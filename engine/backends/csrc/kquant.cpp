@@ -168,28 +168,9 @@ void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const uin
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t t = tile * nb + blk;
     const uint8_t* q = qs + t * Q4K_BYTES;
-    __m512i a[NR], b[NR];
-    // The mins' term sum_j mn_j * S_j (S_j: the sub-block's activation sum, |S_j| <= 32 * 127) as
-    // four int16-pair dot products a row: lane l of mp[k] holds (mn_2k[l], mn_2k+1[l]).
-    __m512i mp[4];
-    #pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) {
-      const __m128i m0 = _mm_loadu_si128((const __m128i*)(mn + t * 128 + 2 * k * 16));
-      const __m128i m1 = _mm_loadu_si128((const __m128i*)(mn + t * 128 + (2 * k + 1) * 16));
-      mp[k] = _mm512_cvtepu8_epi16(interleave_bytes(m0, m1));
-    }
+    __m512i a[NR];
     #pragma GCC unroll 8
-    for (int rr = 0; rr < NR; ++rr) {
-      const int32_t* s16 = rows.s16 + (r0 + rr) * (rows.K / 16) + blk * 16;
-      __m512i bb = _mm512_setzero_si512();
-      #pragma GCC unroll 4
-      for (int k = 0; k < 4; ++k) {
-        const int32_t pair = int16_pair(s16[4 * k] + s16[4 * k + 1], s16[4 * k + 2] + s16[4 * k + 3]);
-        bb = _mm512_dpwssd_epi32(bb, mp[k], _mm512_set1_epi32(pair));
-      }
-      a[rr] = _mm512_setzero_si512();
-      b[rr] = bb;
-    }
+    for (int rr = 0; rr < NR; ++rr) a[rr] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
       __m512i w[8];
       #pragma GCC unroll 8
@@ -213,6 +194,27 @@ void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const uin
         }
         a[rr] = _mm512_add_epi32(a[rr], _mm512_mullo_epi32(dot, scv));
       }
+    }
+    // The mins' term sum_j mn_j * S_j (S_j: the sub-block's activation sum, |S_j| <= 32 * 127) as
+    // four int16-pair dot products a row: lane l of mp[k] holds (mn_2k[l], mn_2k+1[l]). Made after
+    // the products, so that four rows' accumulators and the unpacked weights stay in registers.
+    __m512i mp[4], b[NR];
+    #pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m128i m0 = _mm_loadu_si128((const __m128i*)(mn + t * 128 + 2 * k * 16));
+      const __m128i m1 = _mm_loadu_si128((const __m128i*)(mn + t * 128 + (2 * k + 1) * 16));
+      mp[k] = _mm512_cvtepu8_epi16(interleave_bytes(m0, m1));
+    }
+    #pragma GCC unroll 8
+    for (int rr = 0; rr < NR; ++rr) {
+      const int32_t* s16 = rows.s16 + (r0 + rr) * (rows.K / 16) + blk * 16;
+      __m512i bb = _mm512_setzero_si512();
+      #pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        const int32_t pair = int16_pair(s16[4 * k] + s16[4 * k + 1], s16[4 * k + 2] + s16[4 * k + 3]);
+        bb = _mm512_dpwssd_epi32(bb, mp[k], _mm512_set1_epi32(pair));
+      }
+      b[rr] = bb;
     }
     const __m512 dv = half16(d + t * TILE), dminv = half16(dmin + t * TILE);
     #pragma GCC unroll 8
