@@ -16,6 +16,7 @@ from engine import SpeculativeEngine, Tree
 from engine.backends import kquant
 from engine.backends.kquant import KQuantLinear, kquant_model
 from engine.backends.lean import LeanDecoder, supports
+from engine.core.kv_cache import growing_cache, reserve_all
 from engine.core.runner import StaticRunner, run_model
 
 
@@ -38,19 +39,24 @@ def tiny_q4k(builder=tm.qwen2, seed: int = 5) -> tuple[torch.nn.Module, torch.nn
     return model, plain
 
 
+@pytest.mark.parametrize("growing", [False, True], ids=["concatenating-cache", "growing-cache"])
 @pytest.mark.parametrize("builder", [tm.qwen2, tm.llama], ids=["qwen2", "llama"])
-def test_the_lean_forward_equals_the_models_own_bit_for_bit(builder):
+def test_the_lean_forward_equals_the_models_own_bit_for_bit(builder, growing):
     """A causal prompt, then tree steps of 1..9 tokens under a tree mask, each through both
-    forwards on their own caches: equal logits and equal caches."""
+    forwards on their own caches: equal logits and equal caches. On a growing cache the lean
+    forward runs every layer in one call (``forward_layers``) after the prompt; on transformers'
+    own cache it goes layer by layer through ``update``."""
     model, plain = tiny_q4k(builder)
     assert isinstance(model.lean_forward, LeanDecoder) and supports(model)
-    lean_cache, own_cache = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    lean_cache = growing_cache(model.config) if growing else DynamicCache(config=model.config)
+    own_cache = DynamicCache(config=model.config)
     prompt = torch.tensor([[1, 5, 9, 2, 7, 11, 3]])
     positions = torch.arange(7)[None]
     with torch.inference_mode():
         lean = run_model(model, lean_cache, prompt, positions, None, 0)
         own = plain(input_ids=prompt, past_key_values=own_cache, use_cache=True, position_ids=positions).logits[0]
         assert torch.equal(lean, own)
+        assert (reserve_all(lean_cache, 1) is not None) == growing
         start = 7
         for q in range(1, 10):
             tree = Tree.from_parents([-1] + [i // 2 for i in range(q - 1)])

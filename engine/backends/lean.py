@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from engine.backends.kquant import PACKED_NAMES, KQuantLinear, _extension
+from engine.core.kv_cache import commit_all, reserve_all
 
 LEAN_MODEL_TYPES = ("qwen2", "llama")
 ATTRIBUTE = "lean_forward"  # where a model keeps its LeanDecoder; the runner looks for it there
@@ -73,13 +74,20 @@ class LeanDecoder:
         hidden = self.embed(ids)
         cos, sin = self.rotary(hidden, positions)
         q_len = ids.shape[1]
-        rows: torch.Tensor | None = None  # the attention mask's rows for this window, made once
-        for index, layer in enumerate(self._native):
-            query, key, value = layer.attention_in(hidden, cos, sin)
-            key, value = cache.update(key, value, index)
-            if rows is None:
-                rows = _mask_rows(mask, q_len, key.shape[2])
-            hidden = layer.attention_out(hidden, query, key, value, rows)
+        buffers = reserve_all(cache, q_len)
+        if buffers is not None:  # a growing cache: one call runs every layer, writing keys in place
+            keys, values, filled = buffers
+            hidden = _extension().forward_layers(self._native, hidden, cos, sin, keys, values, filled,
+                                                 _mask_rows(mask, q_len, filled + q_len))
+            commit_all(cache, filled + q_len)
+        else:
+            rows: torch.Tensor | None = None  # the attention mask's rows for this window, made once
+            for index, layer in enumerate(self._native):
+                query, key, value = layer.attention_in(hidden, cos, sin)
+                key, value = cache.update(key, value, index)
+                if rows is None:
+                    rows = _mask_rows(mask, q_len, key.shape[2])
+                hidden = layer.attention_out(hidden, query, key, value, rows)
         hidden = self.final_norm(hidden)
         return self.lm_head(hidden[:, -logits_to_keep:, :] if logits_to_keep else hidden)
 

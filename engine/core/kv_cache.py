@@ -34,15 +34,26 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         filled, new = self.keys.shape[-2], key_states.shape[-2]
-        needed = filled + new
-        if not ((self.keys is self.own_keys and self.values is self.own_values) or self._views_buffer()) \
-                or needed > self.key_buffer.shape[-2]:
-            self._regrow(filled, needed, key_states, value_states)
-        self.key_buffer.narrow(2, filled, new).copy_(key_states)
-        self.value_buffer.narrow(2, filled, new).copy_(value_states)
-        self.keys = self.own_keys = self.key_buffer.narrow(2, 0, needed)
-        self.values = self.own_values = self.value_buffer.narrow(2, 0, needed)
+        key_buffer, value_buffer = self.reserve(new)
+        key_buffer.narrow(2, filled, new).copy_(key_states)
+        value_buffer.narrow(2, filled, new).copy_(value_states)
+        self.commit(filled + new)
         return self.keys, self.values
+
+    def reserve(self, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers ``[batch, kv_heads, slots, head_dim]``, with room for ``new``
+        slots after the filled ones (moved into new buffers first when the views are not this
+        layer's own or the room is short): a forward writes its keys there, then :meth:`commit`."""
+        filled = self.keys.shape[-2]
+        if not ((self.keys is self.own_keys and self.values is self.own_values) or self._views_buffer()) \
+                or filled + new > self.key_buffer.shape[-2]:
+            self._regrow(filled, filled + new, self.keys, self.values)
+        return self.key_buffer, self.value_buffer
+
+    def commit(self, filled: int) -> None:
+        """The first ``filled`` slots of the buffers hold this layer's keys and values."""
+        self.keys = self.own_keys = self.key_buffer.narrow(2, 0, filled)
+        self.values = self.own_values = self.value_buffer.narrow(2, 0, filled)
 
     def _views_buffer(self) -> bool:
         """Whether ``keys``/``values``, set from outside since the last update (:func:`truncate`,
@@ -61,6 +72,27 @@ class GrowingLayer(DynamicLayer):
             key_buffer[:, :, :filled] = self.keys
             value_buffer[:, :, :filled] = self.values
         self.key_buffer, self.value_buffer = key_buffer, value_buffer
+
+
+def reserve_all(cache, new: int) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:
+    """For a forward that writes ``new`` tokens' keys and values straight into the buffers: every
+    layer's key buffers, value buffers (:meth:`GrowingLayer.reserve`) and the number of slots they
+    all hold; None unless every layer is an initialised :class:`GrowingLayer` and all hold as many
+    (the forward then goes through ``update``). After the forward, :func:`commit_all`."""
+    layers = cache.layers
+    if not layers or any(type(layer) is not GrowingLayer or not layer.is_initialized for layer in layers):
+        return None
+    filled = layers[0].keys.shape[-2]
+    if any(layer.keys.shape[-2] != filled for layer in layers):
+        return None
+    buffers = [layer.reserve(new) for layer in layers]
+    return [keys for keys, _ in buffers], [values for _, values in buffers], filled
+
+
+def commit_all(cache, filled: int) -> None:
+    """After :func:`reserve_all`'s forward: every layer holds ``filled`` slots."""
+    for layer in cache.layers:
+        layer.commit(filled)
 
 
 def growing_cache(config) -> DynamicCache:

@@ -947,6 +947,26 @@ class LeanLayer {
   double scaling_;
 };
 
+// Every decoder layer of one forward in one call (no Python between layers): layer i writes its
+// new keys and values [1, KVH, R, D] into its cache buffers key_buffers[i], value_buffers[i]
+// [1, KVH, slots, D] at slots filled .. filled+R-1 and attends over slots 0 .. filled+R-1 under
+// ``mask`` (as attention()). The same operations as attention_in, a cache update, attention_out.
+torch::Tensor forward_layers(const std::vector<LeanLayer*>& layers, torch::Tensor hidden, const torch::Tensor& cos,
+                             const torch::Tensor& sin, const std::vector<torch::Tensor>& key_buffers,
+                             const std::vector<torch::Tensor>& value_buffers, int64_t filled, const torch::Tensor& mask) {
+  TORCH_CHECK(key_buffers.size() == layers.size() && value_buffers.size() == layers.size(), "one buffer pair a layer");
+  const int64_t R = hidden.size(1);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    TORCH_CHECK(key_buffers[i].size(2) >= filled + R && value_buffers[i].size(2) >= filled + R, "cache buffer too short");
+    const std::vector<torch::Tensor> qkv = layers[i]->attention_in(hidden, cos, sin);
+    key_buffers[i].narrow(2, filled, R).copy_(qkv[1]);
+    value_buffers[i].narrow(2, filled, R).copy_(qkv[2]);
+    hidden = layers[i]->attention_out(hidden, qkv[0], key_buffers[i].narrow(2, 0, filled + R),
+                                      value_buffers[i].narrow(2, 0, filled + R), mask);
+  }
+  return hidden;
+}
+
 // Which integer path was compiled: "avx512-vnni", "avx2" or "portable".
 std::string simd_path() {
 #if defined(KQ_VNNI)
@@ -970,4 +990,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<LinearSpec>, std::vector<LinearSpec>, int64_t, int64_t, int64_t, double>())
       .def("attention_in", &LeanLayer::attention_in, "hidden [1,R,E], cos, sin [1,R,D] -> query, key, value", unlocked)
       .def("attention_out", &LeanLayer::attention_out, "the rest of the layer: [1,R,E] -> [1,R,E]", unlocked);
+  m.def("forward_layers", &forward_layers, "every layer of a forward, keys and values written into the cache's buffers",
+        unlocked);
 }
