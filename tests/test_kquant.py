@@ -143,6 +143,27 @@ def test_every_path_attends_with_the_same_bits(every_path):
     assert cases == 48
 
 
+def test_every_path_gives_the_nucleus_the_same_bits(every_path):
+    """nucleus.cpp's exponential, sums and nucleus on AVX-512 and without it: the same bits, for
+    peaked and flat rows, -inf entries, a row of -inf only, vocabularies around 16-lane blocks,
+    temperature 0 (plain softmax), a tiny temperature, and top-p on and off."""
+    generator = torch.Generator().manual_seed(6)
+    cases = 0
+    for vocab in (5, 16, 33, 1000, 151_936):
+        logits = torch.randn(4, vocab, generator=generator) * torch.tensor([[0.2], [2.0], [9.0], [1.0]])
+        logits[1, ::3] = float("-inf")
+        logits[3] = float("-inf")
+        for temperature, top_p in ((0.0, 1.0), (0.6, 0.9), (1.0, 0.5), (1e-30, 0.9), (1.3, 1.0)):
+            outs = {path: ext.nucleus_probs(logits, temperature, top_p) for path, ext in every_path.items()}
+            first, finite = next(iter(outs.values()))
+            assert finite and first[:3].isfinite().all() and torch.equal(first[3], torch.full((vocab,), 1 / vocab)) \
+                or top_p < 1
+            for path, (out, ok) in outs.items():
+                assert ok and torch.equal(out, first), (path, vocab, temperature, top_p)
+            cases += 1
+    assert cases == 25
+
+
 @pytest.mark.parametrize("kind", ["q4k", "q6k"])
 def test_the_kernel_is_close_to_the_float_product(kind, compiled):
     blocks = random_blocks(kind, 64, 512, seed=2)

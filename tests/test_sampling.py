@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.core.sampling import _top_p_filter, logits_to_probs
+from engine.core.sampling import _top_p_filter, logits_to_probs, torch_logits_to_probs
 
 
 def full_sort_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -48,8 +48,54 @@ def test_no_full_sort_when_the_candidates_hold_the_nucleus(monkeypatch):
         patch.setattr(torch, "sort", small_sorts_only)
         out = _top_p_filter(probs, 0.9, candidates=4)
     assert torch.allclose(out[0, :3], torch.tensor([0.5, 0.3, 0.12]) / 0.92) and out[0, 3:].sum() == 0
-    assert torch.equal(logits_to_probs(torch.log(probs.clamp(min=1e-30)), 1.0, 0.9), full_sort_nucleus(
+    assert torch.equal(torch_logits_to_probs(torch.log(probs.clamp(min=1e-30)), 1.0, 0.9), full_sort_nucleus(
         torch.softmax(torch.log(probs.clamp(min=1e-30)), -1), 0.9))
+
+
+def preceding_mass(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``probs [R, V]``, sorted descending: the values and the mass before each (float64)."""
+    values = torch.sort(probs.double(), dim=-1, descending=True).values
+    return values, torch.cumsum(values, dim=-1) - values
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.3, 0.6, 1.0, 1.7])
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_the_compiled_nucleus_is_the_torch_nucleus_to_a_rounding(temperature, top_p):
+    """The kernels' one-call softmax and top-p (what the engine runs on CPU) against torch's
+    operations: the same tokens kept, probabilities within a few float roundings, and on its own
+    output the nucleus property: the kept tokens' preceding mass is below top_p and they hold at
+    least top_p of the unfiltered law. Peaked, middling and flat rows (the flat ones need the
+    wider listings), a vocabulary that is not a multiple of 16, -inf entries."""
+    from engine.backends.kquant import _extension
+
+    if _extension() is None:
+        pytest.fail("the kernels did not build: a C++ compiler and ninja are part of the install")
+    generator = torch.Generator().manual_seed(int(temperature * 10 + top_p * 100))
+    logits = torch.randn(6, 151_933, generator=generator) * torch.tensor([[0.3], [1.0], [3.0], [6.0], [12.0], [2.0]])
+    logits[5, ::7] = float("-inf")
+    fused = logits_to_probs(logits, temperature, top_p)
+    reference = torch_logits_to_probs(logits, temperature, top_p)
+    for row in range(6):  # a nucleus of 100,000 near-equal tokens may end one or two tokens apart
+        differ = int(((fused[row] > 0) != (reference[row] > 0)).sum())
+        assert differ <= 2 and (differ == 0 or int((reference[row] > 0).sum()) > 50_000)
+        if differ == 0:
+            torch.testing.assert_close(fused[row], reference[row], rtol=2e-6, atol=1e-12)
+    whole = logits_to_probs(logits, temperature, 1.0)
+    for row in range(6):
+        kept = fused[row] > 0
+        values, before = preceding_mass(whole[row][kept][None])
+        assert (before < top_p).all() and float(values.sum()) >= top_p - 1e-6
+        assert float(fused[row].double().sum()) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_the_compiled_nucleus_refuses_non_finite_logits():
+    from engine.errors import InvalidDistributionError
+
+    for bad in (float("nan"), float("inf")):
+        logits = torch.zeros(2, 100)
+        logits[1, 17] = bad
+        with pytest.raises(InvalidDistributionError):
+            logits_to_probs(logits, 0.6, 0.9)
 
 
 def test_sampling_keeps_only_what_the_engine_uses():
@@ -138,10 +184,11 @@ def test_a_row_of_minus_infinity_is_uniform_and_other_rows_are_untouched():
     """A row with no finite logit (every token masked) is taken as uniform at T > 0, as before the
     shift-and-scale became one pass; a row beside it keeps its own softmax, -inf entries at 0."""
     logits = torch.tensor([[float("-inf")] * 4, [0.0, 1.0, float("-inf"), 2.0]])
-    probs = logits_to_probs(logits, temperature=0.7)
-    assert torch.equal(probs[0], torch.full((4,), 0.25))
-    assert torch.equal(probs[1], torch.softmax(torch.tensor([0.0, 1.0, float("-inf"), 2.0]) / 0.7, dim=-1))
-    assert probs[1, 2] == 0
+    expected = torch.softmax(torch.tensor([0.0, 1.0, float("-inf"), 2.0]) / 0.7, dim=-1)
+    for probs in (logits_to_probs(logits, temperature=0.7), logits_to_probs(logits, 0.7, 0.999)):
+        assert torch.equal(probs[0], torch.full((4,), 0.25))
+        torch.testing.assert_close(probs[1], expected, rtol=1e-6, atol=0)
+        assert probs[1, 2] == 0
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), -1e-3])

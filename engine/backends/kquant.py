@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 SUPER_BLOCK = 256
 TILE = 16
-SOURCE = Path(__file__).with_name("csrc") / "kquant.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("kquant.cpp", "nucleus.cpp")]
 ATTENTION_NAME = "kquant"
 CACHE_FORMAT = 3  # bump when the packed layout changes (2: Q6_K at 6 bits a weight, not 8; 3: d, dmin as fp16)
 
@@ -74,11 +74,11 @@ def compile_kernels(march: str = "native"):
 
     from engine.models.loading import cache_dir
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + torch.__version__.encode()).hexdigest()[:12]
     tag = "" if march == "native" else "_" + march.replace("-", "_")  # a module name of its own per path
     build = cache_dir() / "kernels" / f"kquant-{digest}{tag}"
     build.mkdir(parents=True, exist_ok=True)
-    return load(name="sequoia_kquant" + tag, sources=[str(SOURCE)], build_directory=str(build),
+    return load(name="sequoia_kquant" + tag, sources=[str(s) for s in SOURCES], build_directory=str(build),
                 extra_cflags=["-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=os.environ.get("SEQUOIA_VERBOSE_BUILD") == "1")
 
