@@ -126,6 +126,30 @@ def _ordered_law(q: list[float], count: int) -> dict[tuple[int, ...], float]:
     return law
 
 
+def test_the_compiled_draw_picks_the_token_the_cumsum_picks():
+    """``draw_index`` (the CPU path of sample_token) against torch's float64 prefix sums and
+    searchsorted, for the same uniforms: the same token every time, over sparse nuclei, dense
+    rows, tiny masses and uniforms at the ends."""
+    from engine.backends.kquant import _extension
+
+    extension = _extension()
+    if extension is None:
+        pytest.fail("the kernels did not build: a C++ compiler and ninja are part of the install")
+    generator = torch.Generator().manual_seed(11)
+    rows = [logits_to_probs(torch.randn(151_936, generator=generator) * scale, 0.6, top_p)
+            for scale, top_p in ((4.0, 0.9), (1.0, 1.0), (12.0, 0.5))]
+    rows.append(torch.tensor([0.0, 1e-30, 0.0, 3e-8, 0.5, 0.0]))
+    checked = 0
+    for row in rows:
+        cdf = torch.cumsum(row, dim=-1, dtype=torch.float64)
+        for u01 in torch.cat([torch.rand(300, generator=generator, dtype=torch.float64),
+                              torch.tensor([0.0, 1e-300, 0.5, 1 - 2 ** -53], dtype=torch.float64)]).tolist():
+            expected = int(torch.searchsorted(cdf, torch.tensor([u01], dtype=torch.float64) * cdf[-1], right=True))
+            assert extension.draw_index(row, u01) == (expected if expected < row.shape[0] else -1)
+            checked += 1
+    assert checked == 4 * 304
+
+
 @pytest.mark.parametrize("q", [[0.4, 0.3, 0.2, 0.1, 0.0], [0.97, 0.02, 0.006, 0.004, 0.0]],
                          ids=["spread", "one-token-holds-97pc"])  # the second needs the mass-removal fallback
 def test_children_without_replacement_follow_the_sequential_law(q):

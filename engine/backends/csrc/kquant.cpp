@@ -969,6 +969,8 @@ torch::Tensor forward_layers(const std::vector<LeanLayer*>& layers, torch::Tenso
 
 // nucleus.cpp: logits to a softmax restricted to its top-p nucleus, and whether the logits were finite.
 std::tuple<torch::Tensor, bool> nucleus_probs(const torch::Tensor& logits, double temperature, double top_p);
+// nucleus.cpp: the token an inverse-CDF draw with uniform u01 picks from probs [V] (-1: draw again).
+int64_t draw_index(const torch::Tensor& probs, double u01);
 
 // Which integer path was compiled: "avx512-vnni", "avx2" or "portable".
 std::string simd_path() {
@@ -988,6 +990,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations, "int8 activations per 256-input block");
   m.def("attention", &attention, "batch-invariant attention for one sequence", unlocked);
   m.def("nucleus_probs", &nucleus_probs, "softmax at a temperature, restricted to the top-p nucleus", unlocked);
+  m.def("draw_index", &draw_index, "the token an inverse-CDF draw picks (float64 prefix sums)", unlocked);
   m.def("simd_path", &simd_path, "which integer path was compiled (avx512-vnni, avx2, portable)");
   pybind11::class_<LeanLayer>(m, "LeanLayer", pybind11::module_local())
       .def(pybind11::init<torch::Tensor, double, torch::Tensor, double, std::vector<LinearSpec>, std::vector<LinearSpec>,

@@ -224,3 +224,26 @@ std::tuple<torch::Tensor, bool> nucleus_probs(const torch::Tensor& logits, doubl
   }
   return {out.reshape(logits.sizes()), ok};
 }
+
+// The token an inverse-CDF draw picks from probs [V] (float32, non-negative): the first index whose
+// prefix sum exceeds u01 * total, the prefix sums and the total accumulated in double in index
+// order (torch.cumsum(probs, dtype=float64) computes the same values, so the same u01 picks the same
+// token); -1 when u01 * total rounds up to the total (draw again). Zeros add nothing to a double
+// sum, so they are skipped.
+int64_t draw_index(const torch::Tensor& probs, double u01) {
+  TORCH_CHECK(probs.dim() == 1 && probs.scalar_type() == torch::kFloat32 && probs.device().is_cpu(), "float32 CPU [V]");
+  const torch::Tensor row = probs.contiguous();
+  const float* p = row.data_ptr<float>();
+  const int64_t V = row.size(0);
+  double total = 0.0;
+  for (int64_t i = 0; i < V; ++i)
+    if (p[i] != 0.f) total = total + static_cast<double>(p[i]);
+  const double u = u01 * total;
+  double mass = 0.0;
+  for (int64_t i = 0; i < V; ++i) {
+    if (p[i] == 0.f) continue;
+    mass = mass + static_cast<double>(p[i]);
+    if (mass > u) return i;
+  }
+  return -1;
+}
