@@ -1,12 +1,13 @@
-"""A lean forward for the k-quant models: one Python loop over the decoder layers, each layer two
-calls into the kernels' extension.
+"""A lean forward for the k-quant models: every decoder layer in the kernels' extension, in one
+call per forward on a growing KV cache (``forward_layers``, which writes keys and values straight
+into the cache's buffers), else in two calls a layer around the cache's own update.
 
 A Hugging Face decoder layer costs about as much in Python and torch dispatch as in arithmetic on
 2 CPU cores once its matrices are 4-bit: every layer runs a dozen module calls, keyword-argument
 plumbing, an attention-interface lookup and some forty small torch operations. :class:`LeanDecoder`
 runs each layer as the extension's ``LeanLayer`` (``engine/backends/csrc/kquant.cpp``): the norm,
-q/k/v as one kernel pass over their stacked tiles, rotary, then (after the KV-cache update, which
-stays the cache's own) attention, the output projection, the residual and the MLP. Per element those
+q/k/v as one kernel pass over their stacked tiles, rotary, then (after the KV-cache write)
+attention, the output projection, the residual and the MLP. Per element those
 are the model's own operations in the same order: the norms and SiLU through the same ATen calls,
 adds, products and rotary by hand (the same IEEE operations, as the extension is built without
 fused multiply-adds), and the kernel computes each output column with the same instructions
