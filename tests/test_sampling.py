@@ -89,8 +89,11 @@ def test_the_compiled_nucleus_is_the_torch_nucleus_to_a_rounding(temperature, to
 
 
 def test_the_compiled_nucleus_refuses_non_finite_logits():
+    from engine.backends.kquant import _extension
+    from engine.core.sampling import COMPILED
     from engine.errors import InvalidDistributionError
 
+    assert _extension() is not None and COMPILED["nucleus_probs"] is _extension().nucleus_probs  # loading registers
     for bad in (float("nan"), float("inf")):
         logits = torch.zeros(2, 100)
         logits[1, 17] = bad

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from engine.backends.gguf_file import GGUFTensor, read_blocks, read_dequantised
+from engine.core.sampling import use_compiled_kernels
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +61,12 @@ def _extension():
     if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
         os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
     try:
-        return compile_kernels("native")
+        extension = compile_kernels("native")
     except (OSError, RuntimeError, ImportError) as exc:
         log.warning("the k-quant kernels could not be built (%s); using the pure-torch reference", exc)
         return None
+    use_compiled_kernels(extension)  # sampling's softmax, top-p and draws go through them too
+    return extension
 
 
 def compile_kernels(march: str = "native"):

@@ -16,7 +16,8 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float
     With top-p on CPU float32 logits, the compiled kernels compute it in one call
     (``nucleus_probs``, engine/backends/csrc/nucleus.cpp: the same law to a float rounding or two,
     the same bits on every machine with the kernels; about 0.2 ms a row of 151,936 tokens where
-    torch's dozen operations take 1 to 2 ms). Without the kernels, torch does.
+    torch's dozen operations take 1 to 2 ms), once a backend has loaded them
+    (:func:`use_compiled_kernels`). Without the kernels, torch does.
     """
     fused = _nucleus_kernel() if top_p < 1.0 and logits.dtype == torch.float32 and logits.device.type == "cpu" else None
     if fused is not None:
@@ -30,21 +31,24 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float
 NON_FINITE = "the model produced NaN/inf logits: load it in float32 (--dtype float32) or check its weights"
 
 
+COMPILED: dict[str, object] = {}  # name -> compiled function, once a backend has loaded its kernels
+
+
+def use_compiled_kernels(extension) -> None:
+    """Sample through ``extension``'s ``nucleus_probs`` and ``draw_index`` from now on. The core
+    builds no kernels: :func:`engine.backends.kquant._extension` calls this when its kernels load
+    (the int4 models load them; so do ``make run`` and ``make test``)."""
+    COMPILED.update(nucleus_probs=extension.nucleus_probs, draw_index=extension.draw_index)
+
+
 def _nucleus_kernel():
-    """The compiled ``nucleus_probs``, or None when the kernels cannot be built here."""
-    return _kernel("nucleus_probs")
+    """The compiled ``nucleus_probs``, or None before any backend loaded the kernels."""
+    return COMPILED.get("nucleus_probs")
 
 
 def _draw_kernel():
-    """The compiled ``draw_index``, or None when the kernels cannot be built here."""
-    return _kernel("draw_index")
-
-
-def _kernel(name: str):
-    from engine.backends.kquant import _extension
-
-    extension = _extension()
-    return None if extension is None else getattr(extension, name)
+    """The compiled ``draw_index``, or None before any backend loaded the kernels."""
+    return COMPILED.get("draw_index")
 
 
 def torch_logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
