@@ -162,6 +162,13 @@ def test_every_path_gives_the_nucleus_the_same_bits(every_path):
                 assert ok and torch.equal(out, first), (path, vocab, temperature, top_p)
             cases += 1
     assert cases == 25
+    # a row of -inf after a row whose likely tokens leave out token 0: its nucleus is its own
+    rows = torch.tensor([[-20.0, 5, 5, 5, 5], [float("-inf")] * 5])
+    for extension in every_path.values():
+        out, finite = extension.nucleus_probs(rows, 1.0, 0.5)
+        assert finite and torch.equal(out[1], extension.nucleus_probs(rows[1:], 1.0, 0.5)[0][0])
+        assert torch.equal(out[1] > 0, torch.tensor([True, True, True, False, False]))
+        torch.testing.assert_close(out[1, :3], torch.full((3,), 1 / 3), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("kind", ["q4k", "q6k"])

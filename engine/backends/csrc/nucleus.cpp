@@ -213,12 +213,13 @@ std::tuple<torch::Tensor, bool> nucleus_probs(const torch::Tensor& logits, doubl
       ok = false;
       continue;
     }
-    if (top == -INFINITY) {  // every logit -inf: each z is NaN, taken as 0
-      std::fill(p, p + V, 1.f / static_cast<float>(V));
-      if (top_p < 1.0) keep_nucleus(p, V, top_p, likely);
-      continue;
+    float total;
+    if (top == -INFINITY) {  // every logit -inf: each z is NaN, taken as 0, so each exponential is 1
+      std::fill(p, p + V, 1.f);
+      total = static_cast<float>(V);
+    } else {
+      total = exponentials(row, p, V, top, static_cast<float>(temperature));
     }
-    const float total = exponentials(row, p, V, top, static_cast<float>(temperature));
     divide_and_list(p, V, total, top_p < 1.0 ? LIKELY : INFINITY, likely);
     if (top_p < 1.0) keep_nucleus(p, V, top_p, likely);
   }
