@@ -19,7 +19,7 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float
     torch's dozen operations take 1 to 2 ms), once a backend has loaded them
     (:func:`use_compiled_kernels`). Without the kernels, torch does.
     """
-    fused = _nucleus_kernel() if top_p < 1.0 and logits.dtype == torch.float32 and logits.device.type == "cpu" else None
+    fused = COMPILED.get("nucleus_probs") if top_p < 1.0 and logits.dtype == torch.float32 and logits.device.type == "cpu" else None
     if fused is not None:
         probs, finite = fused(logits, float(temperature), float(top_p))
         if not finite:
@@ -39,16 +39,6 @@ def use_compiled_kernels(extension) -> None:
     builds no kernels: :func:`engine.backends.kquant._extension` calls this when its kernels load
     (the int4 models load them; so do ``make run`` and ``make test``)."""
     COMPILED.update(nucleus_probs=extension.nucleus_probs, draw_index=extension.draw_index)
-
-
-def _nucleus_kernel():
-    """The compiled ``nucleus_probs``, or None before any backend loaded the kernels."""
-    return COMPILED.get("nucleus_probs")
-
-
-def _draw_kernel():
-    """The compiled ``draw_index``, or None before any backend loaded the kernels."""
-    return COMPILED.get("draw_index")
 
 
 def torch_logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
@@ -131,7 +121,7 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator | None = None,
     float32 without ``cdf`` the compiled ``draw_index`` does the same sums and comparison in one
     pass (the same token for the same generator state).
     """
-    draw = _draw_kernel() if cdf is None and probs.dtype == torch.float32 and probs.device.type == "cpu" else None
+    draw = COMPILED.get("draw_index") if cdf is None and probs.dtype == torch.float32 and probs.device.type == "cpu" else None
     if draw is not None:  # the same prefix sums and comparison in one compiled pass, skipping zeros
         while True:
             index = draw(probs, float(torch.rand(1, generator=generator, dtype=torch.float64)))
