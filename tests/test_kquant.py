@@ -143,6 +143,18 @@ def test_every_path_attends_with_the_same_bits(every_path):
     assert cases == 48
 
 
+def test_every_path_lets_a_nan_score_show(every_path):
+    """Attention's exponential (fixed_exp.h) maps -inf to 0 for masked keys but keeps NaN: a NaN in
+    a visible key reaches every row that sees it, on every path, and never a row that does not."""
+    for heads, kv_heads, dim in ((12, 2, 128), (6, 3, 32)):
+        q = torch.randn(heads, 3, dim)
+        k, v = torch.randn(kv_heads, 40, dim), torch.randn(kv_heads, 40, dim)
+        k[:, 38] = float("nan")  # key 38: seen by rows 1 and 2 of a causal chunk of 3 over 40 keys
+        for path, ext in every_path.items():
+            out = ext.attention(q, k, v, torch.empty(0), dim ** -0.5)  # [rows, heads, dim]
+            assert out[0].isfinite().all() and out[1:].isnan().all(), (path, dim)
+
+
 def test_every_path_gives_the_nucleus_the_same_bits(every_path):
     """nucleus.cpp's exponential, sums and nucleus on AVX-512 and without it: the same bits, for
     peaked and flat rows, -inf entries, a row of -inf only, vocabularies around 16-lane blocks,

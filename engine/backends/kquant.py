@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 SUPER_BLOCK = 256
 TILE = 16
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("kquant.cpp", "nucleus.cpp")]
+HEADERS = [Path(__file__).with_name("csrc") / "fixed_exp.h"]  # part of the build's digest, not compiled alone
 ATTENTION_NAME = "kquant"
 CACHE_FORMAT = 3  # bump when the packed layout changes (2: Q6_K at 6 bits a weight, not 8; 3: d, dmin as fp16)
 
@@ -77,7 +78,7 @@ def compile_kernels(march: str = "native"):
 
     from engine.models.loading import cache_dir
 
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + torch.__version__.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + torch.__version__.encode()).hexdigest()[:12]
     tag = "" if march == "native" else "_" + march.replace("-", "_")  # a module name of its own per path
     build = cache_dir() / "kernels" / f"kquant-{digest}{tag}"
     build.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "fixed_exp.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define KQ_VNNI 1
@@ -657,12 +659,19 @@ static torch::Tensor rows_contiguous(const torch::Tensor& t) {
   return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
 }
 
+// A key's weight e^(score - top): 0 for a masked key (-inf), NaN kept so that it shows in the output.
+inline float key_weight(float score, float top) {
+  const float shifted = score - top;
+  return score == -INFINITY ? 0.f : std::isnan(shifted) ? shifted : fixed_exp::exp_scalar(shifted);
+}
+
 // One (head, row) of attention, the reference order every path computes: for each visible key j in
 // order, a 16-lane dot product summed over the head's 16-wide chunks in order then halved as a tree
 // (lanes i + i+8, then i + i+4, i + i+2, i + i+1); the score times the scale plus the mask's bias;
-// exponentials against the row's maximum, summed in key order; the values weighted in key order
-// (zero weights skipped), each lane divided by the sum. Masked keys (-inf) take no part, so a row's
-// bits depend only on the sequence of keys it sees, never on where they lie or on the other rows.
+// exponentials against the row's maximum (fixed_exp.h's, NaN kept), summed in key order; the
+// values weighted in key order (zero weights skipped), each lane divided by the sum. Masked keys
+// (-inf) take no part, so a row's bits depend only on the sequence of keys it sees, never on
+// where they lie or on the other rows.
 void attend_scalar(const float* qv, const float* kp, const float* vp, const float* bias_row, int64_t visible,
                    int64_t D, float scale, float* ov, std::vector<float>& p, std::vector<float>& acc) {
   float top = -INFINITY;
@@ -680,7 +689,7 @@ void attend_scalar(const float* qv, const float* kp, const float* vp, const floa
   }
   float total = 0.f;
   for (int64_t j = 0; j < visible; ++j) {
-    p[j] = p[j] == -INFINITY ? 0.f : std::exp(p[j] - top);
+    p[j] = key_weight(p[j], top);
     total = total + p[j];
   }
   for (int64_t c = 0; c < D; ++c) acc[c] = 0.f;
@@ -751,11 +760,17 @@ void attend_group(const float* q0, int64_t q_step, int64_t G, const float* kp, c
       tops = _mm512_mask_max_ps(tops, valid, s, tops);  // a NaN score leaves the maximum alone, as fmax
     }
     const float top = _mm512_reduce_max_ps(tops);
-    float total = 0.f;
-    for (int64_t m = 0; m < n; ++m) {
-      p[m] = p[m] == -INFINITY ? 0.f : std::exp(p[m] - top);
-      total = total + p[m];
+    const __m512 topv = _mm512_set1_ps(top), minus_inf = _mm512_set1_ps(-INFINITY);
+    for (int64_t m0 = 0; m0 < n; m0 += 16) {  // key_weight, 16 keys at a time
+      const __mmask16 valid = n - m0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - m0)) - 1);
+      const __m512 score = _mm512_maskz_loadu_ps(valid, p + m0), shifted = _mm512_sub_ps(score, topv);
+      __m512 w = _mm512_mask_mov_ps(fixed_exp::exp_lanes(shifted), _mm512_cmp_ps_mask(shifted, shifted, _CMP_UNORD_Q),
+                                    shifted);
+      w = _mm512_mask_mov_ps(w, _mm512_cmp_ps_mask(score, minus_inf, _CMP_EQ_OQ), zero);
+      _mm512_mask_storeu_ps(p + m0, valid, w);
     }
+    float total = 0.f;
+    for (int64_t m = 0; m < n; ++m) total = total + p[m];
     __m512 acc[DC];
     #pragma GCC unroll 16
     for (int c = 0; c < DC; ++c) acc[c] = zero;

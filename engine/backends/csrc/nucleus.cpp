@@ -18,6 +18,8 @@
 #include <tuple>
 #include <vector>
 
+#include "fixed_exp.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define NUCLEUS_AVX512 1
@@ -25,63 +27,14 @@
 
 namespace {
 
-constexpr float LOG2E = 1.44269504088896341f;
-constexpr float LN2_HI = 0.693359375f;  // ln 2 in 9 bits: n * LN2_HI is exact for |n| < 2^15
-constexpr float LN2_LO = -2.12194440e-4f;
-constexpr float EXP_UNDERFLOW = -87.3365447f;  // below: 0 (2^n would leave the normal range)
-// The classic single-precision minimax polynomial for e^r - 1 - r on |r| <= ln2 / 2, over r^2.
-constexpr float P0 = 1.9875691500e-4f, P1 = 1.3981999507e-3f, P2 = 8.3334519073e-3f, P3 = 4.1665795894e-2f,
-                P4 = 1.6666665459e-1f, P5 = 5.0000001201e-1f;
-constexpr float LIKELY = 1e-3f;     // the nucleus is first looked for among tokens at least this likely
-constexpr float POSSIBLE = 1e-7f;   // then among these, then (rarely) every token with mass
-
-// e^x for x <= 0 (the shifted logits); about 1 ulp. The vector version below is the same
-// operations lane by lane.
-inline float exp_scalar(float x) {
-  if (!(x >= EXP_UNDERFLOW)) return 0.f;  // -inf and the underflow range
-  const float n = std::nearbyint(x * LOG2E);
-  const float r = (x - n * LN2_HI) - n * LN2_LO;
-  const float r2 = r * r;
-  float p = P0;
-  p = p * r + P1;
-  p = p * r + P2;
-  p = p * r + P3;
-  p = p * r + P4;
-  p = p * r + P5;
-  p = p * r2 + r;
-  p = p + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
+using fixed_exp::exp_scalar;
+using fixed_exp::halving;
 #if defined(NUCLEUS_AVX512)
-inline __m512 exp_lanes(__m512 x) {
-  const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_UNDERFLOW), _CMP_GE_OQ);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(LN2_HI))),
-                                 _mm512_mul_ps(n, _mm512_set1_ps(LN2_LO)));
-  const __m512 r2 = _mm512_mul_ps(r, r);
-  __m512 p = _mm512_set1_ps(P0);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P1));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P2));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P3));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P4));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P5));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r2), r);
-  p = _mm512_add_ps(p, _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(kept, p, _mm512_castsi512_ps(bits));
-}
+using fixed_exp::exp_lanes;
 #endif
 
-// lanes[0..15] halved as a tree: i + i+8, i + i+4, i + i+2, i + i+1.
-inline float halving(float* lanes) {
-  for (int w = 8; w >= 1; w /= 2)
-    for (int i = 0; i < w; ++i) lanes[i] = lanes[i] + lanes[i + w];
-  return lanes[0];
-}
+constexpr float LIKELY = 1e-3f;     // the nucleus is first looked for among tokens at least this likely
+constexpr float POSSIBLE = 1e-7f;   // then among these, then (rarely) every token with mass
 
 // e[i] = exp(z_i), z_i = (x_i - top) / temperature (x_i - top when temperature is 0; a NaN z, from
 // 0 / 0 at a temperature below float's range, taken as 0); returns the sum of e.
