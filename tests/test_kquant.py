@@ -155,6 +155,22 @@ def test_every_path_lets_a_nan_score_show(every_path):
             assert out[0].isfinite().all() and out[1:].isnan().all(), (path, dim)
 
 
+def test_every_path_normalises_as_the_models_rms_norm_bit_for_bit(every_path):
+    """The layers' RMSNorm by hand around ATen's sum equals the models' own formula (Qwen2RMSNorm,
+    LlamaRMSNorm) bit for bit: widths of the default pair and odd ones, 1 to 17 rows, tiny, large
+    and mixed scales."""
+    generator = torch.Generator().manual_seed(9)
+    for width in (7, 64, 100, 896, 1000, 1536, 3584):
+        for rows in (1, 2, 3, 17):
+            scale = torch.tensor([1e-3, 1.0, 40.0])[torch.randint(0, 3, (rows, 1), generator=generator)]
+            x = torch.randn(1, rows, width, generator=generator) * scale
+            weight = torch.randn(width, generator=generator)
+            for eps in (1e-6, 1e-5):
+                expected = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+                for path, ext in every_path.items():
+                    assert torch.equal(ext.rms_norm(x, weight, eps), expected), (path, width, rows, eps)
+
+
 def test_every_path_gives_the_nucleus_the_same_bits(every_path):
     """nucleus.cpp's exponential, sums and nucleus on AVX-512 and without it: the same bits, for
     peaked and flat rows, -inf entries, a row of -inf only, vocabularies around 16-lane blocks,
