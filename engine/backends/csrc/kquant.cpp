@@ -918,30 +918,43 @@ class LeanLayer {
   // hidden [1, R, E], cos and sin [1, R, D] -> (query [H, R, D], key and value [1, KVH, R, D]), rotated.
   std::vector<torch::Tensor> attention_in(const torch::Tensor& hidden, const torch::Tensor& cos,
                                           const torch::Tensor& sin) const {
+    const int64_t R = hidden.size(1);
+    auto key = torch::empty({1, kv_heads_, R, dim_}, torch::kFloat32);
+    auto value = torch::empty({1, kv_heads_, R, dim_}, torch::kFloat32);
+    return {project(hidden, cos, sin, key.data_ptr<float>(), value.data_ptr<float>(), R), key, value};
+  }
+
+  // Whether ``buffer`` is a KV-cache buffer [1, KVH, slots, D] of this layer's heads.
+  bool fits(const torch::Tensor& buffer) const {
+    return buffer.dim() == 4 && buffer.size(0) == 1 && buffer.size(1) == kv_heads_ && buffer.size(3) == dim_;
+  }
+
+  // attention_in's query; its keys and values go straight to kp, vp: row r of key/value head h at
+  // (h * slots + r) * D (a cache buffer [1, KVH, slots, D] from its first new slot, or [1, KVH, R, D]).
+  torch::Tensor project(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin, float* kp,
+                        float* vp, int64_t slots) const {
     const int64_t R = hidden.size(1), D = dim_, half = D / 2, H = heads_, KVH = kv_heads_;
     const torch::Tensor qkv = products(qkv_, rms_norm(hidden, norm1_, eps1_));
     TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "q/k/v outputs do not match the heads");
     auto query = torch::empty({H, R, D}, torch::kFloat32);
-    auto key = torch::empty({1, KVH, R, D}, torch::kFloat32);
-    auto value = torch::empty({1, KVH, R, D}, torch::kFloat32);
     const torch::Tensor c = cos.contiguous(), s = sin.contiguous();
     const float *src = qkv.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
-    float *qp = query.data_ptr<float>(), *kp = key.data_ptr<float>(), *vp = value.data_ptr<float>();
+    float* qp = query.data_ptr<float>();
     const int64_t width = qkv.size(1);
     for (int64_t r = 0; r < R; ++r) {
       const float *cr = cp + r * D, *sr = sp + r * D;
       for (int64_t h = 0; h < H + KVH; ++h) {  // x*cos + rotate_half(x)*sin, as apply_rotary_pos_emb
         const float* x = src + r * width + h * D;
-        float* y = h < H ? qp + (h * R + r) * D : kp + ((h - H) * R + r) * D;
+        float* y = h < H ? qp + (h * R + r) * D : kp + ((h - H) * slots + r) * D;
         for (int64_t i = 0; i < D; ++i) {
           const float rotated = i < half ? -x[i + half] : x[i - half];
           y[i] = x[i] * cr[i] + rotated * sr[i];
         }
       }
       for (int64_t h = 0; h < KVH; ++h)
-        std::memcpy(vp + (h * R + r) * D, src + r * width + (H + KVH + h) * D, D * sizeof(float));
+        std::memcpy(vp + (h * slots + r) * D, src + r * width + (H + KVH + h) * D, D * sizeof(float));
     }
-    return {query, key, value};
+    return query;
   }
 
   // The rest of the layer: attention over key/value [1, KVH, L, D] under ``mask`` (as attention()),
@@ -984,19 +997,25 @@ class LeanLayer {
 // Every decoder layer of one forward in one call (no Python between layers): layer i writes its
 // new keys and values [1, KVH, R, D] into its cache buffers key_buffers[i], value_buffers[i]
 // [1, KVH, slots, D] at slots filled .. filled+R-1 and attends over slots 0 .. filled+R-1 under
-// ``mask`` (as attention()). The same operations as attention_in, a cache update, attention_out.
+// ``mask`` (as attention()). The same operations as attention_in, a cache update, attention_out; the
+// new keys and values are written where the cache keeps them, never copied.
 torch::Tensor forward_layers(const std::vector<LeanLayer*>& layers, torch::Tensor hidden, const torch::Tensor& cos,
                              const torch::Tensor& sin, const std::vector<torch::Tensor>& key_buffers,
                              const std::vector<torch::Tensor>& value_buffers, int64_t filled, const torch::Tensor& mask) {
   TORCH_CHECK(key_buffers.size() == layers.size() && value_buffers.size() == layers.size(), "one buffer pair a layer");
   const int64_t R = hidden.size(1);
   for (size_t i = 0; i < layers.size(); ++i) {
-    TORCH_CHECK(key_buffers[i].size(2) >= filled + R && value_buffers[i].size(2) >= filled + R, "cache buffer too short");
-    const std::vector<torch::Tensor> qkv = layers[i]->attention_in(hidden, cos, sin);
-    key_buffers[i].narrow(2, filled, R).copy_(qkv[1]);
-    value_buffers[i].narrow(2, filled, R).copy_(qkv[2]);
-    hidden = layers[i]->attention_out(hidden, qkv[0], key_buffers[i].narrow(2, 0, filled + R),
-                                      value_buffers[i].narrow(2, 0, filled + R), mask);
+    const torch::Tensor &keys = key_buffers[i], &values = value_buffers[i];
+    TORCH_CHECK(layers[i]->fits(keys) && keys.is_contiguous() && values.is_contiguous() &&
+                    keys.sizes() == values.sizes() && keys.scalar_type() == torch::kFloat32 &&
+                    values.scalar_type() == torch::kFloat32,
+                "cache buffers must be contiguous float32 [1, KVH, slots, D], keys and values alike");
+    TORCH_CHECK(keys.size(2) >= filled + R, "cache buffer too short");
+    const int64_t slots = keys.size(2), first = filled * keys.size(3);
+    const torch::Tensor query = layers[i]->project(hidden, cos, sin, keys.data_ptr<float>() + first,
+                                                   values.data_ptr<float>() + first, slots);
+    hidden = layers[i]->attention_out(hidden, query, keys.narrow(2, 0, filled + R), values.narrow(2, 0, filled + R),
+                                      mask);
   }
   return hidden;
 }
