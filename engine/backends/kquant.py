@@ -78,7 +78,10 @@ def compile_kernels(march: str = "native"):
 
     from engine.models.loading import cache_dir
 
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + torch.__version__.encode()).hexdigest()[:12]
+    # the sources' folder too: ninja rebuilds when a source's path changes, so two checkouts sharing
+    # one build folder would rebuild each other's kernels at every start (about a minute)
+    key = b"".join(s.read_bytes() for s in SOURCES + HEADERS) + torch.__version__.encode() + str(SOURCES[0].parent).encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
     tag = "" if march == "native" else "_" + march.replace("-", "_")  # a module name of its own per path
     build = cache_dir() / "kernels" / f"kquant-{digest}{tag}"
     build.mkdir(parents=True, exist_ok=True)
