@@ -682,9 +682,7 @@ void attend_scalar(const float* qv, const float* kp, const float* vp, const floa
     float lanes[16] = {0};
     for (int64_t c = 0; c < D; c += 16)
       for (int i = 0; i < 16; ++i) lanes[i] = lanes[i] + qv[c + i] * kv[c + i];
-    for (int w = 8; w >= 1; w /= 2)
-      for (int i = 0; i < w; ++i) lanes[i] = lanes[i] + lanes[i + w];
-    p[j] = lanes[0] * scale + bias;
+    p[j] = fixed_exp::halving(lanes) * scale + bias;
     top = std::fmax(top, p[j]);
   }
   float total = 0.f;
