@@ -136,6 +136,33 @@ def test_six_token_answers_follow_the_targets_law(pair, method, tree, temperatur
         assert accepted > PIT_SAMPLES // 2 and steps < PIT_SAMPLES * PIT_TOKENS, "the verifier was barely exercised"
 
 
+@pytest.mark.parametrize("method,tree,temperature,top_p,confidence", [
+    ("sequoia", Tree.k_ary(2, 2), 0.7, 0.8, 0.5),
+    ("sequoia", Tree.optimal([0.6, 0.2, 0.1], 8, 3), 1.0, 1.0, 0.3),
+    ("specinfer", Tree.k_independent(2, 3), 1.0, 1.0, 0.4),
+    ("chain", Tree.chain(4), 0.7, 0.8, 0.6),
+    ("topk", Tree.k_ary(2, 2), 1.0, 1.0, 0.2),
+])
+def test_six_token_answers_follow_the_targets_law_when_growth_stops_early(pair, method, tree, temperature, top_p,
+                                                                          confidence):
+    """Trees cut below nodes whose draft path confidence is under ``confidence``: the cut depends on
+    the draft alone, so the law stays the target's. Same KS test and threshold as above, and both
+    whole and cut trees must occur."""
+    from scipy.stats import kstest
+
+    target, draft = pair
+    engine = SpeculativeEngine(target, draft, stop_token_ids=[])
+    generator = torch.Generator().manual_seed(77)
+    values, sizes = [], set()
+    for seed in range(PIT_SAMPLES):
+        result = engine.generate(PROMPT, max_new_tokens=PIT_TOKENS, temperature=temperature, top_p=top_p,
+                                 tree=tree, seed=seed, method=method, confidence=confidence)
+        values += pit_values(target, result.tokens, temperature, top_p, generator)
+        sizes.update(len(step.tokens) for step in result.steps)
+    assert kstest(values, "uniform").pvalue > P_MIN
+    assert tree.size in sizes and min(sizes) < tree.size, sorted(sizes)
+
+
 def test_the_six_token_test_catches_a_biased_sampler(pair):
     """The same transform on answers drawn at the wrong temperature fails the same threshold."""
     from scipy.stats import kstest

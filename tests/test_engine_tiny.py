@@ -317,6 +317,96 @@ def test_step_records(qwen, tree_name):
     assert set(record) >= {"tokens", "parents", "ranks", "draft_probs", "target_probs", "accepted", "committed"}
 
 
+# ----- growth by confidence ------------------------------------------------------------------
+def drafted_tree(step) -> Tree:
+    return Tree(tuple(step.parents))
+
+
+def path_confidence(step, node: int) -> float:
+    tree, confidence = drafted_tree(step), 1.0
+    for n in tree.path_to(node)[1:]:
+        confidence *= step.draft_probs[n]
+    return confidence
+
+
+def assert_cut_of(step, full: Tree, threshold: float, stops=frozenset()) -> None:
+    """The drafted tree is ``full`` cut below the nodes whose path confidence is under ``threshold``
+    (or whose token is a stop token): every node keeps all of its children in ``full`` or none."""
+    drafted = drafted_tree(step)
+    full_id = [0]  # drafted node -> node of the full tree, breadth-first in both
+    for node in range(1, drafted.size):
+        parent = full_id[drafted.parents[node]]
+        full_id.append(full.children[parent][drafted.ranks[node] - 1])
+    for node in range(drafted.size):
+        kids, full_kids = drafted.children[node], full.children[full_id[node]]
+        grows = bool(full_kids) and path_confidence(step, node) >= threshold and \
+            (node == 0 or step.tokens[node] not in stops)
+        assert len(kids) == (len(full_kids) if grows else 0), f"node {node} of {drafted.parents}"
+
+
+# The tiny draft's laws are nearly flat (q ~ 0.02 a token): these cut at depth 1, 2 or 3, or never.
+THRESHOLDS = [1e-7, 4e-4, 0.0201, 0.5]
+
+
+@pytest.mark.parametrize("threshold", THRESHOLDS)
+@pytest.mark.parametrize("tree_name", ["chain4", "3ary2", "2indep3", "irregular"])
+def test_growth_by_confidence_stays_exact_and_cuts_where_it_should(qwen, tree_name, threshold):
+    tree = TREES[tree_name]
+    result = engine_for(qwen, "close").generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree, confidence=threshold)
+    assert result.tokens == qwen["ref"]
+    for step in result.steps:
+        assert_cut_of(step, tree, threshold)
+        assert len(step.tokens) == len(step.parents) == len(step.draft_probs) == len(step.target_probs)
+
+
+def test_growth_by_confidence_cuts_some_steps_and_not_others(qwen):
+    """A threshold at the median path confidence of the uncut chain's second level leaves some steps
+    deeper than two and cuts others there: the test above checks both kinds of step."""
+    tree = TREES["chain4"]
+    uncut = engine_for(qwen, "close").generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree)
+    threshold = sorted(path_confidence(step, 2) for step in uncut.steps)[len(uncut.steps) // 2]
+    result = engine_for(qwen, "close").generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree, confidence=threshold)
+    depths = {drafted_tree(step).depth for step in result.steps}
+    assert result.tokens == qwen["ref"]
+    assert min(depths) <= 2 < max(depths), depths
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("tree_name", ["chain4", "3ary2", "irregular"])
+def test_kv_caches_stay_exact_when_growth_stops_early(qwen, tree_name, static):
+    """As test_kv_caches_equal_recomputed_caches_after_each_step, for trees cut by confidence: the
+    draft keeps the accepted nodes of every level it drafted."""
+    engine = engine_for(qwen, "close", static_cache=static)
+    params = engine._validate(list(PROMPT), 64, 0.0, 1.0, TREES[tree_name], 0, [], confidence=0.0201)
+    state = _DecodeState(engine, list(PROMPT), params)
+    state.prefill()
+    cut = 0
+    for n in range(8):
+        before = len(state.seq)
+        record = state.step()
+        drafted = drafted_tree(record)
+        cut += drafted.size < TREES[tree_name].size
+        seq = state.seq
+        assert seq == PROMPT + qwen["ref_long"][: len(seq) - len(PROMPT)]
+        assert_caches_close(state.target_runner, len(seq) - 1, fresh_cache(qwen["target"], seq[:-1]),
+                            f"target after step {n}")
+        assert state.draft_len == before + sum(drafted.depths[a] < drafted.depth for a in record.accepted[1:])
+        assert_caches_close(state.draft_runner, state.draft_len, fresh_cache(qwen["close"], seq[: state.draft_len]),
+                            f"draft after step {n}")
+    assert cut, "no step was cut: the test would not exercise the early stop"
+
+
+def test_nothing_grows_below_a_stop_token(qwen):
+    """With the target's own copy as the draft, a chain stops right after the drafted stop token."""
+    ref = qwen["ref"]
+    stop = ref[1]
+    result = engine_for(qwen, "clone", stop_token_ids=[stop]).generate(PROMPT, max_new_tokens=NEW_TOKENS,
+                                                                       tree=Tree.chain(4))
+    first = result.steps[0]
+    assert first.tokens == [PROMPT[-1], ref[0], stop] and first.parents == [-1, 0, 1]
+    assert result.tokens == ref[:2] and result.finish_reason == "stop"
+
+
 # ----- stopping ------------------------------------------------------------------------------
 def mid_step_stop(result, ref):
     """A (global index, token) that is its first occurrence in ``ref`` and lies strictly inside a
@@ -433,6 +523,11 @@ BAD_CALLS = {
     "chain method, branching tree": (dict(method="chain", tree=Tree.k_ary(2, 2)), InvalidParameterError),
     "auto tree without tuner": (dict(tree="auto"), InvalidParameterError),
     "unknown tree name": (dict(tree="big"), InvalidParameterError),
+    "confidence -0.1": (dict(confidence=-0.1), InvalidParameterError),
+    "confidence 1.5": (dict(confidence=1.5), InvalidParameterError),
+    "confidence nan": (dict(confidence=float("nan")), InvalidParameterError),
+    "confidence str": (dict(confidence="0.5"), InvalidParameterError),
+    "confidence True": (dict(confidence=True), InvalidParameterError),
     "over context": (dict(max_new_tokens=tm.MAX_POSITIONS), ContextOverflowError),
     "prompt over context": (dict(input_ids=[1] * (tm.MAX_POSITIONS + 1), max_new_tokens=1), ContextOverflowError),
 }

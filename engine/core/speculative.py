@@ -6,6 +6,7 @@ tree) is plain autoregressive decoding of the target through the same code path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -37,6 +38,7 @@ class DecodeParams:
     stop_token_ids: frozenset[int]
     method: str = "sequoia"
     trace: bool = False  # record every decision of the acceptance walk in StepRecord.trace
+    confidence: float = 0.0  # grow the tree below a node only while the draft's q along its path reaches this
 
     @property
     def greedy(self) -> bool:
@@ -111,7 +113,8 @@ class SpeculativeEngine:
                top_p: float = 1.0, tree: Tree | str | None = None, seed: int = 0,
                stop_token_ids: list[int] | None = None, method: str = "sequoia",
                should_stop: Callable[[], bool] | None = None,
-               cache: ConversationCache | None = None, trace: bool = False) -> Iterator[StepRecord]:
+               cache: ConversationCache | None = None, trace: bool = False,
+               confidence: float | None = None) -> Iterator[StepRecord]:
         """Yield one :class:`StepRecord` per draft/verify step until a stop token or the budget.
 
         ``input_ids``: the prompt (non-empty list of token ids). ``tree=None`` decodes with the
@@ -141,8 +144,15 @@ class SpeculativeEngine:
         (:class:`~engine.core.records.VerifierEvent`: the child tried, the uniform drawn, the p and q it
         was judged on, the top tokens of p, q and the residual). It costs no model run and draws
         no randomness: the tokens are the same with it or without it. Off, nothing is recorded.
+
+        ``confidence`` in [0, 1]: each step drafts below a node of ``tree`` only while the product
+        of the draft's probabilities along its path reaches it, so confident stretches get deep
+        trees and uncertain ones stop early (the tree in each record is the one drafted). It
+        depends on the draft alone, so exactness is kept. ``None``: 0 (the whole tree every step),
+        or the optimizer's threshold with ``tree="auto"``.
         """
-        params = self._validate(input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids, method)
+        params = self._validate(input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids, method,
+                                confidence)
         if trace:
             params = dataclasses.replace(params, trace=True)
         if params.tree.depth > 0 and self.draft is None:
@@ -160,14 +170,17 @@ class SpeculativeEngine:
 
     # ----- validation -----------------------------------------------------------------------
     def _validate(self, input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids,
-                  method: str = "sequoia") -> DecodeParams:
+                  method: str = "sequoia", confidence: float | None = None) -> DecodeParams:
         if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
             raise InvalidParameterError("input_ids must be a non-empty list of token ids (the prompt is empty)")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in input_ids):
             raise InvalidParameterError(f"input_ids must be integers in [0, {self.vocab_size})")
         check_params(max_new_tokens, temperature, top_p, seed, method)
+        threshold = check_confidence(confidence)
         if isinstance(tree, str) and tree == "auto":
             tree = self._auto_tree(temperature, top_p, method)
+            if confidence is None:
+                threshold = self.last_tree_choice.confidence
         tree = tree if tree is not None and method != "autoregressive" else ROOT_ONLY
         if not isinstance(tree, Tree):
             raise InvalidParameterError(f"tree must be an engine.Tree or None, got {type(tree).__name__}")
@@ -182,7 +195,8 @@ class SpeculativeEngine:
                 f"prompt ({len(input_ids)} tokens) + max_new_tokens ({max_new_tokens}) + tree ({tree.size}) "
                 f"exceeds {what} of {limit} tokens: shorten the prompt or lower max_new_tokens")
         stops = _stop_set(stop_token_ids) if stop_token_ids is not None else self.stop_token_ids
-        return DecodeParams(max_new_tokens, float(temperature), float(top_p), tree, seed, stops, method)
+        return DecodeParams(max_new_tokens, float(temperature), float(top_p), tree, seed, stops, method,
+                            confidence=threshold)
 
 
     def _auto_tree(self, temperature: float, top_p: float, method: str) -> Tree:
@@ -259,11 +273,10 @@ class _DecodeState:
                 raise RuntimeError("another generation started on this engine and took its preallocated caches: "
                                    "with static_cache, finish (or drop) one generation before starting the next")
         timings = StepTimings()
-        tree = self.params.tree
         prefix = len(self.seq) - 1  # position of the root
         with torch.inference_mode():
             t0 = time.perf_counter()
-            tokens, draft_probs, draft_dists = self._draft_tree(tree)
+            tree, tokens, draft_probs, draft_dists = self._draft_tree(self.params.tree)
             t1 = time.perf_counter()
             target_logits = self.target_runner.forward(tokens, start=prefix, tail=tree.ancestor_matrix,
                                                        positions=tree.position_ids(prefix))
@@ -290,40 +303,60 @@ class _DecodeState:
         return record
 
     # ----- drafting -----------------------------------------------------------------------
-    def _draft_tree(self, tree: Tree) -> tuple[list[int], list[float], dict[int, torch.Tensor]]:
-        """Expand the tree level by level with the draft.
+    def _draft_tree(self, tree: Tree) -> tuple[Tree, list[int], list[float], dict[int, torch.Tensor]]:
+        """Expand ``tree`` level by level with the draft, growing below a node only while its path
+        confidence (the product of the draft's q along the path, root = 1) reaches
+        ``params.confidence``; a level none of whose nodes grows is not drafted at all.
 
-        Returns node tokens, q(token | parent) per node, and the draft distribution ``[V]`` each
-        node's children were drawn from (nodes with children only).
+        Nothing grows below a stop token either (an accepted one ends the answer).
+
+        Returns the tree actually drafted (``tree`` itself when nothing was cut; a node keeps all
+        its children or none), its node tokens, q(token | parent) per node, and the draft
+        distribution ``[V]`` each node's children were drawn from (nodes with children only).
+        The cut depends on the draft alone, never on the target, so verification stays exact.
         """
         tokens, probs, dists = [self.seq[-1]], [1.0], {}
         if tree.depth == 0:
-            return tokens, probs, dists
-        runner = self.draft_runner
+            return tree, tokens, probs, dists
+        runner, threshold = self.draft_runner, self.params.confidence
         # Catch-up: committed tokens the draft has not seen yet, the root last.
         level_logits = runner.forward(self.seq[self.draft_len:], start=self.draft_len, logits_to_keep=1)
         self.draft_len = len(self.seq)
-        for level in range(1, tree.depth + 1):
-            parents = tree.level_slices[level - 1]
+        full_id, parents, confidence = [0], [-1], [1.0]  # per drafted node: its node in ``tree``, parent, path q
+
+        def grows(node: int) -> bool:  # a stop token ends the answer: nothing below it could be used
+            return bool(tree.children[full_id[node]]) and confidence[node] >= threshold and \
+                (node == 0 or tokens[node] not in self.params.stop_token_ids)
+        level = [0]  # the drafted nodes whose draft logits are ``level_logits``' rows
+        while True:
             level_probs = logits_to_probs(level_logits, self.params.temperature, self.params.top_p)
-            expanding = [p for p in range(parents.start, parents.stop) if tree.children[p]]
-            drawn = choose_level_children(level_probs, [p - parents.start for p in expanding],
-                                          [len(tree.children[p]) for p in expanding],
+            growing = [row for row, node in enumerate(level) if grows(node)]
+            drawn = choose_level_children(level_probs, growing, [len(tree.children[full_id[level[row]]]) for row in growing],
                                           self.params.method, self.params.greedy, self.generator)
-            choices = dict(zip(expanding, drawn))
-            for parent in expanding:
-                dists[parent] = level_probs[parent - parents.start]
-            nodes = tree.level_slices[level]
-            level_parents = [tree.parents[node] for node in range(nodes.start, nodes.stop)]
-            level_tokens = [choices[parent][tree.ranks[node] - 1] for node, parent in zip(range(nodes.start, nodes.stop), level_parents)]
-            tokens.extend(level_tokens)
-            probs.extend(level_probs[[p - parents.start for p in level_parents], level_tokens].tolist())  # one sync
-            if level < tree.depth:
-                # the draft cache holds seq, then tree nodes 1.. in order: this level goes after them
-                level_logits = runner.forward(tokens[nodes], start=len(self.seq) + nodes.start - 1,
-                                              tail=tree.ancestor_matrix[nodes, 1:nodes.stop],
-                                              positions=tree.position_ids(len(self.seq) - 1, nodes=nodes))
-        return tokens, probs, dists
+            rows, new_level = [], []
+            for row, chosen in zip(growing, drawn):
+                node = level[row]
+                dists[node] = level_probs[row]
+                for child, token in zip(tree.children[full_id[node]], chosen):
+                    full_id.append(child)
+                    parents.append(node)
+                    tokens.append(token)
+                    rows.append(row)
+                    new_level.append(len(tokens) - 1)
+            q = level_probs[rows, tokens[new_level[0]:]].tolist()  # one sync
+            probs.extend(q)
+            confidence.extend(confidence[parents[node]] * p for node, p in zip(new_level, q))
+            level = new_level
+            if not any(grows(node) for node in level):
+                break  # nothing grows below this level: it is the last one
+            drafted = _tree_of(tuple(parents))
+            nodes = slice(level[0], level[-1] + 1)
+            # the draft cache holds seq, then drafted nodes 1.. in order: this level goes after them
+            level_logits = runner.forward(tokens[nodes], start=len(self.seq) + nodes.start - 1,
+                                          tail=drafted.ancestor_matrix[nodes, 1:nodes.stop],
+                                          positions=drafted.position_ids(len(self.seq) - 1, nodes=nodes))
+        drafted = tree if len(parents) == tree.size else _tree_of(tuple(parents))
+        return drafted, tokens, probs, dists
 
     def _verify(self, tree: Tree, tokens: list[int], target_logits: torch.Tensor, target_dists: torch.Tensor,
                 draft_dists: dict[int, torch.Tensor], used: dict, trace: list | None = None) -> tuple[list[int], int]:
@@ -388,6 +421,12 @@ def forward(model, cache, token_ids: list[int], start: int, mask: torch.Tensor |
                      None if mask is None else mask.to(device=device, dtype=model.dtype), logits_to_keep)
 
 
+@functools.lru_cache(maxsize=512)
+def _tree_of(parents: tuple[int, ...]) -> Tree:
+    """The tree of a breadth-first parent array, built once (its masks are cached on it)."""
+    return Tree(parents)
+
+
 def _child_probs(tree: Tree, tokens: list[int], parent_probs: torch.Tensor) -> list[float]:
     """``parent_probs[parent(i), tokens[i]]`` for every node; 1.0 for the root."""
     if tree.size == 1:
@@ -426,6 +465,15 @@ def check_params(max_new_tokens: int, temperature: float, top_p: float, seed: in
         raise InvalidParameterError(f"seed must be an integer, got {seed!r}")
     if method not in METHODS:
         raise InvalidParameterError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+
+
+def check_confidence(confidence: float | None) -> float:
+    """The growth threshold as a float in [0, 1] (``None``: 0); else :class:`InvalidParameterError`."""
+    if confidence is None:
+        return 0.0
+    if not _is_number(confidence) or not 0.0 <= confidence <= 1.0:
+        raise InvalidParameterError(f"confidence must be a number in [0, 1] (0 = the whole tree), got {confidence!r}")
+    return float(confidence)
 
 
 def _is_number(value) -> bool:
