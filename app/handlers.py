@@ -20,6 +20,7 @@ from engine.errors import EngineError
 from engine.models.loading import pair_name
 from engine.trees.tree import Tree
 from engine.tuning.acceptance import EMBEDDED_PAIR, Calibration, calibration_for
+from engine.tuning.explain import describe_setting
 from engine.tuning.tree_store import build_tree
 
 from . import figures
@@ -271,7 +272,7 @@ class ChatApp:
         try:
             if auto and worker.tuner is not None and method != "autoregressive":
                 choice = worker.tuner.choose(temperature, top_p, method)
-                tree, tree_desc = "auto", f"{method}, auto: {choice.size} nodes, depth {choice.depth}"
+                tree, tree_desc = "auto", f"{method}, auto: {describe_setting(choice)}"
                 tree_size = choice.size
             else:
                 tree, tree_desc = resolve_tree(method, size, depth, self.calibration(temperature, top_p).vector)
@@ -586,8 +587,9 @@ class ChatApp:
         temperature, top_p = clamp(temperature, 0.0, 2.0), clamp(top_p, 0.01, 1.0)
         if auto and self.worker.tuner is not None and method != "autoregressive":
             choice = self.worker.tuner.choose(temperature, top_p, method)
-            return (gr.update(interactive=False, label=f"Tree size: auto picks {choice.size} (slider ignored)"),
-                    gr.update(interactive=False, label=f"Tree depth: auto picks {choice.depth} (slider ignored)"))
+            grown = f", grown while the draft is ≥ {choice.confidence:g} sure" if choice.confidence > 0 else ""
+            return (gr.update(interactive=False, label=f"Tree size: auto picks {choice.size}{grown} (slider ignored)"),
+                    gr.update(interactive=False, label=f"Tree depth: auto picks {choice.depth}{grown} (slider ignored)"))
         off = method == "autoregressive"
         return (gr.update(interactive=not off, label="Tree size" + (" (unused: no draft)" if off else "")),
                 gr.update(interactive=not off, label="Tree depth" + (" (unused: no draft)" if off else "")))

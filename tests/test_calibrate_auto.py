@@ -104,3 +104,61 @@ def test_auto_uses_the_calibration_nearest_to_the_setting(models):
     assert tuner.calibration(0.9, 0.9).vector == tuple(weak)
     assert tuner.choose(0.1, 1.0).tree == choose_tree(sharp, flat, 32, 8).tree
     assert tuner.choose(0.9, 0.9).tree == choose_tree(weak, flat, 32, 8).tree
+
+
+# ----- growth by confidence --------------------------------------------------------------------
+# A CPU-like profile: a draft level costs a third of a target token and each verified row 15% more.
+DEAR_DRAFT = HardwareProfile("synthetic", "tiny", "float32", 8, target={1: 0.030, 2: 0.0345, 4: 0.0435, 8: 0.0615},
+                             draft={1: 0.010, 2: 0.011, 4: 0.013, 8: 0.017})
+# The draft is sure (q 0.95, always accepted) at 60% of positions and unsure (q 0.2, accepted 30%) elsewhere.
+SURE_OR_NOT = [(0.95, 1)] * 6 + [(0.2, 1)] * 3 + [(0.2, 0)] * 7
+
+
+def test_calibration_records_what_growth_is_predicted_from(models):
+    target, noisy, clone = models
+    sure = calibrate(SpeculativeEngine(target, clone, stop_token_ids=[]), PROMPTS, temperature=0.0, k=4,
+                     positions=20, tokens_per_prompt=8, progress=False)
+    assert len(sure.confidence) == 20 and all(accepted == 1 and 0 < q <= 1 for q, accepted in sure.confidence)
+    sampled = calibrate(SpeculativeEngine(target, noisy, stop_token_ids=[]), PROMPTS, temperature=0.8, k=4,
+                        positions=20, tokens_per_prompt=8, progress=False)
+    assert len(sampled.confidence) == 20 and {accepted for _, accepted in sampled.confidence} <= {0, 1}
+    assert Acceptance.from_json(sampled.to_json()) == sampled
+
+
+def test_a_grown_chain_is_predicted_exactly_in_the_limits():
+    """Always sure and right: every step drafts and accepts the whole chain. Never sure: one level a
+    step, costed as a fixed one-token chain."""
+    from engine.tuning.optimizer import grown_chain
+
+    sure = grown_chain([(1.0, 1)] * 1000, 4, 0.5, DEAR_DRAFT)
+    assert sure.expected_tokens == 5 and sure.confidence == 0.5 and sure.tree == Tree.chain(4)
+    assert sure.step_time_s == pytest.approx(DEAR_DRAFT.draft_time(2) + 3 * DEAR_DRAFT.draft_time(1)
+                                             + DEAR_DRAFT.target_time(5))
+    fixed = predict(Tree.chain(1), [0.5], DEAR_DRAFT)
+    for samples, tokens in (([(0.1, 0)] * 100, 1.0), ([(0.1, 1), (0.1, 0)] * 50, 2.0)):  # a step skips the bonus
+        unsure = grown_chain(samples, 4, 0.5, DEAR_DRAFT)
+        assert unsure.step_time_s == pytest.approx(fixed.step_time_s) and unsure.expected_tokens == tokens
+
+
+def test_the_optimizer_grows_chains_where_the_draft_is_sure_and_keeps_the_fixed_tree_apart():
+    vector = [sum(a for _, a in SURE_OR_NOT) / len(SURE_OR_NOT)]
+    tuner = AutoTuner(DEAR_DRAFT, {(0.0, 1.0): vector}, max_size=16, max_depth=8,
+                      confidence={(0.0, 1.0): SURE_OR_NOT})
+    grown, fixed = tuner.choose(0.0, 1.0), tuner.choose(0.0, 1.0, grown=False)
+    assert grown.confidence > 0.2 and grown.depth >= 2 and grown.predicted_speedup > fixed.predicted_speedup
+    assert fixed.confidence == 0 and fixed.tree == choose_tree(vector, DEAR_DRAFT, 16, 8).tree
+    assert AutoTuner(DEAR_DRAFT, {(0.0, 1.0): vector}, max_size=16, max_depth=8).choose(0.0, 1.0) == fixed
+
+
+def test_auto_runs_the_grown_chain_it_picked_and_stays_exact(models):
+    target, noisy, _ = models
+    tuner = AutoTuner(DEAR_DRAFT, {(0.0, 1.0): [0.6]}, max_size=16, max_depth=8, confidence={(0.0, 1.0): SURE_OR_NOT})
+    engine = SpeculativeEngine(target, noisy, stop_token_ids=[], tuner=tuner)
+    steps = list(engine.stream(PROMPTS[0], max_new_tokens=24, tree="auto"))
+    choice = engine.last_tree_choice
+    assert choice.confidence > 0
+    # the tiny draft's laws are flat (q ~ 0.02): under any such threshold every step stops at one level
+    assert all(step.parents == [-1, 0] for step in steps)
+    assert [t for step in steps for t in step.committed] == tm.hf_greedy(target, PROMPTS[0], 24)
+    forced = list(engine.stream(PROMPTS[0], max_new_tokens=24, tree="auto", confidence=0.0))
+    assert max(len(step.tokens) for step in forced) == choice.tree.size  # an explicit threshold wins

@@ -29,6 +29,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     (["--prompt", "hi", "--target", "no-such-org/no-such-model"], "no-such-org/no-such-model"),
     (["--prompt", "hi", "--method", "beam"], "method"),
     (["--prompt", "hi", "--method", "chain", "--tree-size", "8", "--depth", "3"], "--method chain"),
+    (["--prompt", "hi", "--confidence", "1.5"], "confidence"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     proc = run_cli(*args)
@@ -41,7 +42,7 @@ def test_bad_input_is_one_line_and_exit_2(args, needle):
 def test_json_output_on_the_real_pair(real_pair, capsys):
     # in-process: load_model is memoised, so this reuses the session's weights
     assert main(["--prompt", "Reply with only the word yes.", "--max-new-tokens", "8", "--tree-size", "4",
-                 "--json"]) == 0
+                 "--confidence", "0.5", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["text"].strip().lower().startswith("yes")
     assert out["steps"] and out["tree"]["size"] == 4 and out["finish_reason"] == "stop"

@@ -86,3 +86,16 @@ def test_greedy_tree_decoding_of_the_int4_target_is_token_identical(tree, q4k_ta
     engine = SpeculativeEngine(model, real_pair[1])
     for ids, ref in zip(chat_prompts, refs):
         assert engine.generate(ids, max_new_tokens=NEW_TOKENS, temperature=0.0, tree=tree).tokens == ref
+
+
+def test_a_chain_grown_by_confidence_on_the_int4_target_is_token_identical(q4k_target, real_pair, chat_prompts):
+    """Growth by the draft's confidence (what the optimizer picks on this CPU): each answer equals the
+    target's own, and chains of every length were verified along the way."""
+    model, refs = q4k_target
+    engine = SpeculativeEngine(model, real_pair[1])
+    sizes = set()
+    for ids, ref in zip(chat_prompts, refs):
+        result = engine.generate(ids, max_new_tokens=NEW_TOKENS, temperature=0.0, tree=Tree.chain(3), confidence=0.7)
+        assert result.tokens == ref
+        sizes.update(len(step.tokens) for step in result.steps)
+    assert sizes == {2, 3, 4}, sorted(sizes)

@@ -48,6 +48,7 @@ class ConfigRuns:
     predicted_tokens_per_step: float | None = None
     predicted_step_ms: float | None = None
     chosen: Tree | None = None               # the tree "auto" resolved to
+    confidence: float = 0.0                  # its growth threshold (0: the whole tree every step)
 
     def summary(self, baseline_tps: float) -> dict:
         tps = statistics.median(self.tokens_per_s)
@@ -56,6 +57,7 @@ class ConfigRuns:
                    for phase in ("draft", "verify", "bookkeeping")} if self.step_ms else None
         return {"name": self.name, "method": self.method, "tree": tree.to_dict() if tree else None,
                 "tree_size": tree.size if tree else None, "tree_depth": tree.depth if tree else None,
+                "confidence": self.confidence,
                 "tokens_per_s": tps, "ms_per_token": 1e3 / tps, "speedup": tps / baseline_tps,
                 "predicted_speedup": self.predicted_speedup,
                 "measured_over_predicted": tps / baseline_tps / self.predicted_speedup if self.predicted_speedup else None,
@@ -85,6 +87,7 @@ def configurations(quick: bool, draft=None, acceptance: list[float] | None = Non
     if draft is not None:
         if auto:
             configs.append(ConfigRuns("sequoia, optimizer's tree", "auto"))
+            configs.append(ConfigRuns("sequoia, optimizer's fixed tree", "auto-fixed"))
         sizes = ((8, 4), (16, 6)) if quick else ((8, 4), (16, 6), (32, 8))
         configs += [ConfigRuns(f"sequoia n={n} d={d}", Tree.optimal(acceptance, n, d)) for n, d in sizes]
         if not greedy:
@@ -110,7 +113,7 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     from engine.models.loading import load_default_pair, pair_name
     from engine.models.prompts import encode_chat, load_prompt_set
     from engine.tuning.acceptance import acceptance_for
-    from engine.tuning.optimizer import load_tuner
+    from engine.tuning.optimizer import TreeChoice, load_tuner
 
     target, draft, tokenizer = pair or load_default_pair(target_format=target_format)
     name = pair_name("default-target", "default-draft", draft, target) if pair is None else None
@@ -124,13 +127,20 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     peer_side = PeerSide(peer, prompt_ids, tokenizer, new_tokens, temperature, top_p,
                          peer_ggufs if peer_ggufs or pair is not None else "default") if peer else None
     runs = [(round_, i, ids) for round_ in range(repeats) for i, ids in enumerate(prompt_ids)]
+    for config in ours:
+        if config.tree == "auto-fixed":  # the best tree without growth by confidence, for comparison
+            config.tree = tuner.choose(temperature, top_p, config.method, grown=False)
     for round_, i, ids in runs:
         for config in ours:
-            result = engine.generate(ids, max_new_tokens=new_tokens, tree=config.tree, temperature=temperature,
-                                     top_p=top_p, seed=i + 1000 * round_, method=config.method)
+            choice = config.tree if isinstance(config.tree, TreeChoice) else None
+            result = engine.generate(ids, max_new_tokens=new_tokens, tree=choice.tree if choice else config.tree,
+                                     temperature=temperature, top_p=top_p, seed=i + 1000 * round_,
+                                     method=config.method, confidence=choice.confidence if choice else None)
             if config.tree == "auto":
                 choice = engine.last_tree_choice
+            if choice is not None:
                 config.chosen, config.predicted_speedup = choice.tree, choice.predicted_speedup
+                config.confidence = choice.confidence
                 config.predicted_tokens_per_step, config.predicted_step_ms = choice.expected_tokens, 1e3 * choice.step_time_s
             config.tokens_per_s.append(result.tokens_per_second)
             config.tokens_per_step.append(result.tokens_per_step)
@@ -348,6 +358,8 @@ def markdown_table(report: dict) -> str:
             "|---|---|---|---|---|---|---|---|" + ("---|" if with_peer else "")]
     for r in report["results"]:
         tree = "" if r.get("tree_size") is None else f"{r['tree_size']}, {r['tree_depth']}"
+        if r.get("confidence"):
+            tree += f", grown at ≥ {r['confidence']:g}"
         predicted = "" if r.get("predicted_speedup") is None else f"{r['predicted_speedup']:.2f}×"
         per_step = "" if r["tokens_per_step"] is None else f"{r['tokens_per_step']:.2f}"
         share = "" if r["draft_share"] is None else f"{r['draft_share']:.0%}"

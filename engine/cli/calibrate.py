@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--k", type=int, default=32, help="children per step (ranks measured)")
     parser.add_argument("--positions", type=int, default=300)
+    parser.add_argument("--confidence-positions", type=int, default=None,
+                        help="one-token chain steps whose draft q and acceptance are recorded (default: --positions)")
     parser.add_argument("--tokens-per-prompt", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
     add_format_arguments(parser)
@@ -30,7 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [encode_chat(tokenizer, p["messages"]) for p in load_prompt_set("chat")]
     pair = pair_name(args.target, args.draft, draft, target)
     result = calibrate(SpeculativeEngine(target, draft), prompts, args.temperature, args.top_p, args.k,
-                       args.positions, args.tokens_per_prompt, args.seed, pair)
+                       args.positions, args.tokens_per_prompt, args.seed, pair,
+                       confidence_positions=args.confidence_positions)
     path = args.out or acceptance_path(cache_dir() / "acceptance", pair, args.temperature, args.top_p)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(result.to_json())

@@ -23,6 +23,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--method", default="sequoia", help="sequoia, specinfer, chain, topk or autoregressive")
     parser.add_argument("--tree-size", type=int, default=5, help="nodes verified per step, root included; 1 = no draft")
     parser.add_argument("--depth", type=int, default=None, help="max draft tokens on a path (default: size - 1)")
+    parser.add_argument("--confidence", type=float, default=0.0,
+                        help="draft below a node only while the draft's q along its path reaches this (0: the whole tree)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--device", default="cpu")
     add_format_arguments(parser)
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from engine.core.speculative import SpeculativeEngine, check_params
+    from engine.core.speculative import SpeculativeEngine, check_confidence, check_params
     from engine.models.loading import load_pair, pair_name
     from engine.models.prompts import encode_chat
     from engine.tuning.acceptance import acceptance_for
@@ -50,6 +52,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise EngineError("--prompt is empty: give the message to answer, e.g. --prompt \"Hello\"")
     check_params(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.method)
+    check_confidence(args.confidence)
     if args.tree_size < 1:
         raise EngineError(f"--tree-size must be >= 1, got {args.tree_size}")
     tree = build_tree(args.tree_size, args.depth)  # checks size and depth before the models load
@@ -68,7 +71,8 @@ def _run(args: argparse.Namespace) -> int:
     input_ids = encode_chat(tokenizer, messages)
     engine = SpeculativeEngine(target, draft if tree is not None else None)
     result = engine.generate(input_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             top_p=args.top_p, tree=tree, seed=args.seed, method=args.method)
+                             top_p=args.top_p, tree=tree, seed=args.seed, method=args.method,
+                             confidence=args.confidence)
     if args.json:
         print(json.dumps({"text": tokenizer.decode(result.tokens, skip_special_tokens=True),
                           "tree": tree.to_dict() if tree else None, **result.to_dict()}))

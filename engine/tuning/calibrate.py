@@ -10,8 +10,10 @@ runs it over the bundled prompts with a progress bar and caches the vector per
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import torch
 
 from engine.core.speculative import SpeculativeEngine
 from engine.trees.tree import Tree
@@ -27,6 +29,10 @@ class Acceptance:
     positions: int
     counts: list[int]          # counts[k - 1]: positions where rank k was accepted
     vector: list[float]        # p_k = counts[k - 1] / positions
+    # successive positions of real answers: (the draft's q of its token there, 1 if a one-token chain's
+    # verifier accepts it else 0), what the optimizer predicts growth by confidence from
+    # (:func:`engine.tuning.optimizer.grown_chain`)
+    confidence: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def none_accepted(self) -> float:
@@ -37,17 +43,23 @@ class Acceptance:
 
     @classmethod
     def from_json(cls, text: str) -> "Acceptance":
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        fields["confidence"] = [(float(q), int(accepted)) for q, accepted in fields.get("confidence", [])]
+        return cls(**fields)
 
 
 def calibrate(engine: SpeculativeEngine, prompts: list[list[int]], temperature: float, top_p: float = 1.0,
               k: int = 32, positions: int = 300, tokens_per_prompt: int = 96, seed: int = 0,
-              pair: str = "", progress: bool = True) -> Acceptance:
-    """Run one-level K-child trees over the prompts until ``positions`` steps are counted."""
+              pair: str = "", progress: bool = True, confidence_positions: int | None = None) -> Acceptance:
+    """Run one-level K-child trees over the prompts until ``positions`` steps are counted; then
+    record, at ``confidence_positions`` positions (default as many) of the target's own answers, the
+    draft's q of a token it drew and whether a one-token chain would accept it (``confidence``).
+    At T = 0 both come from one replay of ``max(positions, confidence_positions)`` positions."""
     from tqdm.auto import tqdm
 
+    confidence_positions = confidence_positions or positions
     if temperature == 0:
-        return _greedy_calibration(engine, prompts, k, positions, pair, progress)
+        return _greedy_calibration(engine, prompts, k, max(positions, confidence_positions), pair, progress)
 
     tree = Tree.k_ary(k, 1)
     counts = [0] * k
@@ -65,7 +77,39 @@ def calibrate(engine: SpeculativeEngine, prompts: list[list[int]], temperature: 
             if seen >= positions:
                 break
     return Acceptance(pair=pair, temperature=temperature, top_p=top_p, positions=seen, counts=counts,
-                      vector=[c / seen for c in counts])
+                      vector=[c / seen for c in counts],
+                      confidence=_sampled_confidence(engine, prompts, temperature, top_p, confidence_positions,
+                                                     tokens_per_prompt, seed, progress))
+
+
+def _sampled_confidence(engine: SpeculativeEngine, prompts: list[list[int]], temperature: float, top_p: float,
+                        positions: int, tokens_per_prompt: int, seed: int, progress: bool) -> list[tuple[float, int]]:
+    """(q(x), accepted) at each position of the target's own sampled answers, in order: x is drawn
+    from the draft's law there and accepted with probability min(1, p(x) / q(x)), as a one-token
+    chain's verifier would, so runs of sure positions appear as they do in real text."""
+    from tqdm.auto import tqdm
+
+    from engine.core.sampling import logits_to_probs
+
+    generator = torch.Generator().manual_seed(seed)
+    pairs: list[tuple[float, int]] = []
+    with tqdm(total=positions, desc=f"confidence T={temperature} top-p={top_p}", disable=not progress) as bar:
+        for i, ids in enumerate(prompts * (positions // max(len(prompts), 1) + 1)):
+            answer = engine.generate(ids, max_new_tokens=tokens_per_prompt, temperature=temperature, top_p=top_p,
+                                     seed=seed + i).tokens
+            text = torch.tensor([ids + answer])
+            with torch.inference_mode():
+                p, q = (logits_to_probs(model(input_ids=text).logits[0, len(ids) - 1:-1].float().cpu(), temperature,
+                                        top_p) for model in (engine.target, engine.draft))
+            drawn = torch.multinomial(q, 1, generator=generator)[:, 0]
+            q_drawn, p_drawn = q.gather(1, drawn[:, None])[:, 0], p.gather(1, drawn[:, None])[:, 0]
+            accepted = torch.rand(len(answer), generator=generator, dtype=torch.float64) < (p_drawn / q_drawn).double()
+            for q_x, ok in zip(q_drawn.tolist(), accepted.tolist()):
+                pairs.append((float(q_x), int(ok)))
+                bar.update(1)
+                if len(pairs) >= positions:
+                    return pairs
+    return pairs
 
 
 def safe_name(text: str) -> str:
@@ -82,32 +126,45 @@ def _greedy_calibration(engine: SpeculativeEngine, prompts: list[list[int]], k: 
     over the prompts (``positions`` in all)."""
     from tqdm.auto import tqdm
 
-    from engine.tuning.replay import draft_ranks
+    from engine.tuning.replay import draft_ranks_and_confidence
 
     per_prompt = -(-positions // len(prompts))
     ranks: list[int] = []
+    tops: list[float] = []
     for ids in tqdm(prompts, desc="calibrating T=0 (greedy replay)", disable=not progress):
         continuation = engine.generate(ids, max_new_tokens=per_prompt, tree=Tree.chain(4)).tokens
-        ranks += draft_ranks(engine.draft, ids, continuation)
-    ranks = ranks[:positions]
+        prompt_ranks, prompt_tops = draft_ranks_and_confidence(engine.draft, ids, continuation)
+        ranks, tops = ranks + prompt_ranks, tops + prompt_tops
+    ranks, tops = ranks[:positions], tops[:positions]
     counts = [sum(1 for r in ranks if r == rank) for rank in range(1, k + 1)]
     return Acceptance(pair=pair, temperature=0.0, top_p=1.0, positions=len(ranks), counts=counts,
-                      vector=[c / len(ranks) for c in counts])
+                      vector=[c / len(ranks) for c in counts],
+                      confidence=[(top, int(rank == 1)) for top, rank in zip(tops, ranks)])
 
 
 def find_acceptance(pair: str, directories: list[Path] | None = None) -> dict[tuple[float, float], list[float]]:
     """Calibrated vectors of ``pair`` keyed by (temperature, top_p): the user cache first, then the
     measurements bundled in ``assets/acceptance`` (the embedded pair's); unreadable files are skipped."""
+    return {setting: list(measured.vector) for setting, measured in find_calibrations(pair, directories).items()}
+
+
+def find_confidence(pair: str, directories: list[Path] | None = None) -> dict[tuple[float, float], list]:
+    """The (q, accepted) samples of ``pair``'s calibrations that have them, as :func:`find_acceptance`."""
+    return {setting: measured.confidence for setting, measured in find_calibrations(pair, directories).items() if measured.confidence}
+
+
+def find_calibrations(pair: str, directories: list[Path] | None = None) -> dict[tuple[float, float], Acceptance]:
+    """Every readable calibration of ``pair`` keyed by (temperature, top_p), earlier directories first."""
     if directories is None:
         from engine.models.loading import cache_dir
         from engine.models.prompts import ASSETS
         directories = [cache_dir() / "acceptance", ASSETS / "acceptance"]
-    found: dict[tuple[float, float], list[float]] = {}
+    found: dict[tuple[float, float], Acceptance] = {}
     for directory in reversed(directories):  # earlier directories override later ones
         for file in sorted(directory.glob(f"{safe_name(pair)}__T*__p*.json")):
             try:
                 measured = Acceptance.from_json(file.read_text())
             except (OSError, ValueError, TypeError, KeyError):
                 continue
-            found[(float(measured.temperature), float(measured.top_p))] = list(measured.vector)
+            found[(float(measured.temperature), float(measured.top_p))] = measured
     return found

@@ -135,6 +135,8 @@ def profile_source(profile: HardwareProfile, directories: list[tuple[str, Path]]
 def describe_setting(choice: TreeChoice) -> str:
     if choice.size == 1:
         return "the target alone (no draft)"
+    if choice.confidence > 0:
+        return f"a chain of up to {choice.depth} grown while the draft's path confidence is ≥ {choice.confidence:g}"
     return f"{choice.size} nodes, depth {choice.depth}"
 
 
@@ -143,6 +145,9 @@ def _ms(seconds: float) -> str:
 
 
 def _numbers(choice: TreeChoice, profile: HardwareProfile) -> str:
+    if choice.confidence > 0:  # the tree, so the verify and draft split, changes from step to step
+        return (f"G = {choice.expected_tokens:.2f} tokens/step for {_ms(choice.step_time_s)} per step on average, "
+                f"predicted {choice.predicted_speedup:.2f}×")
     verify, overhead = profile.target_time(choice.size), profile.step_overhead
     draft = choice.step_time_s - verify - overhead
     other = f" + {_ms(overhead)} other" if overhead > 0 else ""
@@ -165,7 +170,7 @@ def explain_choice(pick: TreeChoice, mine: TreeChoice, profile: HardwareProfile)
     """One line, in words and numbers, of why the optimizer's ``pick`` beats ``mine`` (the user's
     setting), or that they are the same. Speedups are over the target alone, predicted from the
     acceptance calibration and the profile."""
-    if pick.size == mine.size and pick.tree.parents == mine.tree.parents:
+    if pick.tree.parents == mine.tree.parents and pick.confidence == mine.confidence:
         line = f"Your setting is the optimizer's pick: {describe_setting(pick)}, {_numbers(pick, profile)}."
         if pick.size == 1:
             line += (f" No tree is predicted to pay for itself: {hardware_reason(profile)}, so the extra "

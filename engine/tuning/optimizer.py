@@ -5,13 +5,20 @@
 The draft cost charges one draft forward per tree level that has children (the first one also
 feeds the catch-up tokens) at the measured latency for that level's width; ``o`` is the profile's
 step overhead, which every step pays, the target alone's included.
+
+Where a draft level costs much (a CPU, where it is a third of a target token) a fixed tree must
+be shallow; growing a chain only while the draft is sure of it may pay where it goes deeper. With
+the calibration's (q, accepted) samples the optimizer also weighs chains grown while the draft's
+path confidence reaches a threshold (:func:`grown_chain`), and keeps whichever is predicted fastest.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
 
 from engine.trees import dp
 from engine.trees.tree import Tree
@@ -31,6 +38,7 @@ class TreeChoice:
     expected_tokens: float      # G(n, d): tokens per step
     step_time_s: float          # predicted seconds per step
     predicted_speedup: float    # over target-only decoding
+    confidence: float = 0.0     # grow below a node only while the draft's q along its path reaches this
 
 
 def candidate_sizes(max_size: int) -> list[int]:
@@ -58,11 +66,65 @@ def predict(tree: Tree, acceptance, profile: HardwareProfile) -> TreeChoice:
     return TreeChoice(tree, tree.size, tree.depth, tokens, step, tokens * profile.token_time() / step)
 
 
+GROWTH_THRESHOLDS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+MAX_GROWN_DEPTH = 8
+
+
+def grown_chain(samples, depth: int, threshold: float, profile: HardwareProfile) -> TreeChoice:
+    """A chain of up to ``depth`` draft tokens grown one more level while the draft's path confidence
+    (the product of its q along the chain) reaches ``threshold``, as the engine's ``confidence``.
+
+    ``samples``: (q of the drafted token, accepted 0/1) at successive positions of real answers,
+    in order (:class:`engine.tuning.calibrate.Acceptance`'s ``confidence``). The policy is replayed over them as over text: a step at sample i
+    drafts while q_i q_i+1 ... reaches the threshold, accepts the leading accepted ones and moves
+    on past them and the bonus token, so runs of sure positions count as they come (a level drawn
+    after a rejection is taken at the next sample's q: the step is charged for it either way).
+    Mean tokens and step time (drafted levels at t_D, the first with the catch-up token; t_T of
+    the rows; the overhead) as :func:`predict`'s."""
+    q = [float(sample[0]) for sample in samples]
+    accepted = [bool(sample[1]) for sample in samples]
+    position = steps = tokens = 0
+    seconds = 0.0
+    while position < len(q):
+        levels, path = 1, q[position]
+        while levels < depth and position + levels < len(q) and path >= threshold:
+            path *= q[position + levels]
+            levels += 1
+        taken = 0
+        while taken < levels and position + taken < len(q) and accepted[position + taken]:
+            taken += 1
+        seconds += profile.draft_time(2) + (levels - 1) * profile.draft_time(1) + profile.target_time(levels + 1)
+        tokens, steps, position = tokens + taken + 1, steps + 1, position + taken + 1
+    expected, step_s = tokens / steps, seconds / steps + profile.step_overhead
+    return TreeChoice(Tree.chain(depth), depth + 1, depth, expected, step_s,
+                      expected * profile.token_time() / step_s, confidence=threshold)
+
+
 def choose_tree(acceptance, profile: HardwareProfile, max_size: int | None = None,
-                max_depth: int = 16, chains_only: bool = False) -> TreeChoice:
+                max_depth: int = 16, chains_only: bool = False, confidence=None) -> TreeChoice:
     """The (n, d) maximising predicted speedup, with its DP tree (a chain of d = n - 1 when
-    ``chains_only``, for methods that verify chains only). ``n = 1`` (no drafting) always competes."""
+    ``chains_only``, for methods that verify chains only). ``n = 1`` (no drafting) always competes,
+    and with ``confidence`` samples (:func:`grown_chain`) so do chains grown by confidence, their
+    tokens scaled by the vector's one-token chain over the samples' own."""
     max_size = max_size or max(profile.target)
+    best = _best_fixed_tree(acceptance, profile, max_size, max_depth, chains_only)
+    if not confidence or max_depth < 2 or max_size < 3:
+        return best
+    # the samples' own one-token chain against the vector's: growth's tokens are scaled by their
+    # ratio, so that grown and fixed trees are judged on the same acceptance
+    scale = predict(Tree.chain(1), acceptance, profile).expected_tokens / grown_chain(confidence, 1, 1.0, profile).expected_tokens
+    for depth in range(2, min(max_depth, max_size - 1, MAX_GROWN_DEPTH) + 1):
+        for threshold in GROWTH_THRESHOLDS:
+            choice = grown_chain(confidence, depth, threshold, profile)
+            choice = dataclasses.replace(choice, expected_tokens=choice.expected_tokens * scale,
+                                         predicted_speedup=choice.predicted_speedup * scale)
+            if choice.predicted_speedup > best.predicted_speedup:
+                best = choice
+    return best
+
+
+def _best_fixed_tree(acceptance, profile: HardwareProfile, max_size: int, max_depth: int,
+                     chains_only: bool) -> TreeChoice:
     best = predict(Tree.chain(0), acceptance, profile)
     if chains_only:
         for d in range(1, min(max_depth, max_size - 1) + 1):
@@ -90,7 +152,9 @@ class AutoTuner:
     """What ``tree="auto"`` needs: a hardware profile and calibrated acceptance vectors.
 
     ``acceptance`` maps (temperature, top_p) to a vector; the nearest calibrated setting is used
-    (:func:`engine.tuning.acceptance.nearest_setting`). Choices are memoised per setting and constraint.
+    (:func:`engine.tuning.acceptance.nearest_setting`). ``confidence`` maps settings to the
+    calibration's (q, accepted) samples, where measured: there chains grown by confidence compete.
+    Choices are memoised per setting and constraint.
     """
 
     profile: HardwareProfile
@@ -98,22 +162,25 @@ class AutoTuner:
     max_size: int | None = None
     max_depth: int = 16
     pair: str = ""
+    confidence: dict[tuple[float, float], list] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.acceptance:
             raise ValueError("AutoTuner needs at least one calibrated acceptance vector")
-        self._chosen: dict[tuple[float, float, bool], TreeChoice] = {}
+        self._chosen: dict[tuple[float, float, bool, bool], TreeChoice] = {}
 
     def calibration(self, temperature: float, top_p: float):
         """The :class:`engine.tuning.acceptance.Calibration` the optimizer uses at this setting."""
         return nearest_calibration(self.acceptance, temperature, top_p, self.pair)
 
-    def choose(self, temperature: float, top_p: float, method: str = "sequoia") -> TreeChoice:
-        """The best tree for this setting that ``method`` can verify (a chain for ``chain``)."""
-        key = (*nearest_setting(self.acceptance, temperature, top_p), method == "chain")
+    def choose(self, temperature: float, top_p: float, method: str = "sequoia", grown: bool = True) -> TreeChoice:
+        """The best tree for this setting that ``method`` can verify (a chain for ``chain``);
+        ``grown=False``: the best fixed tree, without growth by confidence."""
+        key = (*nearest_setting(self.acceptance, temperature, top_p), method == "chain", grown)
         if key not in self._chosen:
             self._chosen[key] = choose_tree(self.acceptance[key[:2]], self.profile, self.max_size, self.max_depth,
-                                            chains_only=key[2])
+                                            chains_only=key[2],
+                                            confidence=self.confidence.get(key[:2]) if grown else None)
         return self._chosen[key]
 
 
@@ -134,7 +201,7 @@ def load_tuner(pair: str, target, cache: Path | None = None):
 
 
 def _tuner_from(directory: Path, pair: str, target):
-    from engine.tuning.calibrate import find_acceptance
+    from engine.tuning.calibrate import find_acceptance, find_confidence
     from engine.tuning.profile import device_name, profile_path
 
     param = next(target.parameters())
@@ -144,7 +211,8 @@ def _tuner_from(directory: Path, pair: str, target):
     if not path.exists() or not acceptance:
         return None
     try:
-        return AutoTuner(HardwareProfile.from_json(path.read_text()), acceptance, pair=pair)
+        return AutoTuner(HardwareProfile.from_json(path.read_text()), acceptance, pair=pair,
+                         confidence=find_confidence(pair, [directory / "acceptance"]))
     except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError) as exc:
         log.warning("ignoring the hardware profile %s: %s", path, exc)
         return None

@@ -19,12 +19,20 @@ from engine.trees.tree import Tree
 
 def draft_ranks(draft: torch.nn.Module, prompt: list[int], continuation: list[int]) -> list[int]:
     """1-based rank of ``continuation[j]`` under the draft at ``prompt + continuation[:j]``."""
+    return draft_ranks_and_confidence(draft, prompt, continuation)[0]
+
+
+def draft_ranks_and_confidence(draft: torch.nn.Module, prompt: list[int],
+                               continuation: list[int]) -> tuple[list[int], list[float]]:
+    """:func:`draft_ranks`, and the draft's probability of its own first choice at each position
+    (the confidence a greedy step's first draft token is grown on)."""
     device = next(draft.parameters()).device
     ids = torch.tensor([prompt + continuation], device=device)
     with torch.inference_mode():
         logits = draft(input_ids=ids).logits[0, len(prompt) - 1: -1].float()  # [L, V]
     chosen = logits.gather(1, torch.tensor(continuation, device=device)[:, None])
-    return ((logits > chosen).sum(dim=1) + 1).tolist()
+    ranks = ((logits > chosen).sum(dim=1) + 1).tolist()
+    return ranks, torch.softmax(logits, dim=-1).amax(dim=-1).tolist()
 
 
 def replay(tree: Tree, ranks: list[int]) -> tuple[int, int]:
