@@ -25,6 +25,10 @@ def test_bench_runs_ours_and_hugging_face_side_by_side(tmp_path, capsys):
     assert (draft.generation_config.num_assistant_tokens, draft.generation_config.num_assistant_tokens_schedule) == schedule
     assert report["outputs_identical_to_target_only"] and report["hf_outputs_identical_to_target_only"]
     assert all(r["tokens_per_s"] > 0 for r in report["results"])
+    for r in report["results"]:  # one length a run; every token over every decode second
+        assert r["runs_tokens_generated"] == [6]
+        assert r["all_answers_tokens_per_s"] == pytest.approx(r["runs_tokens_per_s"][0])
+    assert bench.all_answers_rate([2, 128], [40.0, 32.0]) == pytest.approx(130 / (2 / 40 + 128 / 32))
     assert json.loads(next(tmp_path.glob("bench-*.json")).read_text())["results"][0]["speedup"] == 1.0
     assert "plotly" in next(tmp_path.glob("bench-*.html")).read_text()
     assert "| HF assisted generation, 4 draft tokens |" in capsys.readouterr().out

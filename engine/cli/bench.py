@@ -3,7 +3,9 @@ speculative decoding, side by side in one process.
 
 ``python -m engine.cli.bench --quick`` prints a table (tokens/s, ratio to target-only, tokens/step,
 draft share) and writes the raw figures to ``results/bench-*.json``. Runs are interleaved per
-prompt so machine noise hits every configuration alike; figures are medians. ``--temperature``
+prompt so machine noise hits every configuration alike; figures are medians over the runs, plus
+each row's tokens over its decode time across all runs ("all answers": weighted by answer length,
+where the median counts a two-token answer as much as a long one). ``--temperature``
 samples (outputs are compared with target-only decoding at temperature 0 only). With
 ``--device cuda`` it runs the GPU benchmark (:mod:`engine.cli.bench_gpu`). ``--peer llama.cpp`` also
 runs llama.cpp (:mod:`engine.peer.llama_cpp`, built by ``make peer``) on the same GGUF files, prompts, token
@@ -44,6 +46,7 @@ class ConfigRuns:
     draft_share: list[float] = field(default_factory=list)
     step_ms: list[dict[str, float]] = field(default_factory=list)  # per prompt: mean ms per step by phase
     outputs: list[list[int]] = field(default_factory=list)
+    tokens_generated: list[int] = field(default_factory=list)  # per run, as tokens_per_s
     predicted_speedup: float | None = None  # the optimizer's, for tree="auto"
     predicted_tokens_per_step: float | None = None
     predicted_step_ms: float | None = None
@@ -66,7 +69,17 @@ class ConfigRuns:
                 "step_ms_total": sum(step_ms.values()) if step_ms else None,
                 "tokens_per_step": statistics.median(self.tokens_per_step) if self.tokens_per_step else None,
                 "draft_share": statistics.median(self.draft_share) if self.draft_share else None,
-                "step_ms": step_ms, "runs_tokens_per_s": self.tokens_per_s}
+                "step_ms": step_ms, "runs_tokens_per_s": self.tokens_per_s,
+                "runs_tokens_generated": self.tokens_generated,
+                "all_answers_tokens_per_s": all_answers_rate(self.tokens_generated, self.tokens_per_s)}
+
+
+def all_answers_rate(tokens: list[int], tokens_per_s: list[float]) -> float | None:
+    """Every run's tokens over every run's decode time: throughput weighted by answer length, where the
+    median of the runs' rates counts a two-token answer as much as a long one (None without counts)."""
+    if not tokens or len(tokens) != len(tokens_per_s) or min(tokens_per_s) <= 0:
+        return None
+    return sum(tokens) / sum(n / rate for n, rate in zip(tokens, tokens_per_s))
 
 
 def configurations(quick: bool, draft=None, acceptance: list[float] | None = None, auto: bool = False,
@@ -148,6 +161,7 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
             config.step_ms.append({phase: 1e3 * statistics.fmean(getattr(s.timings, f"{phase}_s") for s in result.steps)
                                    for phase in ("draft", "verify", "bookkeeping")})
             config.outputs.append(result.tokens)
+            config.tokens_generated.append(len(result.tokens))
             print(f"prompt {i}: {config.name:<42} {result.tokens_per_second:6.2f} tok/s "
                   f"{result.tokens_per_step:5.2f} tok/step", flush=True)
         with stock_weights(target):  # Hugging Face as its users run it: torch's own linear layers
@@ -155,6 +169,7 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
             for config in theirs:
                 tokens, seconds = hf_generate(target, tokenizer, ids, new_tokens, config.hf, temperature, top_p)
                 config.tokens_per_s.append(len(tokens) / max(seconds - prefill_s, 1e-9))  # decode rate
+                config.tokens_generated.append(len(tokens))
                 config.outputs.append(tokens)
                 print(f"prompt {i}: {config.name:<42} {config.tokens_per_s[-1]:6.2f} tok/s", flush=True)
         if peer_side is not None:
@@ -274,6 +289,7 @@ def peer_summary(runs, baseline_tps: float) -> dict:
             "predicted_step_ms": None, "step_ms_total": None, "tokens_per_step": None, "draft_share": None,
             "step_ms": None, "runs_tokens_per_s": runs.tokens_per_s,
             "runs_tokens_generated": [r.tokens for r in runs.results],
+            "all_answers_tokens_per_s": all_answers_rate([r.tokens for r in runs.results], runs.tokens_per_s),
             "draft_acceptance": statistics.median(acceptance) if acceptance else None,
             "outputs_identical_to_peer_target_only": runs.identical_to_target_only()}
 
@@ -354,8 +370,9 @@ def markdown_table(report: dict) -> str:
     """One row per configuration; with a peer, a "vs llama.cpp target-only" column for every row."""
     with_peer = any(r.get("vs_llamacpp_target_only") is not None for r in report["results"])
     rows = ["| configuration | tree (n, d) | tokens/s | ms/token | vs target-only | "
-            + ("vs llama.cpp target-only | " if with_peer else "") + "predicted | tokens/step | draft share |",
-            "|---|---|---|---|---|---|---|---|" + ("---|" if with_peer else "")]
+            + ("vs llama.cpp target-only | " if with_peer else "")
+            + "predicted | tokens/step | draft share | all answers tokens/s |",
+            "|---|---|---|---|---|---|---|---|---|" + ("---|" if with_peer else "")]
     for r in report["results"]:
         tree = "" if r.get("tree_size") is None else f"{r['tree_size']}, {r['tree_depth']}"
         if r.get("confidence"):
@@ -364,8 +381,9 @@ def markdown_table(report: dict) -> str:
         per_step = "" if r["tokens_per_step"] is None else f"{r['tokens_per_step']:.2f}"
         share = "" if r["draft_share"] is None else f"{r['draft_share']:.0%}"
         peer_ratio = f"{r['vs_llamacpp_target_only']:.2f}× | " if with_peer else ""
+        everything = "" if r.get("all_answers_tokens_per_s") is None else f"{r['all_answers_tokens_per_s']:.2f}"
         rows.append(f"| {r['name']} | {tree} | {r['tokens_per_s']:.2f} | {r['ms_per_token']:.0f} | {r['speedup']:.2f}× | "
-                    f"{peer_ratio}{predicted} | {per_step} | {share} |")
+                    f"{peer_ratio}{predicted} | {per_step} | {share} | {everything} |")
     return "\n".join(rows)
 
 
