@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import html
 
+from engine.tuning.explain import describe_setting
+
 from . import figures
 
 METHOD_HELP = {
@@ -96,7 +98,7 @@ def describe_choice(choice, markup: bool = False) -> str:
     if choice.size == 1:
         return (f"{bold('the target alone')}: on this device's profile no tree is predicted to beat plain "
                 f"decoding (verification of a few tokens costs several single-token forwards)")
-    return (f"{bold(f'{choice.size} nodes, depth {choice.depth}')} · predicted {choice.expected_tokens:.2f} "
+    return (f"{bold(describe_setting(choice))} · predicted {choice.expected_tokens:.2f} "
             f"tokens/step · predicted {bold(f'{choice.predicted_speedup:.2f}×')} the target alone")
 
 

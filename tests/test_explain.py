@@ -360,3 +360,16 @@ def test_walking_a_traced_answer_on_tiny_models(app):
     conversation, *rest = app.explain.after_answer(run, [], 0.9, 1.0)
     assert conversation == [steps]
     assert app.explain.after_answer(run, conversation, 0.9, 1.0)[0] == [steps]  # the same answer, counted once
+
+
+def test_a_grown_pick_is_named_with_its_threshold_everywhere_it_is_shown():
+    from app.text import describe_choice
+    from engine.tuning.explain import describe_setting
+    from engine.tuning.optimizer import TreeChoice
+
+    grown = TreeChoice(Tree.chain(2), 3, 2, 2.3, 0.06, 1.08, confidence=0.7)
+    fixed = TreeChoice(Tree.chain(1), 2, 1, 1.8, 0.05, 1.06)
+    assert describe_setting(grown) == "a chain of up to 2 grown while the draft's path confidence is ≥ 0.7"
+    assert describe_setting(fixed) == "2 nodes, depth 1"
+    assert describe_choice(grown).startswith(describe_setting(grown) + " · predicted 2.30 tokens/step")
+    assert "per step on average" in explain.explain_choice(grown, fixed, profile(Q4K))
