@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=32, help="children per step (ranks measured)")
     parser.add_argument("--positions", type=int, default=300)
     parser.add_argument("--confidence-positions", type=int, default=None,
-                        help="one-token chain steps whose draft q and acceptance are recorded (default: --positions)")
+                        help="positions of the target's answers where the draft's q and a one-token chain's "
+                             "acceptance are recorded (default: --positions)")
     parser.add_argument("--tokens-per-prompt", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
     add_format_arguments(parser)

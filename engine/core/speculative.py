@@ -327,12 +327,14 @@ class _DecodeState:
         def grows(node: int) -> bool:  # a stop token ends the answer: nothing below it could be used
             return bool(tree.children[full_id[node]]) and confidence[node] >= threshold and \
                 (node == 0 or tokens[node] not in self.params.stop_token_ids)
+
         level = [0]  # the drafted nodes whose draft logits are ``level_logits``' rows
         while True:
             level_probs = logits_to_probs(level_logits, self.params.temperature, self.params.top_p)
             growing = [row for row, node in enumerate(level) if grows(node)]
-            drawn = choose_level_children(level_probs, growing, [len(tree.children[full_id[level[row]]]) for row in growing],
-                                          self.params.method, self.params.greedy, self.generator)
+            counts = [len(tree.children[full_id[level[row]]]) for row in growing]
+            drawn = choose_level_children(level_probs, growing, counts, self.params.method, self.params.greedy,
+                                          self.generator)
             rows, new_level = [], []
             for row, chosen in zip(growing, drawn):
                 node = level[row]

@@ -148,11 +148,6 @@ def find_acceptance(pair: str, directories: list[Path] | None = None) -> dict[tu
     return {setting: list(measured.vector) for setting, measured in find_calibrations(pair, directories).items()}
 
 
-def find_confidence(pair: str, directories: list[Path] | None = None) -> dict[tuple[float, float], list]:
-    """The (q, accepted) samples of ``pair``'s calibrations that have them, as :func:`find_acceptance`."""
-    return {setting: measured.confidence for setting, measured in find_calibrations(pair, directories).items() if measured.confidence}
-
-
 def find_calibrations(pair: str, directories: list[Path] | None = None) -> dict[tuple[float, float], Acceptance]:
     """Every readable calibration of ``pair`` keyed by (temperature, top_p), earlier directories first."""
     if directories is None:

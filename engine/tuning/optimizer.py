@@ -19,7 +19,6 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from engine.trees import dp
 from engine.trees.tree import Tree
 from engine.tuning.acceptance import nearest_calibration, nearest_setting
@@ -75,10 +74,11 @@ def grown_chain(samples, depth: int, threshold: float, profile: HardwareProfile)
     (the product of its q along the chain) reaches ``threshold``, as the engine's ``confidence``.
 
     ``samples``: (q of the drafted token, accepted 0/1) at successive positions of real answers,
-    in order (:class:`engine.tuning.calibrate.Acceptance`'s ``confidence``). The policy is replayed over them as over text: a step at sample i
-    drafts while q_i q_i+1 ... reaches the threshold, accepts the leading accepted ones and moves
-    on past them and the bonus token, so runs of sure positions count as they come (a level drawn
-    after a rejection is taken at the next sample's q: the step is charged for it either way).
+    in order (:class:`engine.tuning.calibrate.Acceptance`'s ``confidence``). The policy is replayed
+    over them as over text: a step at sample i drafts while q_i q_i+1 ... reaches the threshold,
+    accepts the leading accepted ones and moves on past them and the bonus token, so runs of sure
+    positions count as they come (a level drawn after a rejection is taken at the next sample's q:
+    the step is charged for it either way).
     Mean tokens and step time (drafted levels at t_D, the first with the catch-up token; t_T of
     the rows; the overhead) as :func:`predict`'s."""
     q = [float(sample[0]) for sample in samples]
@@ -112,7 +112,8 @@ def choose_tree(acceptance, profile: HardwareProfile, max_size: int | None = Non
         return best
     # the samples' own one-token chain against the vector's: growth's tokens are scaled by their
     # ratio, so that grown and fixed trees are judged on the same acceptance
-    scale = predict(Tree.chain(1), acceptance, profile).expected_tokens / grown_chain(confidence, 1, 1.0, profile).expected_tokens
+    scale = (predict(Tree.chain(1), acceptance, profile).expected_tokens
+             / grown_chain(confidence, 1, 1.0, profile).expected_tokens)
     for depth in range(2, min(max_depth, max_size - 1, MAX_GROWN_DEPTH) + 1):
         for threshold in GROWTH_THRESHOLDS:
             choice = grown_chain(confidence, depth, threshold, profile)
@@ -201,18 +202,19 @@ def load_tuner(pair: str, target, cache: Path | None = None):
 
 
 def _tuner_from(directory: Path, pair: str, target):
-    from engine.tuning.calibrate import find_acceptance, find_confidence
+    from engine.tuning.calibrate import find_calibrations
     from engine.tuning.profile import device_name, profile_path
 
     param = next(target.parameters())
     dtype = str(param.dtype).removeprefix("torch.")
     path = profile_path(directory / "profiles", device_name(param.device), pair, dtype)
-    acceptance = find_acceptance(pair, [directory / "acceptance"])
-    if not path.exists() or not acceptance:
+    calibrations = find_calibrations(pair, [directory / "acceptance"])  # each file read once
+    if not path.exists() or not calibrations:
         return None
+    acceptance = {setting: list(measured.vector) for setting, measured in calibrations.items()}
+    confidence = {setting: measured.confidence for setting, measured in calibrations.items() if measured.confidence}
     try:
-        return AutoTuner(HardwareProfile.from_json(path.read_text()), acceptance, pair=pair,
-                         confidence=find_confidence(pair, [directory / "acceptance"]))
+        return AutoTuner(HardwareProfile.from_json(path.read_text()), acceptance, pair=pair, confidence=confidence)
     except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError) as exc:
         log.warning("ignoring the hardware profile %s: %s", path, exc)
         return None

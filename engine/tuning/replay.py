@@ -19,20 +19,28 @@ from engine.trees.tree import Tree
 
 def draft_ranks(draft: torch.nn.Module, prompt: list[int], continuation: list[int]) -> list[int]:
     """1-based rank of ``continuation[j]`` under the draft at ``prompt + continuation[:j]``."""
-    return draft_ranks_and_confidence(draft, prompt, continuation)[0]
+    return _ranks(_continuation_logits(draft, prompt, continuation), continuation)
 
 
 def draft_ranks_and_confidence(draft: torch.nn.Module, prompt: list[int],
                                continuation: list[int]) -> tuple[list[int], list[float]]:
     """:func:`draft_ranks`, and the draft's probability of its own first choice at each position
-    (the confidence a greedy step's first draft token is grown on)."""
+    (the confidence a greedy step's first draft token is grown on), from the same draft pass."""
+    logits = _continuation_logits(draft, prompt, continuation)
+    return _ranks(logits, continuation), torch.softmax(logits, dim=-1).amax(dim=-1).tolist()
+
+
+def _continuation_logits(draft: torch.nn.Module, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """Float logits ``[L, V]`` of the draft at ``prompt + continuation[:j]`` for every j (one causal pass)."""
     device = next(draft.parameters()).device
     ids = torch.tensor([prompt + continuation], device=device)
     with torch.inference_mode():
-        logits = draft(input_ids=ids).logits[0, len(prompt) - 1: -1].float()  # [L, V]
-    chosen = logits.gather(1, torch.tensor(continuation, device=device)[:, None])
-    ranks = ((logits > chosen).sum(dim=1) + 1).tolist()
-    return ranks, torch.softmax(logits, dim=-1).amax(dim=-1).tolist()
+        return draft(input_ids=ids).logits[0, len(prompt) - 1: -1].float()
+
+
+def _ranks(logits: torch.Tensor, continuation: list[int]) -> list[int]:
+    chosen = logits.gather(1, torch.tensor(continuation, device=logits.device)[:, None])
+    return ((logits > chosen).sum(dim=1) + 1).tolist()
 
 
 def replay(tree: Tree, ranks: list[int]) -> tuple[int, int]:
