@@ -334,6 +334,28 @@ def test_inputs_short_of_a_super_block_are_padded_with_zeros(compiled):
     assert all(torch.equal(layer(x[i:i + 1]), out[i:i + 1]) for i in range(9))
 
 
+def test_a_half_super_block_of_padding_is_neither_stored_nor_read(every_path):
+    """896 inputs (the 0.5B draft's width) are 3.5 super-blocks: the zero half of the fourth is left
+    out of the stored quants (1/8 of the bytes), and every integer path gives the bits of the whole,
+    padded blocks, for every row count of the kernel's row blocks."""
+    torch.manual_seed(5)
+    weight, x = torch.randn(48, 896) * 0.05, torch.nn.functional.pad(torch.randn(7, 896), (0, 128))
+    whole = quantize_q4k(torch.nn.functional.pad(weight, (0, 128)))
+    layer = KQuantLinear("q4k", whole, 896, 48)
+    stored = layer.packed()
+    assert stored["qs"].numel() == whole["qs"].numel() * 7 // 8 == kquant.packed_bytes("q4k", 48, 896)
+    assert torch.equal(kquant.unpack_weight("q4k", stored, 48, 1024), kquant.unpack_weight("q4k", whole, 48, 1024))
+    expected = reference_linear("q4k", x, whole, 48)
+    assert torch.equal(reference_linear("q4k", x, stored, 48), expected)
+    for path, extension in every_path.items():
+        for rows in (1, 2, 3, 7):
+            for tensors in (stored, whole):
+                got = extension.q4k_linear(x[:rows], *(tensors[name] for name in kquant.PACKED_NAMES["q4k"]), 48)
+                assert torch.equal(got, expected[:rows]), (path, rows, tensors is whole)
+    assert not kquant.has_half_tail(1024) and not kquant.has_half_tail(960) and kquant.has_half_tail(128)
+    assert KQuantLinear("q4k", quantize_q4k(torch.zeros(16, 1024)), 960, 16).packed()["qs"].numel() == 16 * 512
+
+
 def test_a_model_of_any_width_gets_kquant_layers_everywhere(compiled):
     """The q4k draft format: every linear of a 128-wide model becomes a padded k-quant layer, and
     its next-token logits stay close to the float model's."""

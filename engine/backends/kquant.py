@@ -41,7 +41,8 @@ TILE = 16
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("kquant.cpp", "nucleus.cpp")]
 HEADERS = [Path(__file__).with_name("csrc") / "fixed_exp.h"]  # part of the build's digest, not compiled alone
 ATTENTION_NAME = "kquant"
-CACHE_FORMAT = 3  # bump when the packed layout changes (2: Q6_K at 6 bits a weight, not 8; 3: d, dmin as fp16)
+CACHE_FORMAT = 4  # bump when the packed layout changes (2: Q6_K at 6 bits a weight, not 8; 3: d, dmin as fp16;
+#                  4: a Q4_K weight's zero half super-block not stored)
 
 # GGUF tensor name (after ``blk.N.``) -> Hugging Face module path (after ``model.layers.N.``), for
 # the llama-style architectures whose converters keep q/k unpermuted (qwen2).
@@ -197,6 +198,32 @@ def unpack_weight(kind: str, tensors: dict[str, torch.Tensor], out_features: int
     return (scale * q.float() - offset).reshape(out_features, in_features)
 
 
+HALF_BLOCK_BYTES = TILE * SUPER_BLOCK // 4  # a tile's quants of half a Q4_K super-block (4 sub-blocks)
+
+
+def has_half_tail(in_features: int) -> bool:
+    """Whether a Q4_K weight of ``in_features`` inputs is stored without the zero half of its last
+    super-block (896 inputs: 3.5 super-blocks, 12.5% fewer bytes to read than padding to 1024)."""
+    return padded_size(in_features) - in_features >= SUPER_BLOCK // 2
+
+
+def drop_half_tail(qs: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """Q4_K quants packed over whole super-blocks ``[N/16 * NB * 2048]`` -> the stored layout: the
+    last super-block's zero half left out of every tile when :func:`has_half_tail` (else ``qs``)."""
+    nt, nb = out_features // TILE, padded_size(in_features) // SUPER_BLOCK
+    if not has_half_tail(in_features) or qs.numel() != nt * nb * 2 * HALF_BLOCK_BYTES:
+        return qs
+    return qs.reshape(nt, 2 * nb, HALF_BLOCK_BYTES)[:, :-1].reshape(-1).clone()
+
+
+def _whole_blocks(qs: torch.Tensor, nt: int, nb: int) -> torch.Tensor:
+    """Stored Q4_K quants -> whole super-blocks ``[N/16 * NB * 2048]`` (a left-out half as zeros)."""
+    if qs.numel() == nt * nb * 2 * HALF_BLOCK_BYTES:
+        return qs
+    halves = qs.reshape(nt, 2 * nb - 1, HALF_BLOCK_BYTES)
+    return torch.cat([halves, halves.new_zeros(nt, 1, HALF_BLOCK_BYTES)], dim=1).reshape(-1)
+
+
 def _integer_weight(kind: str, t: dict[str, torch.Tensor], n: int, k: int):
     """``(q [N, NB, S, G] int, scale [N, NB, S, 1] float, offset [N, NB, S, 1] float)`` with
     ``w = scale*q - offset`` per sub-block of ``G`` inputs (S sub-blocks a super-block)."""
@@ -205,7 +232,7 @@ def _integer_weight(kind: str, t: dict[str, torch.Tensor], n: int, k: int):
     untile = lambda x, *inner: x.reshape(nt, nb, *inner, TILE).movedim(-1, 1).reshape(n, nb, *inner)  # noqa: E731
     d = untile(t["d"]).float()[..., None, None]
     if kind == "q4k":
-        raw = t["qs"].reshape(nt, nb, 8, 4, TILE, 4).movedim(4, 1).reshape(n, nb, 8, 4, 4)
+        raw = _whole_blocks(t["qs"], nt, nb).reshape(nt, nb, 8, 4, TILE, 4).movedim(4, 1).reshape(n, nb, 8, 4, 4)
         q = torch.stack([raw & 0x0F, raw >> 4], dim=-2).reshape(n, nb, subs, group)
         sc, mn = untile(t["sc"], subs).float()[..., None], untile(t["mn"], subs).float()[..., None]
         return q, d * sc, untile(t["dmin"]).float()[..., None, None] * mn
@@ -276,6 +303,8 @@ class KQuantLinear(torch.nn.Module):
             raise ValueError(f"unknown k-quant kind {kind!r}")
         self.kind, self.in_features, self.out_features = kind, in_features, out_features
         self.padded_in = padded_size(in_features)  # the packed weight's inputs: zeros past in_features
+        if kind == "q4k":
+            tensors = {**tensors, "qs": drop_half_tail(tensors["qs"], out_features, in_features)}
         for name, tensor in tensors.items():
             self.register_buffer(name, tensor)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -408,8 +437,12 @@ def finish_kquant(model: torch.nn.Module, mapped_only: bool = False) -> torch.nn
 
 
 def packed_bytes(kind: str, out_features: int, in_features: int) -> int:
-    """Bytes of a layer's packed quants (``qs``): 4 bits a weight for Q4_K, 6 for Q6_K."""
-    return padded_size(in_features) * out_features * (4 if kind == "q4k" else 6) // 8
+    """Bytes of a layer's stored quants (``qs``): 4 bits a weight for Q4_K (less a zero half
+    super-block, :func:`has_half_tail`), 6 for Q6_K."""
+    if kind == "q4k":
+        half_tail = has_half_tail(in_features) * out_features // TILE * HALF_BLOCK_BYTES
+        return padded_size(in_features) * out_features // 2 - half_tail
+    return padded_size(in_features) * out_features * 6 // 8
 
 
 def padded_size(in_features: int) -> int:

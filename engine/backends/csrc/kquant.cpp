@@ -137,6 +137,19 @@ struct Rows {
   int64_t K;
 };
 
+// A Q4_K weight's tensors. Its quants are tile-major: a tile's super-blocks one after the other, each
+// of 8 sub-blocks (Q4K_BYTES), except that with ``half_tail`` the last one keeps only its first 4: a
+// layer of 896 inputs is 3.5 super-blocks, and the zero half of the fourth is neither stored nor read
+// (its products are 0: the padded activations are 0). The scales and mins keep all 8 (zeros).
+struct Q4KWeight {
+  const uint8_t *qs, *sc, *mn;
+  const uint16_t *d, *dmin;  // fp16 bits
+  bool half_tail;
+  const uint8_t* quants(int64_t tile, int64_t nb, int64_t blk) const {
+    return qs + tile * (nb * Q4K_BYTES - (half_tail ? Q4K_BYTES / 2 : 0)) + blk * Q4K_BYTES;
+  }
+};
+
 // Rows in blocks of 4 (the last one 1-3): ``rows_of(block, r)`` runs rows r .. r+block-1, with
 // ``block`` a compile-time std::integral_constant so each block size gets its own unrolled code.
 template <typename F>
@@ -159,44 +172,56 @@ inline __m256i interleave_bytes(__m128i a, __m128i b) {
 
 // The VNNI path: NR rows share each sub-block's unpacked weights; per lane, the same operations
 // as the portable path below (integer sums are exact in any order, the float steps are identical).
-template <int NR>
-void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin,
-              const Rows& rows, int64_t r0, float* out, int64_t N, int64_t tile) {
-  const int64_t nb = rows.K / QK;
+// The scaled products sum_j sc_j * (q_j . xq_j) of one super-block's first NSUB sub-blocks (8, or 4
+// for a half tail) for NR rows, added to a[0..NR-1].
+template <int NR, int NSUB>
+__attribute__((always_inline)) inline void products_q4k(const uint8_t* q, const uint8_t* sct, const Rows& rows,
+                                                        int64_t r0, int64_t blk, __m512i* a) {
   const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int j = 0; j < NSUB; ++j) {
+    __m512i w[8];
+    #pragma GCC unroll 8
+    for (int l = 0; l < 4; ++l) {
+      const __m512i raw = _mm512_loadu_si512(q + j * 256 + l * 64);
+      w[2 * l] = _mm512_and_si512(raw, low);
+      w[2 * l + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+    const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(sct + j * 16)));
+    #pragma GCC unroll 8
+    for (int rr = 0; rr < NR; ++rr) {
+      const int8_t* xq = rows.xq + (r0 + rr) * rows.K + blk * QK + j * 32;
+      __m512i dot = _mm512_setzero_si512();
+      #pragma GCC unroll 8
+      for (int l = 0; l < 4; ++l) {
+        int32_t x0, x1;
+        std::memcpy(&x0, xq + l * 8, 4);
+        std::memcpy(&x1, xq + l * 8 + 4, 4);
+        dot = _mm512_dpbusd_epi32(dot, w[2 * l], _mm512_set1_epi32(x0));
+        dot = _mm512_dpbusd_epi32(dot, w[2 * l + 1], _mm512_set1_epi32(x1));
+      }
+      a[rr] = _mm512_add_epi32(a[rr], _mm512_mullo_epi32(dot, scv));
+    }
+  }
+}
+
+template <int NR>
+void rows_q4k(const Q4KWeight& w, const Rows& rows, int64_t r0, float* out, int64_t N, int64_t tile) {
+  const int64_t nb = rows.K / QK;
+  const uint8_t *sc = w.sc, *mn = w.mn;
+  const uint16_t *d = w.d, *dmin = w.dmin;
   __m512 y[NR];
   #pragma GCC unroll 8
   for (int rr = 0; rr < NR; ++rr) y[rr] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t t = tile * nb + blk;
-    const uint8_t* q = qs + t * Q4K_BYTES;
+    const uint8_t* q = w.quants(tile, nb, blk);
     __m512i a[NR];
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) a[rr] = _mm512_setzero_si512();
-    for (int j = 0; j < 8; ++j) {
-      __m512i w[8];
-      #pragma GCC unroll 8
-      for (int l = 0; l < 4; ++l) {
-        const __m512i raw = _mm512_loadu_si512(q + j * 256 + l * 64);
-        w[2 * l] = _mm512_and_si512(raw, low);
-        w[2 * l + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-      }
-      const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(sc + t * 128 + j * 16)));
-      #pragma GCC unroll 8
-      for (int rr = 0; rr < NR; ++rr) {
-        const int8_t* xq = rows.xq + (r0 + rr) * rows.K + blk * QK + j * 32;
-        __m512i dot = _mm512_setzero_si512();
-        #pragma GCC unroll 8
-        for (int l = 0; l < 4; ++l) {
-          int32_t x0, x1;
-          std::memcpy(&x0, xq + l * 8, 4);
-          std::memcpy(&x1, xq + l * 8 + 4, 4);
-          dot = _mm512_dpbusd_epi32(dot, w[2 * l], _mm512_set1_epi32(x0));
-          dot = _mm512_dpbusd_epi32(dot, w[2 * l + 1], _mm512_set1_epi32(x1));
-        }
-        a[rr] = _mm512_add_epi32(a[rr], _mm512_mullo_epi32(dot, scv));
-      }
-    }
+    if (w.half_tail && blk == nb - 1)
+      products_q4k<NR, 4>(q, sc + t * 128, rows, r0, blk, a);
+    else
+      products_q4k<NR, 8>(q, sc + t * 128, rows, r0, blk, a);
     // The mins' term sum_j mn_j * S_j (S_j: the sub-block's activation sum, |S_j| <= 32 * 127) as
     // four int16-pair dot products a row: lane l of mp[k] holds (mn_2k[l], mn_2k+1[l]). Made after
     // the products, so that four rows' accumulators and the unpacked weights stay in registers.
@@ -292,11 +317,8 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows
   for (int rr = 0; rr < NR; ++rr) _mm512_storeu_ps(out + (r0 + rr) * N + tile * TILE, y[rr]);
 }
 
-void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin,
-              const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
-  by_row_blocks(R, [&](auto block, int64_t r) {
-    rows_q4k<decltype(block)::value>(qs, sc, mn, d, dmin, rows, r, out, N, tile);
-  });
+void tile_q4k(const Q4KWeight& w, const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
+  by_row_blocks(R, [&](auto block, int64_t r) { rows_q4k<decltype(block)::value>(w, rows, r, out, N, tile); });
 }
 
 void tile_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t R, float* out,
@@ -330,20 +352,22 @@ inline __m256i twice16(const uint8_t* p) {
 
 // Outputs 8h .. 8h+7 of a tile (byte offset 32h of each 64-byte load) for rows r0 .. r0+NR-1.
 template <int NR>
-void rows_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin,
-              const Rows& rows, int64_t r0, float* out, int64_t N, int64_t tile, int h) {
+void rows_q4k(const Q4KWeight& wt, const Rows& rows, int64_t r0, float* out, int64_t N, int64_t tile, int h) {
   const int64_t nb = rows.K / QK;
+  const uint8_t *sc = wt.sc, *mn = wt.mn;
+  const uint16_t *d = wt.d, *dmin = wt.dmin;
   const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 y[NR];
   #pragma GCC unroll 8
   for (int rr = 0; rr < NR; ++rr) y[rr] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t t = tile * nb + blk;
-    const uint8_t* q = qs + t * Q4K_BYTES + h * 32;
+    const uint8_t* q = wt.quants(tile, nb, blk) + h * 32;
     __m256i a[NR], b[NR];
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) a[rr] = b[rr] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {
+    const int subs = wt.half_tail && blk == nb - 1 ? 4 : 8;  // the sub-blocks not stored add 0
+    for (int j = 0; j < subs; ++j) {
       __m256i acc[NR];
       #pragma GCC unroll 8
       for (int rr = 0; rr < NR; ++rr) acc[rr] = _mm256_setzero_si256();
@@ -428,12 +452,9 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows
   for (int rr = 0; rr < NR; ++rr) _mm256_storeu_ps(out + (r0 + rr) * N + tile * TILE + h * 8, y[rr]);
 }
 
-void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin,
-              const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
+void tile_q4k(const Q4KWeight& w, const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
   for (int h = 0; h < 2; ++h)
-    by_row_blocks(R, [&](auto block, int64_t r) {
-      rows_q4k<decltype(block)::value>(qs, sc, mn, d, dmin, rows, r, out, N, tile, h);
-    });
+    by_row_blocks(R, [&](auto block, int64_t r) { rows_q4k<decltype(block)::value>(w, rows, r, out, N, tile, h); });
 }
 
 void tile_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t R, float* out,
@@ -484,21 +505,21 @@ inline void accumulate_min(float* y, const uint16_t* d, const uint16_t* dmin, fl
 }
 
 // One tile of 16 outputs for every row: out [R, N] float at column tile*16.
-void tile_q4k(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin,
-              const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
+void tile_q4k(const Q4KWeight& w, const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
   const int64_t nb = rows.K / QK;
+  const uint16_t *d = w.d, *dmin = w.dmin;
   alignas(64) int32_t dot[TILE], a[TILE], b[TILE];
   for (int64_t r = 0; r < R; ++r) {
     alignas(64) float y[TILE] = {0};
     const int8_t* xq = rows.xq + r * rows.K;
     for (int64_t blk = 0; blk < nb; ++blk) {
       const int64_t t = tile * nb + blk;
-      const uint8_t* q = qs + t * Q4K_BYTES;
-      const uint8_t* scb = sc + t * 128;
-      const uint8_t* mnb = mn + t * 128;
+      const uint8_t* q = w.quants(tile, nb, blk);
+      const uint8_t* scb = w.sc + t * 128;
+      const uint8_t* mnb = w.mn + t * 128;
       const int32_t* s16 = rows.s16 + r * (rows.K / 16) + blk * 16;
       for (int o = 0; o < TILE; ++o) a[o] = b[o] = 0;
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0, subs = w.half_tail && blk == nb - 1 ? 4 : 8; j < subs; ++j) {
         dot_q4(q + j * 256, xq + blk * QK + j * 32, dot);
         const int32_t sum = s16[2 * j] + s16[2 * j + 1];
         for (int o = 0; o < TILE; ++o) {
@@ -586,19 +607,19 @@ void products_into(const std::vector<PackedLinear>& linears, const torch::Tensor
   const int64_t R = x2.size(0);
   struct Pointers {  // read once per call: data_ptr<T>() checks the dtype, too slow per tile
     bool q4;
-    const uint8_t *qs, *sc, *mn;
-    const uint16_t *d, *dmin;  // fp16 bits
+    Q4KWeight w;  // q4k: everything; q6k: qs, sc (int8) and d
   };
   std::vector<Pointers> weights;
   std::vector<int64_t> column{0}, first_tile{0};  // per linear, then the totals
   for (const auto& L : linears) {
-    TORCH_CHECK(L.t[0].numel() == L.n / TILE * (rows.K / QK) * (L.q4 ? Q4K_BYTES : Q6K_BYTES), L.q4 ? "q4k" : "q6k",
-                " weight does not match ", L.n, " x ", rows.K);
-    weights.push_back(L.q4 ? Pointers{true, L.t[0].data_ptr<uint8_t>(), L.t[1].data_ptr<uint8_t>(),
-                                      L.t[2].data_ptr<uint8_t>(), half_bits(L.t[3]), half_bits(L.t[4])}
-                           : Pointers{false, L.t[0].data_ptr<uint8_t>(),
-                                      reinterpret_cast<const uint8_t*>(L.t[1].data_ptr<int8_t>()), nullptr,
-                                      half_bits(L.t[2]), nullptr});
+    const int64_t full = L.n / TILE * (rows.K / QK) * (L.q4 ? Q4K_BYTES : Q6K_BYTES), stored = L.t[0].numel();
+    const bool half_tail = L.q4 && rows.K >= QK && stored == full - L.n / TILE * (Q4K_BYTES / 2);
+    TORCH_CHECK(stored == full || half_tail, L.q4 ? "q4k" : "q6k", " weight does not match ", L.n, " x ", rows.K);
+    weights.push_back(L.q4 ? Pointers{true, {L.t[0].data_ptr<uint8_t>(), L.t[1].data_ptr<uint8_t>(),
+                                             L.t[2].data_ptr<uint8_t>(), half_bits(L.t[3]), half_bits(L.t[4]), half_tail}}
+                           : Pointers{false, {L.t[0].data_ptr<uint8_t>(),
+                                              reinterpret_cast<const uint8_t*>(L.t[1].data_ptr<int8_t>()), nullptr,
+                                              half_bits(L.t[2]), nullptr, false}});
     column.push_back(column.back() + L.n);
     first_tile.push_back(first_tile.back() + L.n / TILE);
   }
@@ -608,9 +629,9 @@ void products_into(const std::vector<PackedLinear>& linears, const torch::Tensor
     const Pointers& w = weights[i];
     const int64_t t = k - first_tile[i];
     if (w.q4)
-      tile_q4k(w.qs, w.sc, w.mn, w.d, w.dmin, rows, R, out + column[i], ld, t);
+      tile_q4k(w.w, rows, R, out + column[i], ld, t);
     else
-      tile_q6k(w.qs, reinterpret_cast<const int8_t*>(w.sc), w.d, rows, R, out + column[i], ld, t);
+      tile_q6k(w.w.qs, reinterpret_cast<const int8_t*>(w.w.sc), w.w.d, rows, R, out + column[i], ld, t);
   });
   for (size_t i = 0; i < linears.size(); ++i) {
     if (!linears[i].bias.has_value()) continue;
