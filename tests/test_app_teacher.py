@@ -200,6 +200,35 @@ def test_a_message_sent_during_an_answer_is_refused_with_a_message(app):
     assert "Not sent: an answer is still streaming" in updates[0][app.c.status]
 
 
+def test_live_updates_keep_their_intervals_and_few_cores_get_fewer():
+    """While an answer streams, the chat text is sent at most every ``text_interval`` seconds and
+    the figures every ``plot_interval``; on up to 4 cores (where the browser draws on the cores
+    that decode) those are 0.25 s and 1 s, on larger machines 0.05 s and 0.2 s."""
+    import time
+
+    assert handlers.live_update_intervals(2) == {"text_interval": 0.25, "plot_interval": 1.0}
+    assert handlers.live_update_intervals(16) == {"text_interval": 0.05, "plot_interval": 0.2}
+    assert {k: handlers.DEFAULTS[k] for k in ("text_interval", "plot_interval")} == handlers.live_update_intervals()
+    tokenizer = support.tokenizer()
+    target, draft = support.tiny_pair()
+    worker = Worker(support.SlowEngine(make_engine(target, draft, tokenizer), delay=0.02), tokenizer, {})
+    chat = ui.build_demo(worker, tokenizer, {"text_interval": 0.1, "plot_interval": 0.5}).chat_app
+    try:
+        stamps = [(time.perf_counter(), update) for update in
+                  chat.respond("Hello there", [], handlers.Run(), "", 0.0, 1.0, 120, 0, "chain", 2, 1, False, False, False)]
+    finally:
+        worker.close()
+    c = chat.c
+    live = [(t, u) for t, u in stamps[1:-1] if c.chatbot in u]  # between the first frame and the final one
+    texts, plots = [t for t, _ in live], [t for t, u in live if c.tree_plot in u]
+    assert len(texts) >= 5 and len(plots) >= 2, (len(texts), len(plots))
+    # stamped as they reach this loop, after each update is built: a figure's build delays its own
+    # stamp, so single gaps may come out short; the count over the answer's span may not
+    span = stamps[-1][0] - stamps[0][0]
+    assert len(texts) <= span / 0.1 + 1 and len(plots) <= span / 0.5 + 1, (span, len(texts), len(plots))
+    assert min(b - a for a, b in zip(texts, texts[1:])) >= 0.05 and min(b - a for a, b in zip(plots, plots[1:])) >= 0.25
+
+
 @pytest.mark.parametrize("method", ["sequoia", "autoregressive"])
 def test_the_status_says_what_is_happening_and_names_the_method(app, method):
     updates = list(app.respond("Hello there", [], handlers.Run(), "", 0.0, 1.0, 6, 0, method, 8, 4, False, False, False))
