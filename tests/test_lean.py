@@ -73,6 +73,23 @@ def test_the_lean_forward_equals_the_models_own_bit_for_bit(builder, growing):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
+def test_the_rotary_tables_give_the_rotary_embeddings_own_bits_across_their_growth():
+    """The lean forward reads cos/sin from tables the model's rotary embedding filled, grown by whole
+    chunks as positions go further: at every position asked, in any order and any group, the
+    same bits as the rotary embedding called on those positions."""
+    from engine.backends.lean import ROTARY_CHUNK
+
+    model, _ = tiny_q4k()
+    lean = model.lean_forward
+    hidden = torch.zeros(1, 1, model.config.hidden_size)
+    for group in ([0], [5, 3, 4], [ROTARY_CHUNK - 1, ROTARY_CHUNK], [2 * ROTARY_CHUNK + 17, 1, 2 * ROTARY_CHUNK + 17]):
+        positions = torch.tensor([group])
+        for table, direct in zip(lean._rotary(hidden, positions), lean.rotary(hidden, positions)):
+            assert table.shape == direct.shape and torch.equal(table, direct), group
+    assert lean._cos.shape[0] == 3 * ROTARY_CHUNK
+    assert copy.deepcopy(model).lean_forward._cos is None  # a copy remakes its own tables
+
+
 def test_the_static_runner_and_logits_to_keep_take_the_lean_path_with_the_same_logits():
     model, plain = tiny_q4k()
     ids = [1, 5, 9, 2, 7]

@@ -29,6 +29,7 @@ from engine.core.kv_cache import commit_all, reserve_all
 
 LEAN_MODEL_TYPES = ("qwen2", "llama")
 ATTRIBUTE = "lean_forward"  # where a model keeps its LeanDecoder; the runner looks for it there
+ROTARY_CHUNK = 1024  # the rotary tables grow by whole chunks of positions
 
 
 def _spec(linear: KQuantLinear) -> tuple:
@@ -61,9 +62,21 @@ class LeanDecoder:
         self.final_norm, self.lm_head = base.norm, model.lm_head
         self.decoder_layers = list(base.layers[: model.config.num_hidden_layers])
         self._native: list | None = None
+        self._cos: torch.Tensor | None = None  # [P, D]: the rotary embedding at positions 0..P-1
+        self._sin: torch.Tensor | None = None
 
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_native": None}  # the extension's objects do not copy; they are remade
+    def __getstate__(self) -> dict:  # the extension's objects do not copy (they are remade), nor the tables
+        return {**self.__dict__, "_native": None, "_cos": None, "_sin": None}
+
+    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[1, q, D]`` at ``positions [1, q]``: rows of tables the model's own rotary
+        embedding filled for positions 0..P-1 (P a multiple of :data:`ROTARY_CHUNK`), the same bits
+        as calling it on these positions (each position's row is its own products and cosines)."""
+        top = int(positions.max()) + 1
+        if self._cos is None or top > self._cos.shape[0]:
+            cos, sin = self.rotary(hidden, torch.arange(-(-top // ROTARY_CHUNK) * ROTARY_CHUNK)[None])
+            self._cos, self._sin = cos[0], sin[0]
+        return self._cos[positions], self._sin[positions]
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,
                  logits_to_keep: int = 0) -> torch.Tensor:
@@ -73,7 +86,7 @@ class LeanDecoder:
         if self._native is None:
             self._native = [native_layer(layer) for layer in self.decoder_layers]
         hidden = self.embed(ids)
-        cos, sin = self.rotary(hidden, positions)
+        cos, sin = self._rotary(hidden, positions)
         q_len = ids.shape[1]
         buffers = reserve_all(cache, q_len)
         if buffers is not None:  # a growing cache: one call runs every layer, writing keys in place
@@ -89,7 +102,7 @@ class LeanDecoder:
                 if rows is None:
                     rows = _mask_rows(mask, q_len, key.shape[2])
                 hidden = layer.attention_out(hidden, query, key, value, rows)
-        hidden = self.final_norm(hidden)
+        hidden = _extension().rms_norm(hidden, self.final_norm.weight.detach(), float(self.final_norm.variance_epsilon))
         return self.lm_head(hidden[:, -logits_to_keep:, :] if logits_to_keep else hidden)
 
 
