@@ -282,14 +282,14 @@ def peer_summary(runs, baseline_tps: float) -> dict:
 
     tps = runs.median_tokens_per_s()
     acceptance = [r.draft_accepted / r.draft_tokens for r in runs.results if r.draft_tokens]
+    tokens = [r.tokens for r in runs.results]
     return {"name": runs.name, "method": "llama.cpp", "peer": "llama.cpp", "peer_config": asdict(runs.config),
             "tree": None, "tree_size": None, "tree_depth": None,
             "tokens_per_s": tps, "ms_per_token": 1e3 / tps, "speedup": tps / baseline_tps,
             "predicted_speedup": None, "measured_over_predicted": None, "predicted_tokens_per_step": None,
             "predicted_step_ms": None, "step_ms_total": None, "tokens_per_step": None, "draft_share": None,
             "step_ms": None, "runs_tokens_per_s": runs.tokens_per_s,
-            "runs_tokens_generated": [r.tokens for r in runs.results],
-            "all_answers_tokens_per_s": all_answers_rate([r.tokens for r in runs.results], runs.tokens_per_s),
+            "runs_tokens_generated": tokens, "all_answers_tokens_per_s": all_answers_rate(tokens, runs.tokens_per_s),
             "draft_acceptance": statistics.median(acceptance) if acceptance else None,
             "outputs_identical_to_peer_target_only": runs.identical_to_target_only()}
 

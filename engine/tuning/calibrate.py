@@ -145,7 +145,12 @@ def _greedy_calibration(engine: SpeculativeEngine, prompts: list[list[int]], k: 
 def find_acceptance(pair: str, directories: list[Path] | None = None) -> dict[tuple[float, float], list[float]]:
     """Calibrated vectors of ``pair`` keyed by (temperature, top_p): the user cache first, then the
     measurements bundled in ``assets/acceptance`` (the embedded pair's); unreadable files are skipped."""
-    return {setting: list(measured.vector) for setting, measured in find_calibrations(pair, directories).items()}
+    return acceptance_vectors(find_calibrations(pair, directories))
+
+
+def acceptance_vectors(calibrations: dict[tuple[float, float], Acceptance]) -> dict[tuple[float, float], list[float]]:
+    """Each calibration's acceptance vector, by the same (temperature, top_p) keys."""
+    return {setting: list(measured.vector) for setting, measured in calibrations.items()}
 
 
 def find_calibrations(pair: str, directories: list[Path] | None = None) -> dict[tuple[float, float], Acceptance]:

@@ -202,7 +202,7 @@ def load_tuner(pair: str, target, cache: Path | None = None):
 
 
 def _tuner_from(directory: Path, pair: str, target):
-    from engine.tuning.calibrate import find_calibrations
+    from engine.tuning.calibrate import acceptance_vectors, find_calibrations
     from engine.tuning.profile import device_name, profile_path
 
     param = next(target.parameters())
@@ -211,7 +211,7 @@ def _tuner_from(directory: Path, pair: str, target):
     calibrations = find_calibrations(pair, [directory / "acceptance"])  # each file read once
     if not path.exists() or not calibrations:
         return None
-    acceptance = {setting: list(measured.vector) for setting, measured in calibrations.items()}
+    acceptance = acceptance_vectors(calibrations)
     confidence = {setting: measured.confidence for setting, measured in calibrations.items() if measured.confidence}
     try:
         return AutoTuner(HardwareProfile.from_json(path.read_text()), acceptance, pair=pair, confidence=confidence)

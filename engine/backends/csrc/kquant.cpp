@@ -148,6 +148,8 @@ struct Q4KWeight {
   const uint8_t* quants(int64_t tile, int64_t nb, int64_t blk) const {
     return qs + tile * (nb * Q4K_BYTES - (half_tail ? Q4K_BYTES / 2 : 0)) + blk * Q4K_BYTES;
   }
+  // Sub-blocks stored for super-block ``blk`` of ``nb``: those not stored add 0.
+  int subblocks(int64_t nb, int64_t blk) const { return half_tail && blk == nb - 1 ? 4 : 8; }
 };
 
 // Rows in blocks of 4 (the last one 1-3): ``rows_of(block, r)`` runs rows r .. r+block-1, with
@@ -170,8 +172,6 @@ inline __m256i interleave_bytes(__m128i a, __m128i b) {
   return _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
 }
 
-// The VNNI path: NR rows share each sub-block's unpacked weights; per lane, the same operations
-// as the portable path below (integer sums are exact in any order, the float steps are identical).
 // The scaled products sum_j sc_j * (q_j . xq_j) of one super-block's first NSUB sub-blocks (8, or 4
 // for a half tail) for NR rows, added to a[0..NR-1].
 template <int NR, int NSUB>
@@ -204,6 +204,8 @@ __attribute__((always_inline)) inline void products_q4k(const uint8_t* q, const 
   }
 }
 
+// The VNNI path: NR rows share each sub-block's unpacked weights; per lane, the same operations
+// as the portable path below (integer sums are exact in any order, the float steps are identical).
 template <int NR>
 void rows_q4k(const Q4KWeight& w, const Rows& rows, int64_t r0, float* out, int64_t N, int64_t tile) {
   const int64_t nb = rows.K / QK;
@@ -218,7 +220,7 @@ void rows_q4k(const Q4KWeight& w, const Rows& rows, int64_t r0, float* out, int6
     __m512i a[NR];
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) a[rr] = _mm512_setzero_si512();
-    if (w.half_tail && blk == nb - 1)
+    if (w.subblocks(nb, blk) == 4)
       products_q4k<NR, 4>(q, sc + t * 128, rows, r0, blk, a);
     else
       products_q4k<NR, 8>(q, sc + t * 128, rows, r0, blk, a);
@@ -366,8 +368,7 @@ void rows_q4k(const Q4KWeight& wt, const Rows& rows, int64_t r0, float* out, int
     __m256i a[NR], b[NR];
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) a[rr] = b[rr] = _mm256_setzero_si256();
-    const int subs = wt.half_tail && blk == nb - 1 ? 4 : 8;  // the sub-blocks not stored add 0
-    for (int j = 0; j < subs; ++j) {
+    for (int j = 0, subs = wt.subblocks(nb, blk); j < subs; ++j) {
       __m256i acc[NR];
       #pragma GCC unroll 8
       for (int rr = 0; rr < NR; ++rr) acc[rr] = _mm256_setzero_si256();
@@ -519,7 +520,7 @@ void tile_q4k(const Q4KWeight& w, const Rows& rows, int64_t R, float* out, int64
       const uint8_t* mnb = w.mn + t * 128;
       const int32_t* s16 = rows.s16 + r * (rows.K / 16) + blk * 16;
       for (int o = 0; o < TILE; ++o) a[o] = b[o] = 0;
-      for (int j = 0, subs = w.half_tail && blk == nb - 1 ? 4 : 8; j < subs; ++j) {
+      for (int j = 0, subs = w.subblocks(nb, blk); j < subs; ++j) {
         dot_q4(q + j * 256, xq + blk * QK + j * 32, dot);
         const int32_t sum = s16[2 * j] + s16[2 * j + 1];
         for (int o = 0; o < TILE; ++o) {
