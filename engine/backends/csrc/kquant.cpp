@@ -559,14 +559,30 @@ void tile_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows
 
 #endif
 
-Rows quantized_rows(const torch::Tensor& x2, torch::Tensor& xq, torch::Tensor& sx, torch::Tensor& s16) {
-  const int64_t R = x2.size(0), K = x2.size(1);
-  TORCH_CHECK(K % QK == 0, "input features must be a multiple of 256, got ", K);
-  xq = torch::empty({R, K}, torch::kInt8);
-  sx = torch::empty({R, K / QK}, torch::kFloat32);
-  s16 = torch::empty({R, K / 16}, torch::kInt32);
-  quantize_rows(x2.data_ptr<float>(), R, K, xq.data_ptr<int8_t>(), sx.data_ptr<float>(), s16.data_ptr<int32_t>());
-  return Rows{xq.data_ptr<int8_t>(), sx.data_ptr<float>(), s16.data_ptr<int32_t>(), K};
+// The calling thread's quantised activations: reused from call to call, so a product allocates
+// nothing (a decoder layer runs four; each torch allocation and pad is microseconds of one core
+// while the other waits).
+struct ActivationScratch {
+  std::vector<float> padded;
+  std::vector<int8_t> xq;
+  std::vector<float> sx;
+  std::vector<int32_t> s16;
+};
+
+// x [R, width] (rows contiguous) with zeros appended up to K, quantised into this thread's scratch.
+Rows quantized_rows(const float* x, int64_t R, int64_t width, int64_t K) {
+  TORCH_CHECK(K % QK == 0 && width <= K, "input features must be a multiple of 256, got ", K);
+  thread_local ActivationScratch scratch;
+  if (width != K) {
+    scratch.padded.assign(R * K, 0.f);
+    for (int64_t r = 0; r < R; ++r) std::memcpy(scratch.padded.data() + r * K, x + r * width, width * sizeof(float));
+    x = scratch.padded.data();
+  }
+  scratch.xq.resize(R * K);
+  scratch.sx.resize(R * (K / QK));
+  scratch.s16.resize(R * (K / 16));
+  quantize_rows(x, R, K, scratch.xq.data(), scratch.sx.data(), scratch.s16.data());
+  return Rows{scratch.xq.data(), scratch.sx.data(), scratch.s16.data(), K};
 }
 
 torch::Tensor flat_rows(const torch::Tensor& x) {
@@ -593,41 +609,50 @@ void for_each_dynamic(int64_t count, int64_t chunk, const F& work) {
   });
 }
 
+// A packed weight's data pointers, read once (data_ptr<T>() checks the dtype: too slow per tile).
+// A Q6_K weight keeps qs, sc (int8) and d in the Q4KWeight's qs, sc and d.
+struct WeightPointers {
+  bool q4;
+  Q4KWeight w;
+};
+
 struct PackedLinear {
   bool q4;                         // Q4_K (qs, sc, mn, d, dmin) or Q6_K (qs, sc, d)
   std::vector<torch::Tensor> t;
   int64_t n, k;                    // outputs; inputs as packed (a multiple of 256, zeros past the model's)
   c10::optional<torch::Tensor> bias;
+  WeightPointers p;
+
+  PackedLinear(bool q4_, std::vector<torch::Tensor> t_, int64_t n_, int64_t k_, c10::optional<torch::Tensor> bias_)
+      : q4(q4_), t(std::move(t_)), n(n_), k(k_), bias(std::move(bias_)) {
+    TORCH_CHECK(k >= QK && k % QK == 0, "input features must be a multiple of 256, got ", k);
+    const int64_t full = n / TILE * (k / QK) * (q4 ? Q4K_BYTES : Q6K_BYTES), stored = t[0].numel();
+    const bool half_tail = q4 && stored == full - n / TILE * (Q4K_BYTES / 2);
+    TORCH_CHECK(stored == full || half_tail, q4 ? "q4k" : "q6k", " weight does not match ", n, " x ", k);
+    p = q4 ? WeightPointers{true, {t[0].data_ptr<uint8_t>(), t[1].data_ptr<uint8_t>(), t[2].data_ptr<uint8_t>(),
+                                   half_bits(t[3]), half_bits(t[4]), half_tail}}
+           : WeightPointers{false, {t[0].data_ptr<uint8_t>(), reinterpret_cast<const uint8_t*>(t[1].data_ptr<int8_t>()),
+                                    nullptr, half_bits(t[2]), nullptr, false}};
+  }
 };
 
-// x2 [R, K] (K already padded) through ``linears`` side by side into out [R, ld] from column 0: the
-// activations quantised once, every output tile of every linear in one parallel pass.
-void products_into(const std::vector<PackedLinear>& linears, const torch::Tensor& x2, float* out, int64_t ld) {
-  torch::Tensor xq, sx, s16;
-  const Rows rows = quantized_rows(x2, xq, sx, s16);
-  const int64_t R = x2.size(0);
-  struct Pointers {  // read once per call: data_ptr<T>() checks the dtype, too slow per tile
-    bool q4;
-    Q4KWeight w;  // q4k: everything; q6k: qs, sc (int8) and d
-  };
-  std::vector<Pointers> weights;
-  std::vector<int64_t> column{0}, first_tile{0};  // per linear, then the totals
-  for (const auto& L : linears) {
-    const int64_t full = L.n / TILE * (rows.K / QK) * (L.q4 ? Q4K_BYTES : Q6K_BYTES), stored = L.t[0].numel();
-    const bool half_tail = L.q4 && rows.K >= QK && stored == full - L.n / TILE * (Q4K_BYTES / 2);
-    TORCH_CHECK(stored == full || half_tail, L.q4 ? "q4k" : "q6k", " weight does not match ", L.n, " x ", rows.K);
-    weights.push_back(L.q4 ? Pointers{true, {L.t[0].data_ptr<uint8_t>(), L.t[1].data_ptr<uint8_t>(),
-                                             L.t[2].data_ptr<uint8_t>(), half_bits(L.t[3]), half_bits(L.t[4]), half_tail}}
-                           : Pointers{false, {L.t[0].data_ptr<uint8_t>(),
-                                              reinterpret_cast<const uint8_t*>(L.t[1].data_ptr<int8_t>()), nullptr,
-                                              half_bits(L.t[2]), nullptr, false}});
-    column.push_back(column.back() + L.n);
-    first_tile.push_back(first_tile.back() + L.n / TILE);
+// x [R, width] (rows contiguous, width <= the packed inputs) through ``linears`` side by side into
+// out [R, ld] from column 0: the activations padded and quantised once, every output tile of every
+// linear in one parallel pass.
+void products_into(const std::vector<PackedLinear>& linears, const float* x, int64_t R, int64_t width, float* out,
+                   int64_t ld) {
+  const Rows rows = quantized_rows(x, R, width, linears[0].k);
+  int64_t column[16], first_tile[17] = {0};  // per linear, then the total
+  TORCH_CHECK(linears.size() <= 16, "at most 16 products side by side");
+  for (size_t i = 0, c = 0; i < linears.size(); c += linears[i].n, ++i) {
+    TORCH_CHECK(linears[i].k == rows.K, "products side by side need one input size");
+    column[i] = c;
+    first_tile[i + 1] = first_tile[i] + linears[i].n / TILE;
   }
-  for_each_dynamic(first_tile.back(), TILE_CHUNK, [&](int64_t k) {
+  for_each_dynamic(first_tile[linears.size()], TILE_CHUNK, [&](int64_t k) {
     size_t i = 0;
     while (k >= first_tile[i + 1]) ++i;
-    const Pointers& w = weights[i];
+    const WeightPointers& w = linears[i].p;
     const int64_t t = k - first_tile[i];
     if (w.q4)
       tile_q4k(w.w, rows, R, out + column[i], ld, t);
@@ -647,8 +672,9 @@ void products_into(const std::vector<PackedLinear>& linears, const torch::Tensor
 // x [..., K] -> [..., N] through one packed weight (no bias: KQuantLinear adds it).
 torch::Tensor linear(const PackedLinear& weight, const torch::Tensor& x) {
   auto x2 = flat_rows(x);
+  TORCH_CHECK(x2.size(1) == weight.k, "input features must be a multiple of 256, got ", x2.size(1));
   auto out = output_like(x, weight.n);
-  products_into({weight}, x2, out.data_ptr<float>(), weight.n);
+  products_into({weight}, x2.data_ptr<float>(), x2.size(0), weight.k, out.data_ptr<float>(), weight.n);
   return out;
 }
 
@@ -663,14 +689,6 @@ torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& qs, const 
 torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc,
                          const torch::Tensor& d, int64_t N) {
   return linear(PackedLinear{false, {qs, sc, d}, N, x.size(-1), c10::nullopt}, x);
-}
-
-// Exposed for tests: the activation quantisation (xq, sx, s16) of x [R, K].
-std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
-  auto x2 = flat_rows(x);
-  torch::Tensor xq, sx, s16;
-  quantized_rows(x2, xq, sx, s16);
-  return {xq, sx, s16};
 }
 
 // ---- attention: one (head, row) at a time, a fixed order over keys and lanes ----------------
@@ -809,25 +827,16 @@ void attend_group(const float* q0, int64_t q_step, int64_t G, const float* kp, c
 }
 #endif
 
-// q [H, R, D] (contiguous), k and v [KVH, L, D] float32 (see rows_contiguous), mask [R, L]
-// additive (or empty: causal, row i sees keys 0 .. L-R+i). Returns [R, H, D]. Each (key/value
-// head, row) is one item of work: with AVX-512 and D of 64 or 128 its G = H / KVH query heads go
-// together (attend_group), otherwise one head at a time (attend_scalar); the bits are the same.
-torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_in, const torch::Tensor& v_in,
-                        const torch::Tensor& mask, double scaling) {
-  const torch::Tensor k = rows_contiguous(k_in), v = rows_contiguous(v_in);
-  const int64_t H = q.size(0), R = q.size(1), D = q.size(2), KVH = k.size(0), L = k.size(1);
-  const int64_t k_head = k.stride(0), v_head = v.stride(0), G = H / KVH;
+// Attention of one sequence on raw rows: q [H, R, D], keys and values of head h from kp + h * k_head
+// and vp + h * v_head, L rows of D floats each, mask [R, L] additive (nullptr: causal, row i sees
+// keys 0 .. L-R+i), out [R, H, D]. Each (key/value head, row) is one item of work: with AVX-512 and
+// D of 64 or 128 its G = H / KVH query heads go together (attend_group), otherwise one head at a
+// time (attend_scalar); the bits are the same.
+void attend(const float* qp, int64_t H, int64_t R, int64_t D, const float* kp, int64_t k_head, const float* vp,
+            int64_t v_head, int64_t KVH, int64_t L, const float* mp, float scale, float* op) {
   TORCH_CHECK(D % 16 == 0 && H % KVH == 0, "attention needs D % 16 == 0 and H % KVH == 0");
-  const bool causal = mask.numel() == 0;
-  TORCH_CHECK(causal || (mask.size(0) == R && mask.size(1) == L), "mask must be [R, L]");
-  auto out = torch::empty({R, H, D}, torch::kFloat32);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const float* mp = causal ? nullptr : mask.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float scale = (float)scaling;
+  const int64_t G = H / KVH;
+  const bool causal = mp == nullptr;
 #if defined(KQ_VNNI)
   if (D == 64 || D == 128) {
     at::parallel_for(0, KVH * R, 1, [&](int64_t begin, int64_t end) {
@@ -851,7 +860,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_in, const
           attend_group<8>(q0, R * D, G, kp + kvh * k_head, vp + kvh * v_head, keys, bias, scale, o0, D, scores);
       }
     });
-    return out;
+    return;
   }
 #endif
   at::parallel_for(0, H * R, 1, [&](int64_t begin, int64_t end) {
@@ -862,6 +871,19 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_in, const
                     causal ? L - R + r + 1 : L, D, scale, op + (r * H + h) * D, p, acc);
     }
   });
+}
+
+// q [H, R, D] (contiguous), k and v [KVH, L, D] float32 (see rows_contiguous), mask [R, L]
+// additive (or empty: causal). Returns [R, H, D] (see attend).
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_in, const torch::Tensor& v_in,
+                        const torch::Tensor& mask, double scaling) {
+  const torch::Tensor k = rows_contiguous(k_in), v = rows_contiguous(v_in);
+  const int64_t H = q.size(0), R = q.size(1), D = q.size(2), KVH = k.size(0), L = k.size(1);
+  const bool causal = mask.numel() == 0;
+  TORCH_CHECK(causal || (mask.size(0) == R && mask.size(1) == L), "mask must be [R, L]");
+  auto out = torch::empty({R, H, D}, torch::kFloat32);
+  attend(q.data_ptr<float>(), H, R, D, k.data_ptr<float>(), k.stride(0), v.data_ptr<float>(), v.stride(0), KVH, L,
+         causal ? nullptr : mask.data_ptr<float>(), (float)scaling, out.data_ptr<float>());
   return out;
 }
 
@@ -888,16 +910,15 @@ std::vector<PackedLinear> packed_linears(const std::vector<LinearSpec>& specs) {
   return out;
 }
 
-// x [..., in] -> [R, sum of n], with zero inputs appended up to the packed width (as KQuantLinear).
-torch::Tensor products(const std::vector<PackedLinear>& linears, const torch::Tensor& x) {
-  const int64_t padded = linears[0].k;
-  torch::Tensor x2 = x.reshape({-1, x.size(-1)});
-  if (x2.size(1) != padded) x2 = torch::constant_pad_nd(x2, {0, padded - x2.size(1)});
-  x2 = x2.contiguous();
+// x (R rows of ``in`` values, any shape) -> [R, sum of n], with zero inputs appended up to the packed
+// width (as KQuantLinear).
+torch::Tensor products(const std::vector<PackedLinear>& linears, const torch::Tensor& x, int64_t R) {
+  const torch::Tensor x2 = x.is_contiguous() ? x : x.contiguous();
+  const int64_t width = x2.numel() / R;
   int64_t total = 0;
   for (const auto& L : linears) total += L.n;
-  auto out = torch::empty({x2.size(0), total}, torch::kFloat32);
-  products_into(linears, x2, out.data_ptr<float>(), total);
+  auto out = torch::empty({R, total}, torch::kFloat32);
+  products_into(linears, x2.data_ptr<float>(), R, width, out.data_ptr<float>(), total);
   return out;
 }
 
@@ -954,7 +975,7 @@ class LeanLayer {
   torch::Tensor project(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin, float* kp,
                         float* vp, int64_t slots) const {
     const int64_t R = hidden.size(1), D = dim_, half = D / 2, H = heads_, KVH = kv_heads_;
-    const torch::Tensor qkv = products(qkv_, rms_norm(hidden, norm1_, eps1_));
+    const torch::Tensor qkv = products(qkv_, rms_norm(hidden, norm1_, eps1_), R);
     TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "q/k/v outputs do not match the heads");
     auto query = torch::empty({H, R, D}, torch::kFloat32);
     const torch::Tensor c = cos.contiguous(), s = sin.contiguous();
@@ -981,11 +1002,29 @@ class LeanLayer {
   // the output projection, the residual, the MLP and its residual. hidden [1, R, E] -> [1, R, E].
   torch::Tensor attention_out(const torch::Tensor& hidden, const torch::Tensor& query, const torch::Tensor& key,
                               const torch::Tensor& value, const torch::Tensor& mask) const {
+    return after_attention(hidden, attention(query, key[0], value[0], mask, scaling_));
+  }
+
+  // attention_out on keys and values where a growing cache keeps them: head h's L rows at
+  // kp + h * slots * D and vp + h * slots * D; mask [R, L] additive or empty (causal).
+  torch::Tensor attention_out_cached(const torch::Tensor& hidden, const torch::Tensor& query, const float* kp,
+                                     const float* vp, int64_t slots, int64_t L, const torch::Tensor& mask) const {
+    const int64_t R = hidden.size(1);
+    TORCH_CHECK(mask.numel() == 0 || (mask.size(0) == R && mask.size(1) == L && mask.is_contiguous()),
+                "mask must be [R, L] and contiguous");
+    auto attended = torch::empty({R, heads_, dim_}, torch::kFloat32);
+    attend(query.data_ptr<float>(), heads_, R, dim_, kp, slots * dim_, vp, slots * dim_, kv_heads_, L,
+           mask.numel() == 0 ? nullptr : mask.data_ptr<float>(), (float)scaling_, attended.data_ptr<float>());
+    return after_attention(hidden, attended);
+  }
+
+ private:
+  // The output projection of attended [R, H, D], the residual, the MLP and its residual.
+  torch::Tensor after_attention(const torch::Tensor& hidden, const torch::Tensor& attended) const {
     const int64_t R = hidden.size(1), E = hidden.size(2);
-    const torch::Tensor attended = attention(query, key[0], value[0], mask, scaling_);
-    torch::Tensor h1 = products(o_, attended.reshape({R, -1})).reshape({1, R, E});
+    torch::Tensor h1 = products(o_, attended, R).reshape({1, R, E});
     add_into(h1, hidden);
-    const torch::Tensor gate_up = products(gate_up_, rms_norm(h1, norm2_, eps2_));
+    const torch::Tensor gate_up = products(gate_up_, rms_norm(h1, norm2_, eps2_), R);
     const int64_t mid = gate_up.size(1) / 2;
     const torch::Tensor gate = torch::silu(gate_up.narrow(1, 0, mid));
     auto product = torch::empty({R, mid}, torch::kFloat32);
@@ -993,12 +1032,11 @@ class LeanLayer {
     float* p = product.data_ptr<float>();
     for (int64_t r = 0; r < R; ++r)
       for (int64_t i = 0; i < mid; ++i) p[r * mid + i] = g[r * mid + i] * u[r * 2 * mid + mid + i];
-    torch::Tensor out = products(down_, product).reshape({1, R, E});
+    torch::Tensor out = products(down_, product, R).reshape({1, R, E});
     add_into(out, h1);
     return out;
   }
 
- private:
   // y = x + y (the residual first, as ``residual + f(x)``), in place; both contiguous [1, R, E].
   static void add_into(torch::Tensor& y, const torch::Tensor& x) {
     const torch::Tensor xc = x.contiguous();
@@ -1034,8 +1072,8 @@ torch::Tensor forward_layers(const std::vector<LeanLayer*>& layers, torch::Tenso
     const int64_t slots = keys.size(2), first = filled * keys.size(3);
     const torch::Tensor query = layers[i]->project(hidden, cos, sin, keys.data_ptr<float>() + first,
                                                    values.data_ptr<float>() + first, slots);
-    hidden = layers[i]->attention_out(hidden, query, keys.narrow(2, 0, filled + R), values.narrow(2, 0, filled + R),
-                                      mask);
+    hidden = layers[i]->attention_out_cached(hidden, query, keys.data_ptr<float>(), values.data_ptr<float>(), slots,
+                                             filled + R, mask);
   }
   return hidden;
 }
@@ -1060,7 +1098,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto unlocked = pybind11::call_guard<pybind11::gil_scoped_release>();  // other Python threads run meanwhile
   m.def("q4k_linear", &q4k_linear, "x @ W.T for a Q4_K weight (batch-invariant)", unlocked);
   m.def("q6k_linear", &q6k_linear, "x @ W.T for a Q6_K weight (batch-invariant)", unlocked);
-  m.def("quantize_activations", &quantize_activations, "int8 activations per 256-input block");
   m.def("attention", &attention, "batch-invariant attention for one sequence", unlocked);
   m.def("nucleus_probs", &nucleus_probs, "softmax at a temperature, restricted to the top-p nucleus", unlocked);
   m.def("draw_index", &draw_index, "the token an inverse-CDF draw picks (float64 prefix sums)", unlocked);
