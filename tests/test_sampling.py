@@ -153,6 +153,39 @@ def test_the_compiled_draw_picks_the_token_the_cumsum_picks():
     assert checked == 4 * 304
 
 
+def test_the_compiled_ranking_is_torchs_argmax_and_topk_with_ties_in_index_order():
+    """``top_indices`` (greedy verification's argmax, the draft's top-k children) against torch on
+    vocabulary-sized rows of every kind: distinct values give topk's indices; k = 1 is argmax's
+    first maximum; equal values come in index order; a NaN row falls back to torch's argmax."""
+    from engine.backends.kquant import _extension
+    from engine.core.sampling import COMPILED, top_indices
+
+    extension = _extension()
+    if extension is None:
+        pytest.fail("the kernels did not build: a C++ compiler and ninja are part of the install")
+    assert COMPILED["top_indices"] is extension.top_indices
+    generator = torch.Generator().manual_seed(5)
+    rows = torch.randn(4, 151_936, generator=generator) * torch.tensor([[0.1], [1.0], [4.0], [30.0]])
+    rows[3, -7:] = 1e4 + torch.arange(7.0)  # the largest values at the very end
+    for k in (1, 2, 3, 8, 64):
+        assert top_indices(rows, k) == torch.topk(rows, k, dim=-1).indices.tolist()
+    assert [row[0] for row in top_indices(rows, 1)] == rows.argmax(dim=-1).tolist()
+    assert top_indices(torch.softmax(rows, dim=-1), 2) == torch.topk(rows, 2, dim=-1).indices.tolist()
+
+    ties = torch.zeros(3, 1000)
+    ties[0, [40, 7, 500]] = 2.0
+    ties[1, 999] = -1.0
+    ties[2] = float("-inf")
+    assert top_indices(ties, 4) == [[7, 40, 500, 0], [0, 1, 2, 3], [0, 1, 2, 3]]
+    assert [row[0] for row in top_indices(ties, 1)] == ties.argmax(dim=-1).tolist()
+    assert extension.top_indices(ties[:1, :5], 5).tolist() == [[0, 1, 2, 3, 4]]  # shorter than a vector
+
+    broken = torch.randn(2, 300, generator=generator)
+    broken[1, 200] = float("nan")
+    assert extension.top_indices(broken, 1)[1, 0] == -1
+    assert top_indices(broken, 1) == broken.argmax(dim=-1, keepdim=True).tolist()  # torch's NaN-is-max
+
+
 @pytest.mark.parametrize("q", [[0.4, 0.3, 0.2, 0.1, 0.0], [0.97, 0.02, 0.006, 0.004, 0.0]],
                          ids=["spread", "one-token-holds-97pc"])  # the second needs the mass-removal fallback
 def test_children_without_replacement_follow_the_sequential_law(q):

@@ -17,7 +17,7 @@ import torch
 from engine.core.prefix_cache import ConversationCache
 from engine.core.records import GenerationResult, StepRecord, StepTimings
 from engine.core.runner import DynamicRunner, StaticRunner, run_model, synchronize
-from engine.core.sampling import choose_level_children, logits_to_probs
+from engine.core.sampling import choose_level_children, logits_to_probs, top_indices
 from engine.core.verify import verify_greedy, verify_stochastic, verify_topk
 from engine.errors import ContextOverflowError, GenerationCancelled, InvalidParameterError, VocabularyMismatchError
 from engine.trees.tree import Tree
@@ -365,7 +365,8 @@ class _DecodeState:
         """Accepted path and bonus token; ``used`` gets what each tried child was judged on, ``trace``
         (when a list) every decision of the walk."""
         if self.params.greedy:
-            return verify_greedy(tree, tokens, target_logits.argmax(dim=-1), trace, target_dists, draft_dists)
+            return verify_greedy(tree, tokens, [row[0] for row in top_indices(target_logits, 1)], trace, target_dists,
+                                 draft_dists)
         if self.params.method == "topk":
             return verify_topk(tree, tokens, target_dists, self.generator, used, trace, draft_dists)
         return verify_stochastic(tree, tokens, target_dists, draft_dists,

@@ -30,18 +30,18 @@ def top_tokens(probs: torch.Tensor | None, k: int = TRACE_TOP) -> list[tuple[int
     return [(int(t), float(v)) for t, v in zip(indices.tolist(), values.tolist()) if v > 0]
 
 
-def verify_greedy(tree: Tree, tokens: list[int], target_argmax: torch.Tensor,
+def verify_greedy(tree: Tree, tokens: list[int], target_argmax: torch.Tensor | list[int],
                   trace: list[VerifierEvent] | None = None, target_probs: torch.Tensor | None = None,
                   draft_probs: dict[int, torch.Tensor] | None = None) -> tuple[list[int], int]:
     """Greedy (temperature 0): follow the child whose token equals the target's argmax.
 
-    ``target_argmax [size]`` is the target's most likely next token after each node. The bonus
-    token is the argmax after the last accepted node, so the committed sequence is exactly what
-    the target's own greedy decoding produces. ``trace`` gets an ``"argmax"`` event per child
+    ``target_argmax [size]`` (a tensor or a list) is the target's most likely next token after
+    each node. The bonus token is the argmax after the last accepted node, so the committed
+    sequence is exactly what the target's own greedy decoding produces. ``trace`` gets an ``"argmax"`` event per child
     compared (with the top tokens of ``target_probs [size, V]`` and ``draft_probs[node]``, when
     given) and a ``"bonus"`` event.
     """
-    argmax = target_argmax.tolist()
+    argmax = target_argmax.tolist() if isinstance(target_argmax, torch.Tensor) else list(target_argmax)
     node = 0
     path = [0]
     while True:

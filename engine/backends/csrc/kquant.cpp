@@ -1082,6 +1082,8 @@ torch::Tensor forward_layers(const std::vector<LeanLayer*>& layers, torch::Tenso
 std::tuple<torch::Tensor, bool> nucleus_probs(const torch::Tensor& logits, double temperature, double top_p);
 // nucleus.cpp: the token an inverse-CDF draw with uniform u01 picks from probs [V] (-1: draw again).
 int64_t draw_index(const torch::Tensor& probs, double u01);
+// nucleus.cpp: each row's k largest values' indices, largest first, ties in index order.
+torch::Tensor top_indices(const torch::Tensor& x, int64_t k);
 
 // Which integer path was compiled: "avx512-vnni", "avx2" or "portable".
 std::string simd_path() {
@@ -1101,6 +1103,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "batch-invariant attention for one sequence", unlocked);
   m.def("nucleus_probs", &nucleus_probs, "softmax at a temperature, restricted to the top-p nucleus", unlocked);
   m.def("draw_index", &draw_index, "the token an inverse-CDF draw picks (float64 prefix sums)", unlocked);
+  m.def("top_indices", &top_indices, "each row's k largest values' indices, ties in index order", unlocked);
   m.def("rms_norm", &rms_norm, "the models' RMSNorm on float32 (exposed for tests)");
   m.def("simd_path", &simd_path, "which integer path was compiled (avx512-vnni, avx2, portable)");
   pybind11::class_<LeanLayer>(m, "LeanLayer", pybind11::module_local())

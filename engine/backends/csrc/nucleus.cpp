@@ -201,3 +201,46 @@ int64_t draw_index(const torch::Tensor& probs, double u01) {
   }
   return -1;
 }
+
+// The indices [R, k] of the k largest values of each row of x [R, V] (float32, CPU), largest first,
+// equal values in index order: for k = 1 torch.argmax's first maximum. One pass a row, 16 values
+// compared at a time against the k-th best so far; a row holding a NaN gives -1 in its first column
+// (the caller falls back to torch, whose argmax takes NaN as the maximum).
+torch::Tensor top_indices(const torch::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "float32 CPU [R, V]");
+  const torch::Tensor rows = x.contiguous();
+  const int64_t R = rows.size(0), V = rows.size(1);
+  TORCH_CHECK(k >= 1 && k <= V && k <= 64, "k must be in 1..min(V, 64)");
+  auto out = torch::empty({R, k}, torch::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    const float* v = rows.data_ptr<float>() + r * V;
+    std::vector<float> best;  // descending, ties in index order
+    std::vector<int64_t> where;
+    bool nan = false;
+    auto offer = [&](int64_t i) {
+      if (std::isnan(v[i])) { nan = true; return; }
+      if ((int64_t)best.size() == k && !(v[i] > best.back())) return;
+      const auto at = std::upper_bound(best.begin(), best.end(), v[i], std::greater<float>()) - best.begin();
+      best.insert(best.begin() + at, v[i]);
+      where.insert(where.begin() + at, i);
+      if ((int64_t)best.size() > k) { best.pop_back(); where.pop_back(); }
+    };
+    int64_t i = 0;
+    for (; i < k; ++i) offer(i);
+#if defined(NUCLEUS_AVX512)
+    for (; i + 16 <= V && !nan; i += 16) {
+      const __m512 lanes = _mm512_loadu_ps(v + i);
+      __mmask16 m = _mm512_cmp_ps_mask(lanes, _mm512_set1_ps(best.back()), _CMP_NLE_UQ);  // > or NaN
+      while (m) {
+        const int lane = __builtin_ctz(m);
+        m &= m - 1;
+        offer(i + lane);
+      }
+    }
+#endif
+    for (; i < V && !nan; ++i) offer(i);
+    for (int64_t j = 0; j < k; ++j) o[r * k + j] = nan ? -1 : where[j];
+  }
+  return out;
+}
