@@ -90,6 +90,21 @@ def test_the_rotary_tables_give_the_rotary_embeddings_own_bits_across_their_grow
     assert copy.deepcopy(model).lean_forward._cos is None  # a copy remakes its own tables
 
 
+def test_a_native_layer_given_no_rows_returns_no_rows():
+    """The extension's layer on zero tokens (its products take the row count from the caller, and a
+    division by zero rows would kill the process): empty query, keys, values and output."""
+    from engine.backends.lean import native_layer
+
+    model, _ = tiny_q4k()
+    config, native = model.config, native_layer(model.model.layers[0])
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = config.hidden_size // heads
+    hidden, angles = torch.zeros(1, 0, config.hidden_size), torch.zeros(1, 0, dim)
+    query, key, value = native.attention_in(hidden, angles, angles)
+    assert query.shape == (heads, 0, dim) and key.shape == value.shape == (1, kv_heads, 0, dim)
+    assert native.attention_out(hidden, query, key, value, torch.empty(0)).shape == (1, 0, config.hidden_size)
+
+
 def test_the_static_runner_and_logits_to_keep_take_the_lean_path_with_the_same_logits():
     model, plain = tiny_q4k()
     ids = [1, 5, 9, 2, 7]

@@ -914,11 +914,10 @@ std::vector<PackedLinear> packed_linears(const std::vector<LinearSpec>& specs) {
 // width (as KQuantLinear).
 torch::Tensor products(const std::vector<PackedLinear>& linears, const torch::Tensor& x, int64_t R) {
   const torch::Tensor x2 = x.is_contiguous() ? x : x.contiguous();
-  const int64_t width = x2.numel() / R;
   int64_t total = 0;
   for (const auto& L : linears) total += L.n;
   auto out = torch::empty({R, total}, torch::kFloat32);
-  products_into(linears, x2.data_ptr<float>(), R, width, out.data_ptr<float>(), total);
+  if (R > 0) products_into(linears, x2.data_ptr<float>(), R, x2.numel() / R, out.data_ptr<float>(), total);
   return out;
 }
 
