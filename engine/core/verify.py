@@ -37,9 +37,9 @@ def verify_greedy(tree: Tree, tokens: list[int], target_argmax: torch.Tensor | l
 
     ``target_argmax [size]`` (a tensor or a list) is the target's most likely next token after
     each node. The bonus token is the argmax after the last accepted node, so the committed
-    sequence is exactly what the target's own greedy decoding produces. ``trace`` gets an ``"argmax"`` event per child
-    compared (with the top tokens of ``target_probs [size, V]`` and ``draft_probs[node]``, when
-    given) and a ``"bonus"`` event.
+    sequence is exactly what the target's own greedy decoding produces. ``trace`` gets an
+    ``"argmax"`` event per child compared (with the top tokens of ``target_probs [size, V]`` and
+    ``draft_probs[node]``, when given) and a ``"bonus"`` event.
     """
     argmax = target_argmax.tolist() if isinstance(target_argmax, torch.Tensor) else list(target_argmax)
     node = 0
