@@ -68,7 +68,8 @@ def build_worker(args: argparse.Namespace):
           flush=True)
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
                                          args.trust_remote_code, offload=args.offload,
-                                         draft_format=args.draft_format, target_format=args.target_format)
+                                         draft_format=args.draft_format, target_format=args.target_format,
+                                         draft_vocabulary=args.draft_vocab)
     tuner = load_tuner(pair_name(args.target, args.draft, draft, target), target)
     return Worker.from_models(target, draft, tokenizer, args.target, args.draft, tuner=tuner, **worker_policy(args))
 
@@ -81,7 +82,7 @@ def worker_policy(args: argparse.Namespace) -> dict:
     if args.kv_cache_mb < 0:
         raise SystemExit("error: --kv-cache-mb must be >= 0")
     return {"models_dir": Path(args.models_dir).expanduser(), "allow_remote_code": args.trust_remote_code,
-            "draft_format": args.draft_format, "kv_cache_bytes": args.kv_cache_mb << 20}
+            "draft_format": args.draft_format, "draft_vocabulary": args.draft_vocab, "kv_cache_bytes": args.kv_cache_mb << 20}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -272,14 +272,17 @@ class Worker:
     def __init__(self, engine, tokenizer, info: dict | None = None,
                  loader: Callable | None = None, tuner=None, name: str = "sequoia-engine",
                  models_dir: Path | None = None, allow_remote_code: bool = False,
-                 draft_format: str = "auto", kv_cache_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
+                 draft_format: str = "auto", kv_cache_bytes: int = DEFAULT_BUDGET_BYTES,
+                 draft_vocabulary: int | str = "auto") -> None:
         """``models_dir``: the only folder local models may be loaded from by UI requests;
         ``allow_remote_code``: whether a request may ask for ``trust_remote_code``;
         ``draft_format``: how drafts loaded from the UI are quantised (``loader(..., draft_format=)``);
-        ``kv_cache_bytes``: the budget of conversation KV caches kept between turns (0: none kept)."""
+        ``kv_cache_bytes``: the budget of conversation KV caches kept between turns (0: none kept);
+        ``draft_vocabulary``: the token ids such a draft's head computes
+        (:func:`engine.models.loading.restrict_draft`)."""
         self.engine = engine
         self.kv_store = CacheStore(kv_cache_bytes)
-        self.draft_format = draft_format
+        self.draft_format, self.draft_vocabulary = draft_format, draft_vocabulary
         self.models_dir = models_dir
         self.allow_remote_code = allow_remote_code
         self.tokenizer = tokenizer
@@ -299,8 +302,8 @@ class Worker:
     @classmethod
     def from_models(cls, target, draft, tokenizer, target_name: str = "target", draft_name: str = "draft",
                     tuner=None, loader: Callable | None = None, **options) -> "Worker":
-        """``options``: ``models_dir``, ``allow_remote_code``, ``draft_format``, ``kv_cache_bytes``
-        (see ``__init__``)."""
+        """``options``: ``models_dir``, ``allow_remote_code``, ``draft_format``, ``kv_cache_bytes``,
+        ``draft_vocabulary`` (see ``__init__``)."""
         engine = make_engine(target, draft, tokenizer, tuner)
         return cls(engine, tokenizer, describe_pair(target, draft, target_name, draft_name), loader, tuner, **options)
 
@@ -614,8 +617,9 @@ class Worker:
         job._emit("progress", f"loading draft {draft_id} …")
         draft, draft_tokenizer = self.loader(draft_id, dtype, device, trust_remote_code,
                                              draft_format=self.draft_format)
-        from engine.models.loading import check_same_vocabulary
+        from engine.models.loading import check_same_vocabulary, restrict_draft
         check_same_vocabulary(tokenizer, draft_tokenizer, target_id, draft_id)
+        draft = restrict_draft(draft, draft_id, draft_tokenizer, self.draft_vocabulary)
         if job.cancelled:
             return None
         job._emit("progress", "building the engine …")

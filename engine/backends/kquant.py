@@ -198,6 +198,23 @@ def unpack_weight(kind: str, tensors: dict[str, torch.Tensor], out_features: int
     return (scale * q.float() - offset).reshape(out_features, in_features)
 
 
+def select_outputs(kind: str, tensors: dict[str, torch.Tensor], out_features: int, rows: torch.Tensor
+                   ) -> dict[str, torch.Tensor]:
+    """The packed tensors (stored layout) of the weight whose outputs are ``rows`` (int64, a
+    multiple of 16 of them) of the weight packed as ``tensors``: the same blocks, re-tiled. Every
+    packed tensor is ``[tiles, A, 16 outputs, B]`` (B = 4 inputs for the quants, 1 otherwise)."""
+    if rows.numel() % TILE:
+        raise ValueError(f"the kernels take outputs in tiles of {TILE}, got {rows.numel()}")
+    nt, kept = out_features // TILE, rows.numel() // TILE
+    selected = {}
+    for name in PACKED_NAMES[kind]:
+        inner = 4 if name == "qs" else 1
+        per_output = tensors[name].reshape(nt, -1, TILE, inner).transpose(1, 2).reshape(nt * TILE, -1, inner)
+        chosen = per_output.index_select(0, rows).reshape(kept, TILE, -1, inner).transpose(1, 2)
+        selected[name] = chosen.contiguous().reshape(-1)
+    return selected
+
+
 HALF_BLOCK_BYTES = TILE * SUPER_BLOCK // 4  # a tile's quants of half a Q4_K super-block (4 sub-blocks)
 
 

@@ -5,7 +5,7 @@ import argparse
 
 
 def add_format_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--draft-format`` and ``--target-format`` (how each model's weights are stored on CPU)."""
+    """``--draft-format``, ``--target-format`` (how each model's weights are stored on CPU) and ``--draft-vocab``."""
     from engine.backends.quantize import DRAFT_FORMATS, TARGET_FORMATS
 
     parser.add_argument("--target-format", choices=TARGET_FORMATS, default="auto",
@@ -16,3 +16,7 @@ def add_format_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-format", choices=DRAFT_FORMATS, default="auto",
                         help="draft weights: int4, int8, q4k (the target's k-quant kernels) or none (float); auto takes the fastest that keeps "
                              "acceptance on this CPU (see engine/backends/quantize.py)")
+    parser.add_argument("--draft-vocab", default="auto", metavar="auto|0|N",
+                        help="token ids the draft's head computes (a k-quant draft): 0 all, N the first N, auto the "
+                             "embedded draft's first 32,768 and every ASCII token (all for other drafts); outputs "
+                             "stay exact, the draft gets cheaper (engine/backends/draft_vocabulary.py)")

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: the user cache)")
     args = parser.parse_args(argv)
     target, draft, tokenizer = load_pair(args.target, args.draft, draft_format=args.draft_format,
-                                         target_format=args.target_format)
+                                         target_format=args.target_format, draft_vocabulary=args.draft_vocab)
     prompts = [encode_chat(tokenizer, p["messages"]) for p in load_prompt_set("chat")]
     pair = pair_name(args.target, args.draft, draft, target)
     result = calibrate(SpeculativeEngine(target, draft), prompts, args.temperature, args.top_p, args.k,

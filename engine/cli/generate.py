@@ -62,7 +62,7 @@ def _run(args: argparse.Namespace) -> int:
         raise EngineError("--method chain needs a chain: leave --depth unset or set it to --tree-size - 1")
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
                                          args.trust_remote_code, draft_format=args.draft_format,
-                                         target_format=args.target_format)
+                                         target_format=args.target_format, draft_vocabulary=args.draft_vocab)
     if tree is not None and tree.size != tree.depth + 1:  # Sequoia's tree for this pair's calibration
         tree = build_tree(args.tree_size, args.depth,
                           acceptance_for(pair_name(args.target, args.draft, draft, target), args.temperature, args.top_p))

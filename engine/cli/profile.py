@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: the user cache)")
     args = parser.parse_args(argv)
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
-                                         draft_format=args.draft_format, target_format=args.target_format)
+                                         draft_format=args.draft_format, target_format=args.target_format,
+                                         draft_vocabulary=args.draft_vocab)
     text = " ".join(m["content"] for p in load_prompt_set("chat") for m in p["messages"])
     prefix = (encode_chat(tokenizer, [{"role": "user", "content": text}]) * 4)[: args.prefix]
     pair = pair_name(args.target, args.draft, draft, target)

@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=1, help="index of the bundled chat prompt")
     add_format_arguments(parser)
     args = parser.parse_args(argv)
-    target, draft, tokenizer = load_pair(draft_format=args.draft_format, target_format=args.target_format)
+    target, draft, tokenizer = load_pair(draft_format=args.draft_format, target_format=args.target_format,
+                                         draft_vocabulary=args.draft_vocab)
     tree = build_tree(args.tree_size, args.depth,
                       acceptance_for(pair_name("default-target", "default-draft", draft, target), args.temperature, args.top_p))
     prompt = encode_chat(tokenizer, load_prompt_set("chat")[args.prompt]["messages"])

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from engine.backends.kernels import on_cpu_fp32
 from engine.backends.mapped import returning_freed_memory
 from engine.backends.quantize import quantize_draft
-from engine.errors import ModelLoadError, VocabularyMismatchError
+from engine.errors import InvalidParameterError, ModelLoadError, VocabularyMismatchError
 
 log = logging.getLogger(__name__)
 
@@ -338,7 +338,7 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str = 
 def load_pair(target_id: str = "default-target", draft_id: str = "default-draft",
               dtype: torch.dtype = torch.float32, device: str = "cpu", trust_remote_code: bool = False,
               offload: bool = False, draft_format: str = "auto", prepare: bool = True,
-              target_format: str = "float32"):
+              target_format: str = "float32", draft_vocabulary: int | str = "auto"):
     """Load ``(target, draft, tokenizer)``; the draft is refused unless it shares the target's vocabulary.
 
     ``prepare`` readies both for the engine's CPU fast path (:func:`engine.backends.kernels.prepare`:
@@ -349,6 +349,7 @@ def load_pair(target_id: str = "default-target", draft_id: str = "default-draft"
     cheaper, acceptance a little lower, outputs stay the same (the target alone decides them).
     ``target_format`` (:func:`engine.backends.quantize.target_quantization`): ``int4`` quantises the target
     too (a model of its own, about 7x fewer bytes a token); ``float32`` keeps it as loaded.
+    ``draft_vocabulary`` (:func:`restrict_draft`): how many token ids the draft's head computes.
 
     ``offload`` keeps the target's decoder layers in pinned CPU memory and streams them to the
     GPU ``device`` layer by layer (:mod:`engine.backends.offload`); the draft sits on the GPU."""
@@ -369,11 +370,38 @@ def load_pair(target_id: str = "default-target", draft_id: str = "default-draft"
         target = draft = None  # the traceback keeps this frame: it must not keep the failed pair's target
         raise
     keep_pair((target, tokenizer), (draft, draft_tokenizer))
+    draft = restrict_draft(draft, draft_id, draft_tokenizer, draft_vocabulary)
     if prepare:
         from engine.backends.kernels import prepare as prepare_models
 
         prepare_models(target, draft)
     return target, draft, tokenizer
+
+
+def restrict_draft(draft: torch.nn.Module, draft_id: str, tokenizer, vocabulary: int | str = "auto") -> torch.nn.Module:
+    """``draft`` computing only some token ids (:mod:`engine.backends.draft_vocabulary`: a new
+    object sharing the weights; ``draft`` is not changed): ``vocabulary`` 0 keeps them all, a
+    count N the first N ids, ``auto`` for the embedded k-quant draft the first
+    :data:`~engine.backends.draft_vocabulary.FREQUENT_IDS` and every token whose text is ASCII
+    (all of them for any other draft). The tokenizer's added tokens (end of turn, ...) are always
+    kept. Outputs stay exact whatever the choice; only acceptance and cost move."""
+    from engine.backends.draft_vocabulary import FREQUENT_IDS, ascii_token_ids, with_draft_vocabulary
+    from engine.backends.quantize import draft_format
+
+    if vocabulary == "auto":
+        if draft_id not in DEFAULT_IDS or draft_format(draft) != "q4k":
+            return draft
+        kept = [*range(FREQUENT_IDS), *ascii_token_ids(tokenizer.get_vocab())]
+    elif str(vocabulary).isdigit():
+        if int(vocabulary) == 0:
+            return draft
+        kept = list(range(int(vocabulary)))
+    else:
+        raise InvalidParameterError(f"the draft vocabulary is auto, 0 (all) or a count of token ids, not {vocabulary!r}")
+    try:
+        return with_draft_vocabulary(draft, [*kept, *tokenizer.added_tokens_decoder])
+    except ValueError as exc:
+        raise InvalidParameterError(str(exc)) from exc
 
 
 def pair_name(target_id: str, draft_id: str, draft: torch.nn.Module | None = None,
@@ -390,7 +418,7 @@ def pair_name(target_id: str, draft_id: str, draft: torch.nn.Module | None = Non
 
 
 def load_default_pair(dtype: torch.dtype = torch.float32, device: str = "cpu", draft_format: str = "auto",
-                      prepare: bool = True, target_format: str = "float32"):
+                      prepare: bool = True, target_format: str = "float32", draft_vocabulary: int | str = "auto"):
     """The embedded Qwen2.5-Coder 1.5B target and 0.5B draft: ``(target, draft, tokenizer)``."""
     return load_pair("default-target", "default-draft", dtype, device, draft_format=draft_format, prepare=prepare,
-                     target_format=target_format)
+                     target_format=target_format, draft_vocabulary=draft_vocabulary)

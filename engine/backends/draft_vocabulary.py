@@ -1,0 +1,87 @@
+"""A draft whose output head covers a sub-vocabulary: the tokens a draft is likely to need.
+
+The embedded draft's head (151,936 x 896) is about a quarter of the bytes a draft level reads,
+yet most of its rows are tokens that English text and code never use. :class:`SubVocabularyHead`
+computes the logits of the kept rows only, through the same kernel and blocks (bit for bit the
+full head's values there), and gives every other token -inf: the draft's distribution q is 0
+outside.
+
+Verification stays exact for any q. Greedy: the target alone picks every token. Sampling: a
+token the draft cannot propose is reached through the residual max(p - q, 0), which is p itself
+there. Only acceptance can drop, by how often the target's token lies outside the kept ids.
+
+The restricted draft is a new model object sharing every weight of the one it came from, which
+is left as it was (the loader may hand that object out again, even as a target).
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import torch
+
+from engine.backends.kquant import TILE, KQuantLinear, select_outputs
+
+FREQUENT_IDS = 32768  # the embedded draft keeps these first ids (BPE merge order: the most frequent)
+# GPT-2's byte-level BPE writes byte b as a printable character: 33..126 as themselves, the
+# others from U+0100 on (0..32 as U+0100..U+0120, 127 as U+0121). ASCII text is these characters.
+_ASCII_BYTE_CHARACTERS = frozenset([chr(b) for b in range(33, 127)] + [chr(0x100 + b) for b in range(34)])
+
+
+def ascii_token_ids(vocabulary: dict[str, int]) -> list[int]:
+    """Ids of a byte-level BPE ``vocabulary`` (token string -> id, as ``get_vocab`` gives) whose
+    text is ASCII: English, code, numbers and punctuation."""
+    return [i for token, i in vocabulary.items() if _ASCII_BYTE_CHARACTERS.issuperset(token)]
+
+
+class SubVocabularyHead(torch.nn.Module):
+    """``x [..., in] -> logits [..., V]``: ``full``'s logits at ``kept`` (the same blocks through
+    the same kernel: the same bits), -inf elsewhere. ``full`` is kept as ``.full``."""
+
+    def __init__(self, full: KQuantLinear, kept: torch.Tensor) -> None:
+        super().__init__()
+        self.full, self.in_features, self.out_features = full, full.in_features, full.out_features
+        self.register_buffer("kept", kept, persistent=False)  # [K] sorted distinct token ids
+        rows = torch.cat([kept, kept[:1].expand(-kept.numel() % TILE)])  # whole tiles: a repeat computed, dropped
+        bias = full._parameters.get("bias")
+        self.part = KQuantLinear(full.kind, select_outputs(full.kind, full.packed(), full.out_features, rows),
+                                 full.in_features, rows.numel(), None if bias is None else bias.detach()[rows])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = torch.full((*x.shape[:-1], self.out_features), float("-inf"), dtype=torch.float32)
+        return logits.index_copy_(-1, self.kept, self.part(x)[..., : self.kept.numel()])
+
+    def extra_repr(self) -> str:
+        return f"{self.kept.numel()} of {self.out_features} tokens"
+
+
+def with_draft_vocabulary(draft: torch.nn.Module, kept: Iterable[int]) -> torch.nn.Module:
+    """``draft`` (a k-quant model, :mod:`engine.backends.kquant`) with a :class:`SubVocabularyHead`
+    over the token ids ``kept`` (ids outside the vocabulary are ignored): a new model object
+    sharing every other module and weight; ``draft`` itself is not changed. Its whole head again
+    when ``kept`` covers the vocabulary. Raises ValueError for a head the kernels do not hold."""
+    head = draft.get_output_embeddings()
+    full = head.full if isinstance(head, SubVocabularyHead) else head
+    if type(full) is not KQuantLinear:
+        raise ValueError("a draft vocabulary needs a k-quant draft (--draft-format q4k); "
+                         f"this draft's head is {type(full).__name__}")
+    ids = torch.tensor(sorted({i for i in kept if 0 <= i < full.out_features}), dtype=torch.int64)
+    if ids.numel() == 0:
+        raise ValueError("a draft vocabulary must keep at least one token id")
+    new_head = full if ids.numel() == full.out_features else SubVocabularyHead(full, ids)
+    restricted = copy.copy(draft)
+    restricted._modules = dict(draft._modules)  # its own table of submodules: the head is its own
+    restricted.lm_head = new_head
+    lean = draft.__dict__.get("lean_forward")
+    if lean is not None:
+        own = copy.copy(lean)
+        own._native, own._cos, own._sin = lean._native, lean._cos, lean._sin  # shared, read-only
+        own.lm_head = new_head
+        restricted.__dict__["lean_forward"] = own
+    return restricted
+
+
+def kept_count(draft: torch.nn.Module) -> int:
+    """How many token ids ``draft``'s head computes (the whole vocabulary unless restricted)."""
+    head = draft.get_output_embeddings()
+    return head.kept.numel() if isinstance(head, SubVocabularyHead) else int(head.out_features)
