@@ -11,7 +11,10 @@ token the draft cannot propose is reached through the residual max(p - q, 0), wh
 there. Only acceptance can drop, by how often the target's token lies outside the kept ids.
 
 The restricted draft is a new model object sharing every weight of the one it came from, which
-is left as it was (the loader may hand that object out again, even as a target).
+is left as it was (the loader may hand that object out again, even as a target). It keeps that
+model as the one to draft with when a prompt is mostly written in tokens it cannot propose (a
+chat in Chinese, Russian, ...): ``draft_for_prompt`` in its ``__dict__``, which the engine calls
+once a generation (a choice made from the prompt alone, so exactness is kept).
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import torch
 from engine.backends.kquant import TILE, KQuantLinear, select_outputs
 
 FREQUENT_IDS = 32768  # the embedded draft keeps these first ids (BPE merge order: the most frequent)
+WHOLE_BELOW = 0.9  # a prompt with a smaller share of kept tokens is drafted with the whole head
+CHOOSER = "draft_for_prompt"  # where a restricted draft keeps its per-prompt choice (the engine looks there)
 # GPT-2's byte-level BPE writes byte b as a printable character: 33..126 as themselves, the
 # others from U+0100 on (0..32 as U+0100..U+0120, 127 as U+0121). ASCII text is these characters.
 _ASCII_BYTE_CHARACTERS = frozenset([chr(b) for b in range(33, 127)] + [chr(0x100 + b) for b in range(34)])
@@ -78,7 +83,27 @@ def with_draft_vocabulary(draft: torch.nn.Module, kept: Iterable[int]) -> torch.
         own._native, own._cos, own._sin = lean._native, lean._cos, lean._sin  # shared, read-only
         own.lm_head = new_head
         restricted.__dict__["lean_forward"] = own
+    previous = restricted.__dict__.pop(CHOOSER, None)  # ``draft`` was restricted already: its whole model
+    if new_head is not full:
+        restricted.__dict__[CHOOSER] = _PromptChoice(restricted, previous.whole if previous else draft, ids)
     return restricted
+
+
+class _PromptChoice:
+    """``(prompt ids) -> model``: the restricted draft, or the whole-vocabulary one when under
+    :data:`WHOLE_BELOW` of the prompt's tokens are kept ids. Holds the restricted draft weakly
+    (it holds this object)."""
+
+    def __init__(self, restricted: torch.nn.Module, whole: torch.nn.Module, kept: torch.Tensor) -> None:
+        import weakref
+
+        self.restricted, self.whole = weakref.ref(restricted), whole
+        self.is_kept = torch.zeros(whole.get_output_embeddings().out_features, dtype=torch.bool)
+        self.is_kept[kept] = True
+
+    def __call__(self, prompt: list[int]) -> torch.nn.Module:
+        kept = self.is_kept[torch.tensor(prompt, dtype=torch.int64)].float().mean().item() if prompt else 1.0
+        return self.restricted() if kept >= WHOLE_BELOW else self.whole
 
 
 def kept_count(draft: torch.nn.Module) -> int:

@@ -229,6 +229,8 @@ class _DecodeState:
         else:
             self.target_runner = engine.runner("target", self)
             self.draft_runner = engine.runner("draft", self) if drafting else None
+        if self.draft_runner is not None:
+            self.draft_runner.model = draft_for_prompt(engine.draft, prompt)
         self.target_len = 0
         self.draft_len = 0
         self.steps = 0
@@ -488,6 +490,15 @@ def _stop_set(stop_token_ids) -> frozenset[int]:
             any(isinstance(t, bool) or not isinstance(t, int) for t in stop_token_ids):
         raise InvalidParameterError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
     return frozenset(stop_token_ids)
+
+
+def draft_for_prompt(draft: torch.nn.Module, prompt: list[int]) -> torch.nn.Module:
+    """The model to draft ``prompt``'s answer with: ``draft``, or the one its ``draft_for_prompt``
+    chooses (a draft whose head computes a sub-vocabulary drafts a prompt mostly outside it with
+    the whole head: :mod:`engine.backends.draft_vocabulary`). Both share every layer, so their
+    KV caches are interchangeable; the choice depends on the prompt alone, so exactness is kept."""
+    choose = draft.__dict__.get("draft_for_prompt")
+    return draft if choose is None else choose(prompt)
 
 
 def _refuse_sliding_window(model: torch.nn.Module) -> None:
