@@ -206,12 +206,12 @@ def select_outputs(kind: str, tensors: dict[str, torch.Tensor], out_features: in
     if rows.numel() % TILE:
         raise ValueError(f"the kernels take outputs in tiles of {TILE}, got {rows.numel()}")
     nt, kept = out_features // TILE, rows.numel() // TILE
+    tiles, lanes = rows // TILE, rows % TILE
     selected = {}
     for name in PACKED_NAMES[kind]:
         inner = 4 if name == "qs" else 1
-        per_output = tensors[name].reshape(nt, -1, TILE, inner).transpose(1, 2).reshape(nt * TILE, -1, inner)
-        chosen = per_output.index_select(0, rows).reshape(kept, TILE, -1, inner).transpose(1, 2)
-        selected[name] = chosen.contiguous().reshape(-1)
+        chosen = tensors[name].reshape(nt, -1, TILE, inner)[tiles, :, lanes]  # [rows, A, B]: one gather
+        selected[name] = chosen.reshape(kept, TILE, -1, inner).transpose(1, 2).contiguous().reshape(-1)
     return selected
 
 
