@@ -76,7 +76,8 @@ def build_worker(args: argparse.Namespace):
 
 def worker_policy(args: argparse.Namespace) -> dict:
     """What UI requests may load: local folders under --models-dir only; remote code only with
-    --trust-remote-code. Also the memory the conversation KV caches may hold (--kv-cache-mb)."""
+    --trust-remote-code. Also how drafts loaded from the UI are stored (--draft-format, --draft-vocab)
+    and the memory the conversation KV caches may hold (--kv-cache-mb)."""
     from pathlib import Path
 
     if args.kv_cache_mb < 0:

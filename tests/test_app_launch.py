@@ -25,9 +25,10 @@ def test_a_missing_model_exits_2_with_one_line(monkeypatch, capsys):
 def test_ui_policy_follows_the_flags(tmp_path):
     policy = launch.worker_policy(launch.parse_args(["--models-dir", str(tmp_path)]))
     assert policy == {"models_dir": tmp_path, "allow_remote_code": False, "draft_format": "auto",
-                      "kv_cache_bytes": 1 << 30}
+                      "draft_vocabulary": "auto", "kv_cache_bytes": 1 << 30}
     assert launch.worker_policy(launch.parse_args(["--trust-remote-code"]))["allow_remote_code"] is True
     assert launch.worker_policy(launch.parse_args(["--draft-format", "int8"]))["draft_format"] == "int8"
+    assert launch.worker_policy(launch.parse_args(["--draft-vocab", "0"]))["draft_vocabulary"] == "0"
 
 
 def test_the_conversation_cache_budget_flag():
