@@ -25,6 +25,7 @@ _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: n
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _SCALARS = {kind: np.dtype(numpy_type).itemsize for kind, numpy_type in _NUMPY.items()}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
+_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,11 @@ def _walk(path: Path, keep_metadata: bool) -> tuple[dict[str, ReaderField], dict
             pos += 12
             if item in _SCALARS:
                 return pos + count * _SCALARS[item]
+            if item == _STRING:  # a tokenizer's 151k tokens and merges: the walk's whole cost, so inline
+                length = _U64.unpack_from
+                for _ in range(count):
+                    pos += 8 + length(data, pos)[0]
+                return pos
             for _ in range(count):
                 pos = value_end(item, pos)
             return pos

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import functools
 import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from engine.backends.mapped import backing_file, file_mappings, own_copy, returning_freed_memory
+
+
+READERS = 4  # threads reading weights off their file at once (capped by torch's thread count)
 
 
 @functools.cache
@@ -79,10 +83,14 @@ def own_memory(model: torch.nn.Module, mapped_only: bool = False) -> None:
     ``mapped_only``: copy only those, for a model whose other tensors are known to be its own."""
     mappings = file_mappings()
     with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.device.type == "cpu" and not tensor.is_mkldnn:
-                if not mapped_only or backing_file(tensor.data, mappings) is not None:
-                    tensor.data = own_copy(tensor.data, mappings)
+        tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]
+                   if t.device.type == "cpu" and not t.is_mkldnn
+                   and (not mapped_only or backing_file(t.data, mappings) is not None)}.values()
+        # the reads release the GIL: a warm start copies its 1.3 GB of packed weights on every core
+        with ThreadPoolExecutor(max(1, min(READERS, torch.get_num_threads()))) as pool:
+            copies = list(pool.map(lambda tensor: own_copy(tensor.data, mappings), tensors))
+        for tensor, copy in zip(tensors, copies):
+            tensor.data = copy
 
 
 def unpack_linears(model: torch.nn.Module) -> int:

@@ -106,9 +106,12 @@ def kquant_from_gguf(gguf: Path, config, cache_file: Path | None = None) -> torc
     loads from the same file, without building that model."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     table = tensor_table(gguf)
-    with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers (rotary) real
+    # parameters on the meta device, buffers (rotary) real; no random initialisation of parameters
+    # that every one gets replaced below (on the meta device it still costs about 0.1 s a model)
+    with init_empty_weights(include_buffers=False), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     layers = (cache_file and read_cache(cache_file, model)) or _pack(gguf, table, model)
     if cache_file and not cache_file.exists():

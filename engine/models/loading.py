@@ -327,6 +327,9 @@ def _load_hub_model(model_id: str, dtype: torch.dtype, trust_remote_code: bool):
 def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str = "target",
                           draft_name: str = "draft") -> None:
     """Refuse a pair whose tokenizers map tokens to different ids."""
+    backend = getattr(target_tokenizer, "_tokenizer", None)
+    if backend is not None and backend is getattr(draft_tokenizer, "_tokenizer", None):
+        return  # one backend (the embedded pair's twin tokenizers): one vocabulary, no need to list it twice
     tv, dv = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if tv != dv:
         differing = len(set(tv.items()) ^ set(dv.items()))
