@@ -116,3 +116,45 @@ def test_the_drafts_tokenizer_shares_the_targets_but_keeps_its_own_chat_template
     text = "def f(x):\n    return x  # 缓存"
     assert draft_tokenizer.encode(text) == fresh.encode(text)
     assert gguf_direct.load_tokenizer(target_dir)._tokenizer is target_tokenizer._tokenizer
+
+
+def test_the_kept_tokenizer_config_lists_the_added_tokens_and_loads_as_before(_stock_pair, tmp_path, chat_prompts):
+    """``_keep_added_tokens`` copies tokenizer.json's added tokens into tokenizer_config.json once
+    (transformers then skips a second parse of the 11 MB file); the tokenizer loaded with the table
+    encodes, decodes and names its special tokens exactly as the one loaded without it."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from engine.models.prompts import load_prompt_set
+
+    load_model("default-target", torch.float32, "cpu", False, "q4k")
+    kept = gguf_direct.kquant_dir(DEFAULT_TARGET.name)
+    before, after = tmp_path / "before", tmp_path / "after"
+    for directory in (before, after):
+        directory.mkdir()
+        for path in kept.iterdir():
+            if path.suffix != ".safetensors":
+                shutil.copy(path, directory / path.name)
+        settings = json.loads((directory / "tokenizer_config.json").read_text())
+        settings.pop("added_tokens_decoder", None)
+        (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+    gguf_direct._keep_added_tokens(after)
+    table = json.loads((after / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    added = json.loads((after / "tokenizer.json").read_text())["added_tokens"]
+    assert table == {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added} and len(table) > 10
+    stamp = (after / "tokenizer_config.json").stat().st_mtime_ns
+    gguf_direct._keep_added_tokens(after)
+    assert (after / "tokenizer_config.json").stat().st_mtime_ns == stamp, "written again"
+    old, new = AutoTokenizer.from_pretrained(before), AutoTokenizer.from_pretrained(after)
+    assert type(old) is type(new) and old.added_tokens_decoder == new.added_tokens_decoder
+    assert old.all_special_tokens == new.all_special_tokens and old.eos_token_id == new.eos_token_id
+    texts = ["<|im_start|>user\nhi<|im_end|><|endoftext|>", "日本語 и русский 🤖", "def f(x):\n\treturn x  # é"]
+    texts += [m["content"] for p in load_prompt_set("chat") for m in p["messages"]]
+    for text in texts:
+        ids = old.encode(text)
+        assert new.encode(text) == ids
+        assert new.decode(ids, skip_special_tokens=True) == old.decode(ids, skip_special_tokens=True)
+    assert new.apply_chat_template([{"role": "user", "content": texts[2]}]) == \
+        old.apply_chat_template([{"role": "user", "content": texts[2]}])
