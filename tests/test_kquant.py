@@ -63,8 +63,41 @@ def test_the_kernel_equals_the_torch_reference_bit_for_bit(kind, compiled):
     blocks = random_blocks(kind, 48, 768, seed=1)
     tensors = packed(kind, blocks)
     layer = KQuantLinear(kind, tensors, 768, 48)
-    x = torch.randn(7, 768) * torch.logspace(-2, 1, 768)  # uneven magnitudes, as real activations
+    x = torch.randn(7, 768, generator=torch.Generator().manual_seed(4)) * torch.logspace(-2, 1, 768)  # uneven, as real activations
     assert torch.equal(layer(x), reference_linear(kind, x, tensors, 48))
+
+
+def activations_at_rounding_edges(rows: int, k: int, seed: int) -> torch.Tensor:
+    """``[rows, k]`` float32 activations whose super-block maxima make ``127 / amax`` (one rounding,
+    the kernel's) differ from ``(1 / amax) * 127`` (two), with entries where that difference moves
+    ``x * 127 / amax`` across a rounding edge: the int8 value then depends on which is computed."""
+    generator = torch.Generator().manual_seed(seed)
+    amax = torch.rand(20_000, generator=generator) * 10 + 0.01
+    one, two = torch.full_like(amax, 127.0) / amax, amax.reciprocal() * 127
+    amax, one, two = amax[one != two], one[one != two], two[one != two]
+    blocks = []
+    for i in range(rows * k // 256):
+        level = torch.arange(1, 256, dtype=torch.float32) % 126 + 0.5  # k + 0.5: the edges
+        x = level / one[i]
+        for _ in range(4):  # nudge each x until the two scales round it to different integers
+            differ = torch.round(x * one[i]) != torch.round(x * two[i])
+            x = torch.where(differ, x, torch.nextafter(x, x + torch.sign(two[i] - one[i])))
+        blocks.append(torch.cat([amax[i:i + 1], x.clamp(max=float(amax[i]))]))
+    return torch.stack(blocks).reshape(rows, k)
+
+
+def test_the_torch_reference_quantises_activations_with_the_kernels_one_rounding(compiled):
+    """``127 / amax`` is one division in the kernel; the pure-torch fallback must not compute it as
+    a reciprocal times 127 (torch's tensor ``127 / t``): at these activations the two give different
+    int8 values, and only one division gives the kernel's bits."""
+    x = activations_at_rounding_edges(7, 768, seed=12)
+    blocks = x.reshape(-1, 256)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    two_roundings = torch.round(blocks * (amax.reciprocal() * 127))
+    assert bool((two_roundings != torch.round(blocks * (torch.full_like(amax, 127.0) / amax))).any())
+    for kind in ("q4k", "q6k"):
+        tensors = packed(kind, random_blocks(kind, 32, 768, seed=5))
+        assert torch.equal(KQuantLinear(kind, tensors, 768, 32)(x), reference_linear(kind, x, tensors, 32)), kind
 
 
 @pytest.mark.parametrize("kind", ["q4k", "q6k"])
@@ -234,6 +267,24 @@ def test_shapes_the_kernel_cannot_tile_are_refused():
         quantize_q4k(torch.randn(16, 100))
     with pytest.raises(ValueError, match="multiples of 16"):
         pack_q4k(random_blocks("q4k", 8, 256))
+
+
+@pytest.mark.parametrize("kind", ["q4k", "q6k"])
+def test_the_kernels_refuse_outputs_and_scales_that_do_not_match_the_weight(kind, compiled):
+    """Outputs not in whole tiles, or scale tensors of the wrong size, raise instead of reading past
+    a tensor or leaving output columns unwritten."""
+    tensors = packed(kind, random_blocks(kind, 32, 512, seed=6))
+    kernel = compiled.q4k_linear if kind == "q4k" else compiled.q6k_linear
+    parts = [tensors[name] for name in kquant.PACKED_NAMES[kind]]
+    x = torch.randn(3, 512)
+    assert torch.equal(kernel(x, *parts, 32), reference_linear(kind, x, tensors, 32))
+    for n in (20, 0, -16):
+        with pytest.raises(RuntimeError, match="outputs|does not match"):
+            kernel(x, *parts, n)
+    for i in range(1, len(parts)):
+        short = [*parts[:i], parts[i][:-1], *parts[i + 1:]]
+        with pytest.raises(RuntimeError, match="scales do not match"):
+            kernel(x, *short, 32)
 
 
 def _attention(q, k, v, mask):

@@ -8,8 +8,9 @@ llama.cpp does, in a C++ kernel (``engine/backends/csrc/kquant.cpp``: AVX-512 VN
 has them, portable C++ elsewhere; :func:`simd_path` says which).
 
 Exactness by construction: each output row is computed by the same instructions in the same
-order whatever the number of rows, and :func:`kquant_attention` does the same for attention, so a
-row of an n-token verification is bit-identical to decoding that token alone (see
+order whatever the number of rows and threads, :func:`kquant_attention` does the same for
+attention and :class:`FixedSiLU` for the activation, so a row of an n-token verification is
+bit-identical to decoding that token alone (see
 ``tests/test_kquant.py``). Greedy tree decoding then reproduces the model's own greedy decoding
 exactly, not by luck at near-ties.
 
@@ -23,6 +24,7 @@ import copy
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import sys
 from functools import lru_cache
@@ -79,16 +81,27 @@ def compile_kernels(march: str = "native"):
 
     from engine.models.loading import cache_dir
 
-    # the sources' folder too: ninja rebuilds when a source's path changes, so two checkouts sharing
-    # one build folder would rebuild each other's kernels at every start (about a minute)
-    key = b"".join(s.read_bytes() for s in SOURCES + HEADERS) + torch.__version__.encode() + str(SOURCES[0].parent).encode()
-    digest = hashlib.sha256(key).hexdigest()[:12]
+    digest = build_key(march)
     tag = "" if march == "native" else "_" + march.replace("-", "_")  # a module name of its own per path
     build = cache_dir() / "kernels" / f"kquant-{digest}{tag}"
     build.mkdir(parents=True, exist_ok=True)
     return load(name="sequoia_kquant" + tag, sources=[str(s) for s in SOURCES], build_directory=str(build),
                 extra_cflags=["-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=os.environ.get("SEQUOIA_VERBOSE_BUILD") == "1")
+
+
+def build_key(march: str) -> str:
+    """The build folder's key: the sources, torch's version, the sources' folder (ninja rebuilds
+    when a source's path changes, so two checkouts sharing one folder would rebuild each other's
+    kernels at every start), and for ``native`` the CPU's instruction-set flags: a home folder or
+    image shared by an AVX-512 and an AVX2 machine keeps one build for each, never running the
+    other's instructions (SIGILL)."""
+    from engine.backends.kernels import cpu_flags
+
+    cpu = " ".join(sorted(cpu_flags())) + platform.machine() if march == "native" else ""
+    key = b"".join(s.read_bytes() for s in SOURCES + HEADERS) + torch.__version__.encode() \
+        + str(SOURCES[0].parent).encode() + cpu.encode()
+    return hashlib.sha256(key).hexdigest()[:12]
 
 
 def kernels_available() -> bool:
@@ -269,7 +282,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r, k = x.shape
     blocks = x.reshape(r, k // SUPER_BLOCK, SUPER_BLOCK)
     amax = blocks.abs().amax(-1)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    # one division, as the kernel's 127.f / amax (``127 / amax`` on a tensor is a reciprocal times 127)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
     xq = torch.round(torch.clamp(blocks * inv[..., None], -127, 127)).to(torch.int64)
     return xq.reshape(r, k), amax / 127
 
@@ -345,6 +359,29 @@ class KQuantLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+class FixedSiLU(torch.nn.Module):
+    """The k-quant models' MLP activation: SiLU through the kernels' ``silu`` (``fixed_exp.h``), whose
+    every element depends on nothing but itself. ATen's ``silu`` computes whole vectors with Sleef
+    and each parallel chunk's tail with libm, and the chunk edges move with the thread count and
+    the number of rows: a verification row would then differ from the same token decoded alone.
+    The lean forward computes the same function, so both forwards keep the same bits."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ext = _extension()
+        if ext is None or x.dtype != torch.float32 or x.device.type != "cpu":
+            return torch.nn.functional.silu(x)
+        return ext.silu(x)
+
+
+def use_fixed_silu(model: torch.nn.Module) -> None:
+    """Give every gated MLP of ``model`` (a SiLU model) :class:`FixedSiLU` as its activation."""
+    if getattr(getattr(model, "config", None), "hidden_act", None) != "silu":
+        return
+    for module in model.modules():
+        if hasattr(module, "gate_proj") and isinstance(getattr(module, "act_fn", None), torch.nn.Module):
+            module.act_fn = FixedSiLU()
 
 
 def kquant_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -449,6 +486,7 @@ def finish_kquant(model: torch.nn.Module, mapped_only: bool = False) -> torch.nn
     register_attention()
     own_memory(model, mapped_only)
     model.set_attn_implementation(ATTENTION_NAME)
+    use_fixed_silu(model)
     attach(model)
     return model.eval()
 

@@ -8,8 +8,9 @@ plumbing, an attention-interface lookup and some forty small torch operations. :
 runs each layer as the extension's ``LeanLayer`` (``engine/backends/csrc/kquant.cpp``): the norm,
 q/k/v as one kernel pass over their stacked tiles, rotary, then (after the KV-cache write)
 attention, the output projection, the residual and the MLP. Per element those
-are the model's own operations in the same order: the norms and SiLU through the same ATen calls,
-adds, products and rotary by hand (the same IEEE operations, as the extension is built without
+are the model's own operations in the same order: the norms through the same ATen calls, SiLU
+through the kernels' fixed function that the model's own MLPs call too
+(:class:`engine.backends.kquant.FixedSiLU`), adds, products and rotary by hand (the same IEEE operations, as the extension is built without
 fused multiply-adds), and the kernel computes each output column with the same instructions
 whatever the other columns. The logits are therefore those of the model's own forward, bit for bit
 (``tests/test_lean.py`` checks it on tiny models and on the real pair), and exactness arguments

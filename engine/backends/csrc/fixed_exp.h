@@ -1,6 +1,6 @@
-// e^x for x <= 0 as one fixed sequence of IEEE float operations, and the 16-lane halving sum:
-// shared by the sampling kernels (nucleus.cpp) and attention (kquant.cpp), so that every build
-// (AVX-512, AVX2, portable) computes the same bits. Range reduction by ln 2, a degree-6
+// e^x for x <= 0 as one fixed sequence of IEEE float operations, SiLU built on it, and the 16-lane
+// halving sum: shared by the sampling kernels (nucleus.cpp), attention and the MLP (kquant.cpp), so
+// that every build (AVX-512, AVX2, portable) and every thread count computes the same bits. Range reduction by ln 2, a degree-6
 // polynomial, the exponent put back as an integer; the including file is built without fused
 // multiply-adds (-ffp-contract=off), which keeps the vector and scalar versions identical.
 #pragma once
@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -64,8 +64,62 @@ inline __m512 exp_lanes(__m512 x) {
 }
 #endif
 
+#if defined(__AVX2__)
+// exp_lanes on 8 lanes: the same operations as exp_scalar, lane by lane.
+inline __m256 exp_lanes8(__m256 x) {
+  const __m256 kept = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_UNDERFLOW), _CMP_GE_OQ);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)));
+  const __m256 r2 = _mm256_mul_ps(r, r);
+  __m256 p = _mm256_set1_ps(P0);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(P1));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(P2));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(P3));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(P4));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(P5));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r2), r);
+  p = _mm256_add_ps(p, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(kept, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+// silu_scalar on 8 lanes, the same operations lane by lane.
+inline __m256 silu_lanes8(__m256 x) {
+  const __m256 e = exp_lanes8(_mm256_or_ps(x, _mm256_set1_ps(-0.f)));  // e^-|x|
+  const __m256 denominator = _mm256_add_ps(_mm256_set1_ps(1.f), e);
+  const __m256 positive = _mm256_div_ps(_mm256_set1_ps(1.f), denominator), negative = _mm256_div_ps(e, denominator);
+  const __m256 sigmoid = _mm256_blendv_ps(negative, positive, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+  return _mm256_mul_ps(x, sigmoid);
+}
+#endif
+
+// SiLU, x * sigmoid(x), with the sigmoid from e^-|x| (exp_scalar's range): 1 / (1 + e) for x >= 0,
+// e / (1 + e) below. NaN stays NaN; +inf gives +inf and -inf NaN, as torch's silu. Unlike ATen's
+// silu (vectorised Sleef on whole vectors, libm on each parallel chunk's tail, the chunk edges set
+// by the thread count), every element gets these operations whoever computes it.
+inline float silu_scalar(float x) {
+  const float e = exp_scalar(-std::fabs(x));
+  const float denominator = 1.f + e;
+  return x * (x >= 0.f ? 1.f / denominator : e / denominator);
+}
+
+// y[i] = silu(g[i]) * u[i] for i < n (the gated MLP's product; silu(g[i]) alone when u is null),
+// 8 lanes at a time where the CPU has them.
+inline void silu_times(const float* g, const float* u, float* y, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256 s = silu_lanes8(_mm256_loadu_ps(g + i));
+    _mm256_storeu_ps(y + i, u ? _mm256_mul_ps(s, _mm256_loadu_ps(u + i)) : s);
+  }
+#endif
+  for (; i < n; ++i) y[i] = u ? silu_scalar(g[i]) * u[i] : silu_scalar(g[i]);
+}
+
 // lanes[0..15] halved as a tree: i + i+8, i + i+4, i + i+2, i + i+1.
-inline float halving(float* lanes) {
+template <typename T>
+inline T halving(T* lanes) {
   for (int w = 8; w >= 1; w /= 2)
     for (int i = 0; i < w; ++i) lanes[i] = lanes[i] + lanes[i + w];
   return lanes[0];

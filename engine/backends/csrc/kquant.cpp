@@ -651,6 +651,15 @@ struct PackedLinear {
   PackedLinear(bool q4_, std::vector<torch::Tensor> t_, int64_t n_, int64_t k_, c10::optional<torch::Tensor> bias_)
       : q4(q4_), t(std::move(t_)), n(n_), k(k_), bias(std::move(bias_)) {
     TORCH_CHECK(k >= QK && k % QK == 0, "input features must be a multiple of 256, got ", k);
+    TORCH_CHECK(n > 0 && n % TILE == 0, "outputs must be a positive multiple of 16, got ", n);
+    TORCH_CHECK(t.size() == (q4 ? 5u : 3u), q4 ? "q4k takes qs, sc, mn, d, dmin" : "q6k takes qs, sc, d");
+    for (const auto& part : t) TORCH_CHECK(part.is_contiguous() && part.device().is_cpu(), "packed tensors must be contiguous CPU tensors");
+    const int64_t blocks = n * (k / QK);  // (output, super-block) pairs
+    const int64_t scales = q4 ? 8 : 16;  // sub-block scales a super-block
+    TORCH_CHECK(t[1].numel() == blocks * scales && (!q4 || t[2].numel() == blocks * scales),
+                q4 ? "q4k" : "q6k", " scales do not match ", n, " x ", k);
+    TORCH_CHECK(t[q4 ? 3 : 2].numel() == blocks && (!q4 || t[4].numel() == blocks), q4 ? "q4k" : "q6k",
+                " super-block scales do not match ", n, " x ", k);
     const int64_t full = n / TILE * (k / QK) * (q4 ? Q4K_BYTES : Q6K_BYTES), stored = t[0].numel();
     const bool half_tail = q4 && stored == full - n / TILE * (Q4K_BYTES / 2);
     TORCH_CHECK(stored == full || half_tail, q4 ? "q4k" : "q6k", " weight does not match ", n, " x ", k);
@@ -917,8 +926,9 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_in, const
 // The lean forward spends as long in Python and torch dispatch as in arithmetic on 2 cores once
 // the matrices are 4-bit. A LeanLayer holds one llama-style layer's packed matrices and runs
 // everything but the KV-cache update in two calls. Its operations are the model's own, per
-// element in the same order (the norms and SiLU through the same ATen kernels; adds, products and
-// rotary by hand, which with -ffp-contract=off are the same IEEE operations), so its output equals
+// element in the same order (the norms through the same ATen kernel, SiLU through fixed_exp.h's as
+// the model's FixedSiLU; adds, products and rotary by hand, which with -ffp-contract=off are the
+// same IEEE operations), so its output equals
 // the model's own forward bit for bit; tests/test_lean.py checks it.
 
 // (kind, packed tensors in PACKED_NAMES order, outputs, packed inputs, bias) from Python.
@@ -1050,12 +1060,12 @@ class LeanLayer {
     add_into(h1, hidden);
     const torch::Tensor gate_up = products(gate_up_, rms_norm(h1, norm2_, eps2_), R);
     const int64_t mid = gate_up.size(1) / 2;
-    const torch::Tensor gate = torch::silu(gate_up.narrow(1, 0, mid));
     auto product = torch::empty({R, mid}, torch::kFloat32);
-    const float *g = gate.data_ptr<float>(), *u = gate_up.data_ptr<float>();
+    const float* gu = gate_up.data_ptr<float>();
     float* p = product.data_ptr<float>();
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t i = 0; i < mid; ++i) p[r * mid + i] = g[r * mid + i] * u[r * 2 * mid + mid + i];
+    at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {  // SiLU(gate) * up: the same bits on any thread
+      for (int64_t r = begin; r < end; ++r) fixed_exp::silu_times(gu + r * 2 * mid, gu + r * 2 * mid + mid, p + r * mid, mid);
+    });
     torch::Tensor out = products(down_, product, R).reshape({1, R, E});
     add_into(out, h1);
     return out;
@@ -1102,6 +1112,20 @@ torch::Tensor forward_layers(const std::vector<LeanLayer*>& layers, torch::Tenso
   return hidden;
 }
 
+// SiLU of float32 x, elementwise (fixed_exp.h): the k-quant models' activation in both their own
+// forward and the lean one, so each element's bits depend on nothing but itself.
+torch::Tensor silu(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "float32 CPU activations");
+  const torch::Tensor in = x.contiguous();
+  auto out = torch::empty_like(in);
+  const float* g = in.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, in.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+    fixed_exp::silu_times(g + begin, nullptr, y + begin, end - begin);
+  });
+  return out;
+}
+
 // nucleus.cpp: logits to a softmax restricted to its top-p nucleus, and whether the logits were finite.
 std::tuple<torch::Tensor, bool> nucleus_probs(const torch::Tensor& logits, double temperature, double top_p);
 // nucleus.cpp: the token an inverse-CDF draw with uniform u01 picks from probs [V] (-1: draw again).
@@ -1128,6 +1152,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nucleus_probs", &nucleus_probs, "softmax at a temperature, restricted to the top-p nucleus", unlocked);
   m.def("draw_index", &draw_index, "the token an inverse-CDF draw picks (float64 prefix sums)", unlocked);
   m.def("top_indices", &top_indices, "each row's k largest values' indices, ties in index order", unlocked);
+  m.def("silu", &silu, "SiLU with the same bits for every element whatever the batch and threads", unlocked);
   m.def("rms_norm", &rms_norm, "the models' RMSNorm on float32 (exposed for tests)");
   m.def("simd_path", &simd_path, "which integer path was compiled (avx512-vnni, avx2, portable)");
   pybind11::class_<LeanLayer>(m, "LeanLayer", pybind11::module_local())
