@@ -38,6 +38,15 @@ MOVED_COMMANDS = {f"engine.{tool}": f"engine.cli.{tool}" for tool in
                    "calibrate", "profile")}
 
 
+def compiled_kernels():
+    """The compiled CPU kernels (:mod:`engine.backends.kquant`, built once into the user cache), or
+    None where they cannot be built. The core's sampling asks here on its first draw: the package
+    root wires the layers, so the core itself imports no backend."""
+    from engine.backends.kquant import _extension
+
+    return _extension()
+
+
 def __getattr__(name: str):
     if name not in _HOMES:
         raise AttributeError(f"module 'engine' has no attribute {name!r}")

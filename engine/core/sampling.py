@@ -1,6 +1,8 @@
 """Pure functions from logits to distributions and tokens (in the style of gpt-fast's generate.py)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.errors import InvalidDistributionError
@@ -14,12 +16,14 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float
     broken weights) raise :class:`InvalidDistributionError` instead of sampling garbage.
 
     With top-p on CPU float32 logits, the compiled kernels compute it in one call
-    (``nucleus_probs``, engine/backends/csrc/nucleus.cpp: the same law to a float rounding or two,
-    the same bits on every machine with the kernels; about 0.2 ms a row of 151,936 tokens where
-    torch's dozen operations take 1 to 2 ms), once a backend has loaded them
-    (:func:`use_compiled_kernels`). Without the kernels, torch does.
+    (``nucleus_probs``, engine/backends/csrc/nucleus.cpp: the same bits on every machine and ISA
+    with the kernels; about 0.2 ms a row of 151,936 tokens where torch's dozen operations take 1
+    to 2 ms). Without the kernels (or on a GPU), torch does, choosing the nucleus in float64.
+    Both keep the exact nucleus of ``softmax(z)``, ``z = (x - max) / temperature`` in float32, but
+    for tokens whose exact preceding mass lies within :data:`NUCLEUS_TIE_BAND` of ``top_p`` (the
+    tie rule: there a float rounding decides), and their probabilities agree to a few roundings.
     """
-    fused = COMPILED.get("nucleus_probs") if top_p < 1.0 and logits.dtype == torch.float32 and logits.device.type == "cpu" else None
+    fused = compiled("nucleus_probs") if top_p < 1.0 and logits.dtype == torch.float32 and logits.device.type == "cpu" else None
     if fused is not None:
         probs, finite = fused(logits, float(temperature), float(top_p))
         if not finite:
@@ -28,18 +32,37 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float
     return torch_logits_to_probs(logits, temperature, top_p)
 
 
+NUCLEUS_TIE_BAND = 1e-6  # tokens this close (in preceding mass) to top_p may fall either side
+NO_MASS = "cannot draw a token from a distribution whose mass is zero or not finite"
 NON_FINITE = "the model produced NaN/inf logits: load it in float32 (--dtype float32) or check its weights"
 
 
-COMPILED: dict[str, object] = {}  # name -> compiled function, once a backend has loaded its kernels
+COMPILED: dict[str, object] = {}  # name -> compiled function, once the kernels are loaded
 
 
 def use_compiled_kernels(extension) -> None:
     """Sample and rank through ``extension``'s ``nucleus_probs``, ``draw_index`` and ``top_indices``
-    from now on. The core builds no kernels: :func:`engine.backends.kquant._extension` calls this
-    when its kernels load (the int4 models load them; so do ``make run`` and ``make test``)."""
+    from now on (:func:`engine.backends.kquant._extension` calls this when its kernels load)."""
     COMPILED.update(nucleus_probs=extension.nucleus_probs, draw_index=extension.draw_index,
                     top_indices=extension.top_indices)
+
+
+@functools.cache
+def _look_up_kernels() -> None:
+    """Load the compiled kernels once, before the first draw (:func:`engine.compiled_kernels`;
+    they are built once into the user cache, and none where no compiler is found). Looked up on
+    first use rather than when an int4 model happens to load them, so a process samples through
+    the same functions from its first token on: the same seed gives the same draws all along."""
+    import engine
+
+    engine.compiled_kernels()
+
+
+def compiled(name: str):
+    """The compiled function ``name`` (see :data:`COMPILED`), or None without the kernels."""
+    if not COMPILED:
+        _look_up_kernels()
+    return COMPILED.get(name)
 
 
 def top_indices(x: torch.Tensor, k: int) -> list[list[int]]:
@@ -47,7 +70,7 @@ def top_indices(x: torch.Tensor, k: int) -> list[list[int]]:
     ``k = 1``, ``torch.argmax``'s. On CPU float32 the compiled ``top_indices`` takes one pass a row
     (about 25 us over 151,936 tokens, where ``topk`` and ``argmax`` take 250-350 us) and orders
     equal values by index; otherwise, or when a row holds a NaN, ``torch.topk`` does."""
-    top = COMPILED.get("top_indices") if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 \
+    top = compiled("top_indices") if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 \
         and 1 <= k <= min(64, x.shape[-1]) else None
     if top is not None:
         indices = top(x, k)
@@ -70,10 +93,9 @@ def torch_logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p:
         # only): taken as 0, as a pass over every row would
         if temperature < torch.finfo(torch.float32).tiny or bool(torch.isneginf(row_max).any()):
             logits = torch.nan_to_num(logits, nan=0.0, neginf=float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
-        probs = _top_p_filter(probs, top_p)
-    return probs
+    if top_p < 1.0:  # in float64: a float32 softmax's sum drifts enough to move a wide nucleus's edge
+        return _top_p_filter(torch.softmax(logits.double(), dim=-1), top_p).float()
+    return torch.softmax(logits, dim=-1)
 
 
 TOP_P_CANDIDATES = 1024
@@ -138,13 +160,18 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator | None = None,
     float32 without ``cdf`` the compiled ``draw_index`` does the same sums and comparison in one
     pass (the same token for the same generator state).
     """
-    draw = COMPILED.get("draw_index") if cdf is None and probs.dtype == torch.float32 and probs.device.type == "cpu" else None
+    draw = compiled("draw_index") if cdf is None and probs.dtype == torch.float32 and probs.device.type == "cpu" else None
     if draw is not None:  # the same prefix sums and comparison in one compiled pass, skipping zeros
         while True:
             index = draw(probs, float(torch.rand(1, generator=generator, dtype=torch.float64)))
             if index >= 0:
                 return index
+            if index == -2:
+                raise InvalidDistributionError(NO_MASS)
     cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64) if cdf is None else cdf
+    total = float(cdf[-1])
+    if not 0.0 < total < float("inf"):
+        raise InvalidDistributionError(NO_MASS)
     while True:
         u = torch.rand(1, generator=generator, dtype=torch.float64, device=cdf.device) * cdf[-1]
         index = int(torch.searchsorted(cdf, u, right=True))
