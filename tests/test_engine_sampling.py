@@ -105,6 +105,8 @@ def pit_values(target: torch.nn.Module, tokens: list[int], temperature: float, t
 @pytest.mark.parametrize("method,tree,temperature,top_p,static", [
     ("sequoia", Tree.k_ary(2, 2), 0.7, 0.8, False),
     ("sequoia", Tree.optimal([0.6, 0.2, 0.1], 8, 3), 1.0, 1.0, True),
+    # written with cousins out of parent order, three levels deep: renumbered canonically
+    ("sequoia", Tree.from_parents([-1, 0, 0, 2, 1, 3, 4]), 1.0, 1.0, False),
     ("specinfer", Tree.k_independent(2, 2), 0.7, 0.8, True),
     ("specinfer", Tree.k_ary(2, 2), 1.0, 1.0, False),
     ("chain", Tree.chain(3), 0.7, 0.8, False),

@@ -43,8 +43,9 @@ TREES = {
     "3ary2": Tree.k_ary(3, 2),
     "2indep3": Tree.k_independent(2, 3),
     "irregular": Tree.from_parents([-1, 0, 1, 0, 2, 3, 0, 4, 1]),
-    # Valid and accepted by Tree(): cousins out of parent order (node 3's parent is 2, node 4's is 1).
-    "cousins_swapped": Tree((-1, 0, 0, 2, 1)),
+    # Written with cousins out of parent order (node 3's parent is 2, node 4's is 1): Tree() refuses
+    # that order (tests/test_tree.py), from_parents renumbers it canonically.
+    "cousins_swapped": Tree.from_parents((-1, 0, 0, 2, 1)),
 }
 
 

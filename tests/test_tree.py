@@ -132,6 +132,16 @@ def test_tree_constructor_rejects_non_bfs_order():
         Tree(tuple(IRREGULAR_NON_BFS))
 
 
+@pytest.mark.parametrize("parents", [(-1, 0, 0, 2, 1), (-1, 0, 1, 0, 2, 3), (-1, 0, 0, 1, 2, 2, 1)])
+def test_tree_constructor_rejects_cousins_out_of_parent_order(parents):
+    """Breadth-first by depth but not canonical: the drafter lays a level's children out parent by
+    parent, so a tree whose node order differs would pair nodes with another node's token and q."""
+    with pytest.raises(InvalidTreeError, match="from_parents"):
+        Tree(parents)
+    canonical = Tree.from_parents(parents)
+    assert list(canonical.parents[1:]) == sorted(canonical.parents[1:])
+
+
 def test_to_dict():
     assert Tree.k_ary(2, 2).to_dict() == {"parents": [-1, 0, 0, 1, 1, 2, 2], "size": 7, "depth": 2}
 

@@ -1,8 +1,10 @@
 """Token-tree topology and tree attention.
 
-A tree has ``size`` nodes in breadth-first order: node 0 is the root (the last committed token),
-``parents[0] == -1`` and ``parents[i] < i``. Siblings keep their rank order (rank 1 = the draft's
-first choice), depths never decrease along the node order, so each level is a contiguous slice.
+A tree has ``size`` nodes in canonical breadth-first order: node 0 is the root (the last committed
+token), ``parents[0] == -1``, ``parents[i] < i`` and parents never decrease, so the children of a
+node are contiguous, in rank order (rank 1 = the draft's first choice), after those of every
+earlier node; depths never decrease either, so each level is a contiguous slice. The engine drafts
+a level's children in exactly this order, so a node's index is where its token and q lie.
 """
 from __future__ import annotations
 
@@ -32,8 +34,10 @@ class Tree:
             depths.append(depths[parents[i]] + 1)
             seen[parents[i]] += 1
             ranks.append(seen[parents[i]])
-        if any(b < a for a, b in zip(depths, depths[1:])):
-            raise InvalidTreeError("tree nodes must be in breadth-first order; build it with Tree.from_parents()")
+        if any(b < a for a, b in zip(parents[1:], parents[2:])):
+            raise InvalidTreeError("tree nodes must be in canonical breadth-first order (each node's children "
+                                   "after those of every earlier node, so parents never decrease); "
+                                   "build it with Tree.from_parents()")
         object.__setattr__(self, "parents", parents)
         object.__setattr__(self, "depths", tuple(depths))
         object.__setattr__(self, "ranks", tuple(ranks))
