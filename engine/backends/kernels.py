@@ -29,11 +29,14 @@ READERS = 4  # threads reading weights off their file at once (capped by torch's
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The flags this CPU advertises in Linux's ``/proc/cpuinfo`` (empty where it cannot be read)."""
+    """The instruction-set flags this CPU advertises (the ``flags`` line of Linux's
+    ``/proc/cpuinfo``; empty where it cannot be read)."""
     try:
-        return frozenset(Path("/proc/cpuinfo").read_text().split())
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return frozenset()
+    return next((frozenset(line.partition(":")[2].split()) for line in lines if line.split(":")[0].strip() == "flags"),
+                frozenset())
 
 
 def packing_available() -> bool:
