@@ -157,6 +157,19 @@ def test_a_prompt_mostly_outside_the_kept_ids_is_drafted_with_the_whole_head():
         assert any(token >= KEPT for token in drafted) == drafts_outside
 
 
+def test_a_deep_copy_of_a_restricted_draft_chooses_among_its_own_models():
+    """A copy's per-prompt choice returns the copy (restricted) or the copy's whole model, never the
+    original objects: a copied draft must not draft with the weights it was copied from."""
+    _, draft = restricted_pair()
+    twin = copy.deepcopy(draft)
+    inside, outside = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [3, 26, 24, 27, 30, 31, 29, 28, 25, 23]
+    assert draft_for_prompt(twin, inside) is twin
+    whole, twin_whole = draft_for_prompt(draft, outside), draft_for_prompt(twin, outside)
+    assert twin_whole is not whole and type(twin_whole.lm_head) is KQuantLinear
+    assert twin_whole.lm_head is twin.lm_head.full  # the copy's two heads stay one weight, as the original's
+    assert torch.equal(twin_whole.lm_head.qs, whole.lm_head.qs) and twin_whole.lm_head.qs is not whole.lm_head.qs
+
+
 def test_the_embedded_draft_computes_its_frequent_and_ascii_tokens(real_pair):
     """The real pair as the app loads it: the draft's head keeps 95,889 of 151,936 ids (the first
     32,768, every ASCII token, the added ones), whose logits are the full head's bits."""

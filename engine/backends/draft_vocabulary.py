@@ -19,6 +19,7 @@ once a generation (a choice made from the prompt alone, so exactness is kept).
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -95,11 +96,19 @@ class _PromptChoice:
     (it holds this object)."""
 
     def __init__(self, restricted: torch.nn.Module, whole: torch.nn.Module, kept: torch.Tensor) -> None:
-        import weakref
-
         self.restricted, self.whole = weakref.ref(restricted), whole
         self.is_kept = torch.zeros(whole.get_output_embeddings().out_features, dtype=torch.bool)
         self.is_kept[kept] = True
+
+    def __deepcopy__(self, memo: dict) -> "_PromptChoice":
+        """The choice of a deep copy of the restricted draft: the copy (copied before its state, so
+        already in ``memo``) and a copy of the whole model, never the originals."""
+        twin = _PromptChoice.__new__(_PromptChoice)
+        memo[id(self)] = twin
+        twin.restricted = weakref.ref(copy.deepcopy(self.restricted(), memo))
+        twin.whole = copy.deepcopy(self.whole, memo)
+        twin.is_kept = self.is_kept.clone()
+        return twin
 
     def __call__(self, prompt: list[int]) -> torch.nn.Module:
         kept = self.is_kept[torch.tensor(prompt, dtype=torch.int64)].float().mean().item() if prompt else 1.0
