@@ -420,3 +420,34 @@ def test_a_model_of_any_width_gets_kquant_layers_everywhere(compiled):
     with torch.inference_mode():
         exact, approx = model(ids).logits, quantized(ids).logits
     assert (approx - exact).norm() / exact.norm() < 0.15
+
+
+def test_the_native_build_is_keyed_by_the_cpus_instruction_sets(monkeypatch):
+    """A ``-march=native`` build made on an AVX-512 machine must never be loaded on an AVX2 one (a
+    shared home folder, a container image, a migrated VM): SIGILL. The key follows the flags line
+    of /proc/cpuinfo (not the clock speed or anything else that moves), the portable builds not."""
+    from engine.backends import kernels
+
+    avx512 = frozenset({"sse4_2", "avx2", "f16c", "avx512f", "avx512bw", "avx512_vnni"})
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: avx512)
+    keys = {march: kquant.build_key(march) for march in ("native", "x86-64", "x86-64-v3")}
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: avx512 - {"avx512f", "avx512bw", "avx512_vnni"})
+    assert kquant.build_key("native") != keys["native"]
+    assert kquant.build_key("x86-64") == keys["x86-64"] and kquant.build_key("x86-64-v3") == keys["x86-64-v3"]
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: avx512)
+    assert kquant.build_key("native") == keys["native"]
+
+
+def test_cpu_flags_are_the_flags_line_only(tmp_path, monkeypatch):
+    from engine.backends import kernels
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\ncpu MHz\t\t: 2445.406\nflags\t\t: fpu avx2 f16c\n\n"
+                    "processor\t: 1\ncpu MHz\t\t: 2600.1\nflags\t\t: fpu avx2 f16c\n")
+    real_path = kernels.Path
+    monkeypatch.setattr(kernels, "Path", lambda p: info if p == "/proc/cpuinfo" else real_path(p))
+    kernels.cpu_flags.cache_clear()
+    try:
+        assert kernels.cpu_flags() == frozenset({"fpu", "avx2", "f16c"})
+    finally:
+        kernels.cpu_flags.cache_clear()
