@@ -1,8 +1,11 @@
-"""Shared fixtures. The real default pair is loaded once per test session.
+"""Shared fixtures. The real default pair is loaded once per test session, as the app serves it:
+the int4 (k-quant) target on the CPU.
 
 Greedy references come from the target as loaded, before anything prepares it for the engine
-(:func:`engine.backends.kernels.prepare`) or builds an engine on it: Hugging Face's own ``generate`` on
-stock weights through torch's own ``nn.Linear``."""
+(:func:`engine.backends.kernels.prepare`) or builds an engine on it: Hugging Face's own ``generate``
+through the model's own modules (its k-quant linear layers, attention and activation), not the
+lean forward the engine runs. The float32 target transformers dequantises is loaded only for the
+tests that compare with it (:func:`float_target`)."""
 from __future__ import annotations
 
 import pytest
@@ -16,9 +19,20 @@ REFERENCE_PROMPTS = 5   # the first five bundled prompts; the fifth ends with EO
 
 @pytest.fixture(scope="session")
 def _stock_pair():
-    """``(target, draft, tokenizer)`` as loaded, not yet prepared for the engine."""
+    """``(target, draft, tokenizer)`` as loaded (the int4 target, as in the app), not yet prepared."""
+    from engine.backends.kquant import KQuantLinear
     from engine.models.loading import load_default_pair
-    return load_default_pair(dtype=torch.float32, prepare=False)
+
+    pair = load_default_pair(dtype=torch.float32, prepare=False)
+    assert isinstance(pair[0].lm_head, KQuantLinear), "the suite checks the target the app serves: int4 on CPU"
+    return pair
+
+
+@pytest.fixture(scope="session")
+def float_target():
+    """``(model, tokenizer)``: the float32 target transformers dequantises from the GGUF."""
+    from engine.models.loading import load_model
+    return load_model("default-target", torch.float32, "cpu", False, "none")
 
 
 @pytest.fixture(scope="session")
@@ -30,8 +44,8 @@ def chat_prompts(_stock_pair) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def greedy_references(_stock_pair, chat_prompts) -> list[list[int]]:
-    """The target's own greedy continuation (``generate(do_sample=False)``) of the first prompts,
-    computed on the untouched target (checked: no layer is packed, no method patched)."""
+    """The int4 target's own greedy continuation (``generate(do_sample=False)``) of the first
+    prompts, computed on the untouched target (checked: no layer is packed, no method patched)."""
     from engine.backends.kernels import is_packed
 
     target = _stock_pair[0]
@@ -64,10 +78,26 @@ def multiturn_reference(_stock_pair, greedy_references) -> dict:
     return {"prompt": ids, "reference": out[0, len(ids):].tolist()}
 
 
+LONG_REFERENCE_TOKENS = 32
+
+
 @pytest.fixture(scope="session")
-def real_pair(_stock_pair, greedy_references, multiturn_reference):
-    """``(target, draft, tokenizer)`` of the embedded Qwen2.5-Coder pair, float32 on CPU, prepared
-    for the engine as the app and CLIs load it (after the greedy references were taken)."""
+def long_reference(_stock_pair, greedy_references) -> tuple[list[int], list[int]]:
+    """``(prompt, reference)``: a question about a pasted Python module (longer than one prefill
+    chunk) and the untouched target's own greedy continuation of it."""
+    target, _, tokenizer = _stock_pair
+    module = "\n".join(f"def scale_{i}(x: int) -> int:\n    return x * {i} + {i * i}\n" for i in range(24))
+    question = f"Here is a module:\n```python\n{module}```\nWhich function returns 42 for x = 1, and why?"
+    ids = encode_chat(tokenizer, [{"role": "user", "content": question}])
+    with torch.inference_mode():
+        out = target.generate(torch.tensor([ids]), max_new_tokens=LONG_REFERENCE_TOKENS, do_sample=False)
+    return ids, out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def real_pair(_stock_pair, greedy_references, multiturn_reference, long_reference):
+    """``(target, draft, tokenizer)`` of the embedded Qwen2.5-Coder pair (the int4 target) on the CPU,
+    prepared for the engine as the app and CLIs load it (after the greedy references were taken)."""
     from engine.backends.kernels import prepare
 
     target, draft, tokenizer = _stock_pair

@@ -24,7 +24,7 @@ def server(real_pair):
     target, draft, tokenizer = real_pair
     # The views explain a bundled pair's numbers (the float target with the int4 draft, measured on an
     # AVX-512 VNNI CPU) whatever draft this machine loads (fastest_format), so the test is the same on all.
-    pair = pair_name("default-target", "default-draft", None, target) + "@int4"
+    pair = "default-target+default-draft@int4"
     profile = ASSETS / "profiles" / "cpu-x86_64-avx512vnni-2threads__default-target_default-draft_int4__float32.json"
     tuner = AutoTuner(HardwareProfile.from_json(profile.read_text()), find_acceptance(pair), pair=pair)
     assert tuner.profile.pair == pair  # the bundled profile of exactly this pair

@@ -40,8 +40,9 @@ def float_draft():
     return load_model("default-draft", torch.float32, "cpu", False, "none")[0]
 
 
-def test_the_target_straight_from_its_gguf_is_the_kquant_copy_of_the_float_target(_stock_pair, chat_prompts):
-    float_target, _, float_tokenizer = _stock_pair
+def test_the_target_straight_from_its_gguf_is_the_kquant_copy_of_the_float_target(float_target, chat_prompts):
+    float_target, float_tokenizer = float_target
+    assert "quantization_config" not in float_target.config.to_dict(), "a fresh and a cached load must not differ"
     gguf = assemble_gguf(DEFAULT_TARGET)
     straight, tokenizer = load_model("default-target", torch.float32, "cpu", False, "q4k")
     assert sum(isinstance(m, KQuantLinear) for m in straight.modules()) == 28 * 7 + 1

@@ -151,10 +151,10 @@ def token_ids(tokenizer) -> torch.Tensor:
 
 @pytest.mark.real_pair
 @pytest.mark.parametrize("role", ["target", "draft"])
-def test_rows_are_bit_identical_to_the_float32_embedding(role, _stock_pair, float_draft):
+def test_rows_are_bit_identical_to_the_float32_embedding(role, _stock_pair, float_target, float_draft):
     from engine.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, assemble_gguf
 
-    float_model = _stock_pair[0] if role == "target" else float_draft
+    float_model = float_target[0] if role == "target" else float_draft
     stock = float_model.get_input_embeddings()
     assert type(stock) is torch.nn.Embedding, "target_format float32 / draft_format none keep the float embedding"
     embedding = gguf_embedding(assemble_gguf(DEFAULT_TARGET if role == "target" else DEFAULT_DRAFT))
@@ -168,7 +168,7 @@ def test_rows_are_bit_identical_to_the_float32_embedding(role, _stock_pair, floa
 
 
 @pytest.mark.real_pair
-def test_the_quantised_pair_holds_no_float32_embedding(_stock_pair):
+def test_the_quantised_pair_holds_no_float32_embedding(_stock_pair, float_target):
     from engine.backends.kquant import KQuantLinear
     from engine.backends.quantize import draft_format
     from engine.models.loading import load_model
@@ -187,4 +187,4 @@ def test_the_quantised_pair_holds_no_float32_embedding(_stock_pair):
     assert isinstance(target.lm_head, KQuantLinear)
     ids = torch.tensor([[0, 151643, 9707, VOCAB - 1]])
     with torch.inference_mode():
-        assert torch.equal(target.get_input_embeddings()(ids), _stock_pair[0].get_input_embeddings()(ids))
+        assert torch.equal(target.get_input_embeddings()(ids), float_target[0].get_input_embeddings()(ids))

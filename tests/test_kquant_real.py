@@ -1,43 +1,36 @@
 """The int4 (k-quant) target on the real pair: rows of a verification bit-identical to decoding each
-token alone, and greedy tree decoding token-identical to the same target's own ``generate``."""
+token alone, the lean forward equal to the model's own, and a chain grown by confidence
+token-identical to the target's own ``generate`` (the other trees: tests/test_real_pair.py)."""
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
-from conftest import REFERENCE_PROMPTS
+from conftest import REFERENCE_TOKENS
 from transformers import DynamicCache
 
 from engine import SpeculativeEngine, Tree
-from engine.backends.kquant import KQuantLinear, kquant_model
-from engine.models.loading import DEFAULT_TARGET, assemble_gguf
+from engine.backends.kquant import FixedSiLU, KQuantLinear
 
 pytestmark = pytest.mark.real_pair
 
-NEW_TOKENS = 48
 ROWS = 32
 
 
 @pytest.fixture(scope="module")
-def q4k_target(_stock_pair, chat_prompts):
-    """``(model, greedy references)``: the target kept in its GGUF blocks, and its own greedy
-    continuations (Hugging Face's ``generate``) taken before any engine saw it."""
-    model = kquant_model(_stock_pair[0], assemble_gguf(DEFAULT_TARGET))
-    refs = []
-    for ids in chat_prompts[:REFERENCE_PROMPTS]:
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        refs.append(out[0, len(ids):].tolist())
-    return model, refs
+def q4k_target(real_pair, greedy_references):
+    """``(model, greedy references)``: the target the app serves, kept in its GGUF blocks, and its
+    own greedy continuations (Hugging Face's ``generate``, taken before any engine saw it)."""
+    return real_pair[0], greedy_references
 
 
-def test_every_linear_but_the_embedding_is_a_gguf_block_layer(q4k_target, _stock_pair):
+def test_every_linear_but_the_embedding_is_a_gguf_block_layer(q4k_target):
     model = q4k_target[0]
     kinds = [m.kind for m in model.modules() if isinstance(m, KQuantLinear)]
     assert len(kinds) == 28 * 7 + 1 and kinds.count("q6k") == 14 + 14 + 1  # the Q4_K_M mix
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
-    assert any(type(m) is torch.nn.Linear for m in _stock_pair[0].modules()), "the float model was changed"
+    assert all(isinstance(layer.mlp.act_fn, FixedSiLU) for layer in model.model.layers)
 
 
 def test_each_row_of_an_n_token_forward_equals_decoding_that_token_alone(q4k_target, chat_prompts):
@@ -78,16 +71,6 @@ def test_the_lean_forward_gives_the_models_own_logits_bit_for_bit(q4k_target, ch
     assert torch.equal(lean, own), f"max diff {(lean - own).abs().max():.3g}"
 
 
-@pytest.mark.parametrize("tree", [Tree.chain(3), Tree.k_ary(2, 3),
-                                  Tree.from_parents([-1, 0, 0, 0, 1, 1, 2, 4, 4, 5, 7, 7, 10])],
-                         ids=["chain3", "binary3", "irregular"])
-def test_greedy_tree_decoding_of_the_int4_target_is_token_identical(tree, q4k_target, real_pair, chat_prompts):
-    model, refs = q4k_target
-    engine = SpeculativeEngine(model, real_pair[1])
-    for ids, ref in zip(chat_prompts, refs):
-        assert engine.generate(ids, max_new_tokens=NEW_TOKENS, temperature=0.0, tree=tree).tokens == ref
-
-
 def test_a_chain_grown_by_confidence_on_the_int4_target_is_token_identical(q4k_target, real_pair, chat_prompts):
     """Growth by the draft's confidence (what the optimizer picks on this CPU): each answer equals the
     target's own, and chains of every length were verified along the way."""
@@ -95,7 +78,8 @@ def test_a_chain_grown_by_confidence_on_the_int4_target_is_token_identical(q4k_t
     engine = SpeculativeEngine(model, real_pair[1])
     sizes = set()
     for ids, ref in zip(chat_prompts, refs):
-        result = engine.generate(ids, max_new_tokens=NEW_TOKENS, temperature=0.0, tree=Tree.chain(3), confidence=0.7)
+        result = engine.generate(ids, max_new_tokens=REFERENCE_TOKENS, temperature=0.0, tree=Tree.chain(3),
+                                 confidence=0.7)
         assert result.tokens == ref
         sizes.update(len(step.tokens) for step in result.steps)
     assert sizes == {2, 3, 4}, sorted(sizes)

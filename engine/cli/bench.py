@@ -114,7 +114,7 @@ def configurations(quick: bool, draft=None, acceptance: list[float] | None = Non
 
 def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple | None = None,
         temperature: float = 0.0, top_p: float = 1.0, repeats: int = 1, peer: str | None = None,
-        peer_ggufs: tuple[Path, Path] | None = None, target_format: str = "float32", hf: bool = True) -> dict:
+        peer_ggufs: tuple[Path, Path] | None = None, target_format: str = "auto", hf: bool = True) -> dict:
     """The benchmark on ``pair`` = (target, draft, tokenizer), by default the embedded pair (its
     target in ``target_format``): ``repeats`` rounds over the prompts (each round runs every
     configuration on a prompt before the next prompt); medians over all runs. Outputs are compared

@@ -162,6 +162,10 @@ def _load_source(source: GGUFSource, dtype: torch.dtype):
     except Exception as exc:  # noqa: BLE001 - a corrupted file surfaces as many exception types
         verify_gguf(source, gguf)
         raise ModelLoadError(f"could not load {gguf}: {exc}") from exc
+    # transformers notes the GGUF it dequantised; the cached copy (read at every later start) has
+    # no such note, and the first start's model must be the same model as the later ones'
+    if "quantization_config" in model.config.to_dict():
+        del model.config.quantization_config
     _save_dequantised(model, tokenizer, cached)
     return model, tokenizer
 
@@ -172,9 +176,7 @@ def _save_dequantised(model, tokenizer, directory: Path) -> None:
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=directory.name + ".partial-"))
     try:
         save_model(model, str(tmp / "model.safetensors"))
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2))
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if directory.exists():
@@ -341,7 +343,7 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str = 
 def load_pair(target_id: str = "default-target", draft_id: str = "default-draft",
               dtype: torch.dtype = torch.float32, device: str = "cpu", trust_remote_code: bool = False,
               offload: bool = False, draft_format: str = "auto", prepare: bool = True,
-              target_format: str = "float32", draft_vocabulary: int | str = "auto"):
+              target_format: str = "auto", draft_vocabulary: int | str = "auto"):
     """Load ``(target, draft, tokenizer)``; the draft is refused unless it shares the target's vocabulary.
 
     ``prepare`` readies both for the engine's CPU fast path (:func:`engine.backends.kernels.prepare`:
@@ -350,8 +352,10 @@ def load_pair(target_id: str = "default-target", draft_id: str = "default-draft"
     ``draft_format`` (:func:`engine.backends.quantize.quantize_draft`): ``auto`` quantises a CPU float32
     draft to whichever of int4/int8/fp32 runs fastest on this machine; levels get several times
     cheaper, acceptance a little lower, outputs stay the same (the target alone decides them).
-    ``target_format`` (:func:`engine.backends.quantize.target_quantization`): ``int4`` quantises the target
-    too (a model of its own, about 7x fewer bytes a token); ``float32`` keeps it as loaded.
+    ``target_format`` (:func:`engine.backends.quantize.target_quantization`): ``auto`` (the default, as
+    in the app and the command lines) and ``int4`` give a CPU float32 target as the k-quant model (a
+    model of its own, about 7x fewer bytes a token, rows independent of the batch); ``float32`` keeps
+    it as loaded.
     ``draft_vocabulary`` (:func:`restrict_draft`): how many token ids the draft's head computes.
 
     ``offload`` keeps the target's decoder layers in pinned CPU memory and streams them to the
@@ -421,7 +425,7 @@ def pair_name(target_id: str, draft_id: str, draft: torch.nn.Module | None = Non
 
 
 def load_default_pair(dtype: torch.dtype = torch.float32, device: str = "cpu", draft_format: str = "auto",
-                      prepare: bool = True, target_format: str = "float32", draft_vocabulary: int | str = "auto"):
+                      prepare: bool = True, target_format: str = "auto", draft_vocabulary: int | str = "auto"):
     """The embedded Qwen2.5-Coder 1.5B target and 0.5B draft: ``(target, draft, tokenizer)``."""
     return load_pair("default-target", "default-draft", dtype, device, draft_format=draft_format, prepare=prepare,
                      target_format=target_format, draft_vocabulary=draft_vocabulary)
