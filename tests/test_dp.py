@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import time
 
 import pytest
 import torch
@@ -90,13 +89,11 @@ def test_built_tree_value_equals_table_value_at_scale():
         assert max(len(c) for c in tree.children) <= len(acceptance)
 
 
-def test_large_table_is_fast_enough():
-    start = time.perf_counter()
+def test_a_large_table_is_built():
     g = expected_tokens_table(random_acceptance(32, 5), 1024, 16)
-    elapsed = time.perf_counter() - start
     assert g.shape == (1025, 17)
-    # Not a timing assertion on the hot path: a loose guard against an accidental O(n^3) loop.
-    assert elapsed < 60
+    larger, smaller = g[2:, 1:], g[1:-1, 1:]  # where a tree of n nodes fits in d levels at all
+    assert bool(((larger >= smaller - 1e-12) | larger.isinf()).all()), "a larger budget never expects fewer tokens"
 
 
 def test_sequoia_tree_beats_chains_and_k_ary_trees_at_equal_size():

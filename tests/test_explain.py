@@ -3,7 +3,6 @@ sentences, and the app's handlers (tiny models with the real tokenizer; the bund
 calibrations). No mocks: real DP tables, real profiles, real decoding with the trace on."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -97,9 +96,8 @@ def test_chains_only_fills_the_diagonal():
 def test_tables_are_cached_and_fast_after_the_first_call():
     v, prof = vector(FLOAT, 0.6, 0.9), profile(FLOAT)
     first = explain.tables(v, prof, 64, 16)
-    start = time.perf_counter()
     again = explain.tables(list(v), HardwareProfile.from_json(PROFILES[FLOAT].read_text()), 64, 16)
-    assert again is first and time.perf_counter() - start < 0.05
+    assert again is first  # the same object: served from the cache, not computed again
     assert explain.tables(v, None, 64, 16).speedup is None  # no profile: G only
 
 

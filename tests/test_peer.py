@@ -314,11 +314,10 @@ def test_server_is_killed_when_the_block_fails(stub):
 
 def test_server_that_never_gets_ready_is_stopped_after_the_timeout(stub):
     port = peer.free_port()
-    start = time.monotonic()
     server = PeerServer([sys.executable, str(stub), "silent", str(port)], port, startup_timeout_s=1.0, grace_s=0.5)
     with pytest.raises(PeerError, match="not ready after 1 s"):
         server.__enter__()
-    assert time.monotonic() - start < 15 and server.process.returncode is not None and _gone(server.process.pid)
+    assert server.process.returncode is not None and _gone(server.process.pid)
 
 
 def test_server_that_exits_reports_its_log(stub):
@@ -329,10 +328,8 @@ def test_server_that_exits_reports_its_log(stub):
 
 
 def test_command_past_its_timeout_is_killed(stub):
-    start = time.monotonic()
     with pytest.raises(PeerError, match="still running after 1 s"):
         peer.run_command([sys.executable, str(stub), "silent", "0"], timeout_s=1.0, grace_s=0.5)
-    assert time.monotonic() - start < 15
 
 
 # ----- the real build (skipped unless `make peer` has been run) -----------------------------------------
