@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 
 from engine.backends.hugepages import restart_with_huge_pages
 
@@ -44,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-mb", type=int, default=KV_CACHE_MB,
                         help=f"memory for KV caches kept between turns, all conversations together, one per "
                              f"session, least recently used evicted ({KV_CACHE_MB}; 0 keeps none)")
+    parser.add_argument("--no-measure", action="store_true",
+                        help="do not measure this machine's forward times for the optimizer on a first start "
+                             "(it then uses the nearest bundled profile; python -m engine.cli.profile measures)")
     # development: a tiny random pair with the real tokenizer, to work on the UI without the weights
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -86,6 +90,18 @@ def worker_policy(args: argparse.Namespace) -> dict:
             "draft_format": args.draft_format, "draft_vocabulary": args.draft_vocab, "kv_cache_bytes": args.kv_cache_mb << 20}
 
 
+def report_measurement(job, worker) -> None:
+    """Print how the background measurement of this machine ended (the optimizer's new pick)."""
+    last = job.wait()[-1]
+    if last.kind == "done" and worker.tuner is not None:
+        choice = worker.tuner.choose(0.0, 1.0)
+        print(f"Measured this machine: the target alone {1 / last.data.token_time():.1f} tokens/s; at T = 0 the "
+              f"optimizer picks a tree of {choice.size} nodes, depth {choice.depth} "
+              f"(predicted {choice.predicted_speedup:.2f}x the target alone).", flush=True)
+    else:
+        print(f"Measuring this machine did not finish ({last.kind}: {last.data}); the bundled profile stays.", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.offline:
@@ -115,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Sequoia Chat is running at {local_url}" + (f" (public link: {share_url})" if share_url else ""),
           flush=True)
     print(f"OpenAI-compatible API: {local_url.rstrip('/')}/v1 (chat/completions, models)", flush=True)
+    tuner = worker.tuner
+    if tuner is not None and not tuner.measured_here and not args.no_measure:
+        job = worker.measure_machine()  # queued: the first answers wait for it (about a minute), then use it
+        print(f"Measuring this machine for the optimizer (about a minute, once); until then it uses the "
+              f"{tuner.origin}.", flush=True)
+        threading.Thread(target=report_measurement, args=(job, worker), daemon=True).start()
     print("Press Ctrl-C to stop.", flush=True)
     try:
         demo.block_thread()

@@ -17,8 +17,10 @@ Node statuses in a step's tree:
 from __future__ import annotations
 
 import html
+import re
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
@@ -44,7 +46,8 @@ STATUS_NAMES = {
     BONUS: "bonus token (from the target)",
 }
 EDGE_GREY = "#b6bcc6"
-LABEL_BUDGET = 64  # characters of token labels across all levels of a tree figure
+LABEL_BUDGET = 64  # characters of token labels across all levels of a tree drawn left to right
+MIN_LABEL_CHARS = 8  # a label keeps at least this many characters (then an ellipsis; hover: the whole text)
 FONT = "Inter, ui-sans-serif, system-ui, -apple-system, Segoe UI, sans-serif"
 MONO = "JetBrains Mono, ui-monospace, SFMono-Regular, Menlo, Consolas, monospace"
 
@@ -211,6 +214,107 @@ def step_title(step: StepRecord) -> str:
     return f"{head}, committed {committed}"
 
 
+@dataclass
+class TreeGeometry:
+    """Where a step's tree is drawn, in character units (x) and rows (y): node ``i`` (the bonus
+    token last, at index ``n``, when the step used it) at ``(xs[i], ys[i])`` with label ``labels[i]``
+    (whitespace made visible, not escaped)."""
+
+    statuses: list[str]
+    bonus: int | None
+    last: int
+    n: int
+    xs: list[float]
+    ys: list[float]
+    labels: list[str]
+    width: float
+    rows: int
+    top_down: bool
+
+
+def tree_geometry(step: StepRecord, token_texts, max_label_chars: int | None = None) -> TreeGeometry:
+    """The layout of :func:`tree_figure` and :func:`tree_svg`. A deep, narrow tree (the chains the
+    optimizer picks on CPUs) is drawn top-down, one level a row, so every label keeps up to 14
+    characters; a wide one left to right, its levels sharing about LABEL_BUDGET characters but never
+    fewer than MIN_LABEL_CHARS. Either way each column is as wide as its longest label: chips never
+    overlap, and a tree too wide for its panel grows rather than cutting its labels."""
+    statuses = node_statuses(step)
+    bonus = bonus_token(step)
+    last = step.accepted[-1]
+    depths, leaf_rows = tree_layout(step.parents, extra_child_of=last if bonus is not None else None)
+    levels, rows = int(max(depths)) + 1, int(max(leaf_rows)) + 1
+    top_down = levels > rows
+    if max_label_chars is None:
+        max_label_chars = 14 if top_down else max(MIN_LABEL_CHARS, min(14, LABEL_BUDGET // levels - 2))
+    label_tokens = list(step.tokens) + ([bonus] if bonus is not None else [])
+    labels = [visible_token(_text_of(token_texts, t), max_label_chars) for t in label_tokens]
+    if top_down:  # leaf rows become columns of one width (a parent sits between its children)
+        column = max(len(label) for label in labels) + 2
+        xs = [y * column + column / 2 for y in leaf_rows]
+        ys, edge, rows = [float(d) for d in depths], rows * column, levels
+    else:
+        width = [1] * levels
+        for depth, label in zip(depths, labels):
+            width[int(depth)] = max(width[int(depth)], len(label))
+        centre, edge = [], 0.0
+        for w in width:
+            centre.append(edge + w / 2 + 1)
+            edge += w + 2
+        xs, ys = [centre[int(d)] for d in depths], list(leaf_rows)
+    return TreeGeometry(statuses, bonus, last, len(step.tokens), xs, ys, labels, edge, rows, top_down)
+
+
+SVG_CHAR, SVG_ROW = 7.6, 40  # px a label character (12 px monospace) and a row
+
+
+def tree_svg(step: StepRecord, token_texts, title: str | None = None, scale: float = 1.0) -> str:
+    """The step's tree as inline SVG (a few kilobytes): what the chat sends while an answer streams,
+    drawn by the browser itself rather than by plotly. The same layout, colours and edge styles as
+    :func:`tree_figure`; each node's whole text, q, p and verdict show on hover (``<title>``)."""
+    g = tree_geometry(step, token_texts)
+    pad = 12
+    px = lambda x: pad + x * SVG_CHAR * scale  # noqa: E731
+    py = lambda y: pad + 14 * scale + y * SVG_ROW * scale  # noqa: E731
+    width, height = px(g.width) + pad, py(g.rows - 1) + 14 * scale + pad
+    on_path = set(step.accepted)
+    parts = []
+    for node in range(1, g.n):
+        parent = step.parents[node]
+        dash = {"solid": "", "dash": "6 4", "dot": "2 3"}.get(_edge_style(step.ranks[node])[0], "2 3")
+        accepted = node in on_path and parent in on_path
+        parts.append(f'<line x1="{px(g.xs[parent]):.1f}" y1="{py(g.ys[parent]):.1f}" x2="{px(g.xs[node]):.1f}" '
+                     f'y2="{py(g.ys[node]):.1f}" stroke="{COLOURS[ACCEPTED][0] if accepted else EDGE_GREY}" '
+                     f'stroke-width="{3.2 if accepted else 1.6}"' + (f' stroke-dasharray="{dash}"' if dash else "") + "/>")
+    if g.bonus is not None:
+        parts.append(f'<line x1="{px(g.xs[g.last]):.1f}" y1="{py(g.ys[g.last]):.1f}" x2="{px(g.xs[g.n]):.1f}" '
+                     f'y2="{py(g.ys[g.n]):.1f}" stroke="{COLOURS[BONUS][0]}" stroke-width="2.4" stroke-dasharray="2 3"/>')
+    chips = [(i, g.statuses[i]) for i in range(g.n)] + ([(g.n, BONUS)] if g.bonus is not None else [])
+    for i, status in chips:
+        strong, pale = COLOURS[status]
+        label = g.labels[i]
+        w, h = (len(label) * SVG_CHAR + 10) * scale, 22 * scale
+        x, y = px(g.xs[i]), py(g.ys[i])
+        token = g.bonus if i == g.n else step.tokens[i]
+        hover = (f"{visible_token(_text_of(token_texts, token), 60)} (id {token}): the target's own token"
+                 if i == g.n else re.sub(r"<[^>]+>", " ", _node_hover(step, i, status, _text_of(token_texts, token))))
+        emphasised = status in (ROOT, ACCEPTED, BONUS)
+        parts.append(f'<g class="sc-node sc-{status}"><title>{html.escape(hover)}</title>'
+                     f'<rect x="{x - w / 2:.1f}" y="{y - h / 2:.1f}" width="{w:.1f}" height="{h:.1f}" rx="4" '
+                     f'fill="{pale}" stroke="{strong}" stroke-width="{2 if emphasised else 1}"/>'
+                     f'<text x="{x:.1f}" y="{y + 4 * scale:.1f}" text-anchor="middle" font-family="{html.escape(MONO)}" '
+                     f'font-size="{12 * scale:.0f}" fill="{"#0f172a" if emphasised else "#475569"}">'
+                     f'{html.escape(label)}</text></g>')
+    heading = html.escape(title if title is not None else step_title(step))
+    return (f'<div class="sc-live-tree"><div class="sc-live-title">{heading}</div>'
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+            f'viewBox="0 0 {width:.0f} {height:.0f}" role="img" aria-label="{heading}">{"".join(parts)}</svg></div>')
+
+
+def live_placeholder(message: str) -> str:
+    """The live tree's place before the first step."""
+    return f'<div class="sc-live-tree sc-live-empty">{html.escape(message)}</div>'
+
+
 def tree_figure(step: StepRecord, token_texts: Mapping[int, str] | Callable[[int], str] | None,
                 title: str | None = None, max_label_chars: int | None = None, scale: float = 1.0,
                 max_height: int = 540) -> go.Figure:
@@ -225,26 +329,9 @@ def tree_figure(step: StepRecord, token_texts: Mapping[int, str] | Callable[[int
     (times ``scale``) tall, 700 for a large tree (24 nodes or more), which can also be zoomed (drag a
     box, double-click to reset).
     """
-    statuses = node_statuses(step)
-    bonus = bonus_token(step)
-    last = step.accepted[-1]
-    depths, ys = tree_layout(step.parents, extra_child_of=last if bonus is not None else None)
-    n = len(step.tokens)
-    # labels share about LABEL_BUDGET characters across the levels; each level is as wide as its
-    # longest label, so chips never overlap however deep the tree is
-    levels = int(max(depths)) + 1
-    if max_label_chars is None:
-        max_label_chars = max(4, min(14, LABEL_BUDGET // levels - 2))
-    label_tokens = list(step.tokens) + ([bonus] if bonus is not None else [])
-    labels = [token_label(_text_of(token_texts, t), max_label_chars) for t in label_tokens]
-    width = [1] * levels
-    for depth, token in zip(depths, label_tokens):
-        width[int(depth)] = max(width[int(depth)], len(visible_token(_text_of(token_texts, token), max_label_chars)))
-    centre, edge = [], 0.0
-    for w in width:
-        centre.append(edge + w / 2 + 1)
-        edge += w + 2
-    xs = [centre[int(d)] for d in depths]
+    g = tree_geometry(step, token_texts, max_label_chars)
+    statuses, bonus, last, n, xs, ys, edge, rows = g.statuses, g.bonus, g.last, g.n, g.xs, g.ys, g.width, g.rows
+    labels = [html.escape(label, quote=False) for label in g.labels]
     on_path = set(step.accepted)
     traces: list[dict] = []  # plain dicts, validated once by go.Figure (per-call add_* is slow)
 
@@ -308,7 +395,6 @@ def tree_figure(step: StepRecord, token_texts: Mapping[int, str] | Callable[[int
             bgcolor=pale, bordercolor=strong, borderwidth=2 if emphasised else 1, borderpad=3,
             opacity=1.0 if status != UNREACHED else 0.75, captureevents=False))
 
-    rows = (max(ys) + 1) if ys else 1
     heading = title if title is not None else step_title(step)
     layout = dict(
         annotations=annotations,

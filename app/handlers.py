@@ -21,6 +21,7 @@ from engine.models.loading import pair_name
 from engine.trees.tree import Tree
 from engine.tuning.acceptance import EMBEDDED_PAIR, Calibration, calibration_for
 from engine.tuning.explain import describe_setting
+from engine.tuning.optimizer import predict
 from engine.tuning.tree_store import build_tree
 
 from . import figures
@@ -59,6 +60,7 @@ DEFAULTS = {
     "method": "sequoia",
     "tree_size": 8,
     "depth": 4,
+    "auto": True,  # the optimizer's pick when the pair has one (tree_size and depth: for a manual tree)
     "max_tree_size": 64,
     "max_depth": 16,
     "compare": False,
@@ -208,8 +210,10 @@ class ChatApp:
         elif source == "measured":
             text = f"Target alone: <b>{rate:.1f} tokens/s</b>, measured on this machine at T={temperature:g}, top-p {top_p:g}."
         else:
-            text = (f"Target alone: ≈{rate:.1f} tokens/s, <i>estimated</i> from the device profile "
-                    f"(Measure replaces it with a measurement).")
+            origin = self.worker.tuner.origin if self.worker.tuner is not None else ""
+            whose = "measured on this machine" if origin == "this machine" else html.escape(origin)
+            text = (f"Target alone: ≈{rate:.1f} tokens/s, <i>estimated</i> from the device profile ({whose}; "
+                    f"Measure replaces it with a measurement of this setting).")
         return f"<div class='sc-baseline'>{text}</div>"
 
     def measure_baseline(self, temperature, top_p, seed, request: gr.Request | None = None):
@@ -353,7 +357,8 @@ class ChatApp:
 
         yield {c.chatbot: display_messages(history[:-1] + [{"role": "assistant", "content": "…"}]),
                c.msg: "", c.history: history[:-1],
-               c.tree_plot: figures.placeholder_figure("Waiting for the first step…"),
+               c.tree_plot: gr.update(visible=False),
+               c.live_tree: gr.update(value=figures.live_placeholder("Waiting for the first step…"), visible=True),
                c.slider: gr.update(visible=False), c.compare_md: gr.update(value="", visible=False),
                c.steps_plot: figures.placeholder_figure("Per-step chart appears as tokens are committed", 220),
                c.stats: "", c.status: status(queued), c.stop_btn: gr.update(interactive=True),
@@ -427,8 +432,7 @@ class ChatApp:
                     update[c.compare_md] = gr.update(value=figures.race_html(run.steps, compare_steps, len(tokens)),
                                                      visible=True)
                 if dirty_plot and run.steps and now - last_plot >= o["plot_interval"]:
-                    update[c.tree_plot] = figures.tree_figure(run.steps[-1], run.texts, scale=run.scale)
-                    update[c.steps_plot] = figures.steps_figure(run.steps, None, run.expected)
+                    update[c.live_tree] = figures.tree_svg(run.steps[-1], run.texts, scale=1.25 * run.scale)
                     update[c.stats] = figures.stats_line(run.steps, expected_tokens=run.expected)
                     last_plot, dirty_plot = now, False
                 last_text, dirty_text = now, False
@@ -471,6 +475,8 @@ class ChatApp:
         update.update({c.chatbot: display_messages(history), c.history: history, c.run: run,
                        c.status: status(text, kind)})
         update.update(self._run_views(run, len(run.steps) - 1 if run.steps else None, highlight, tokenizer))
+        update[c.tree_plot] = gr.update(value=update[c.tree_plot], visible=True)  # the live SVG gives way to it
+        update[c.live_tree] = gr.update(visible=False)
         update[c.export_btn] = self._export_file(system, history, settings, run)
         update[c.stop_btn] = gr.update(interactive=False)
         update[c.baseline_info] = self.baseline_html(temperature, top_p)
@@ -552,7 +558,9 @@ class ChatApp:
         self.worker.cancel_session(session)
         c = self.c
         return {c.chatbot: [], c.history: [], c.run: Run(), c.msg: "",
-                c.tree_plot: figures.placeholder_figure("The token tree of each step appears here."),
+                c.tree_plot: gr.update(value=figures.placeholder_figure("The token tree of each step appears here."),
+                                       visible=True),
+                c.live_tree: gr.update(visible=False),
                 c.slider: gr.update(visible=False), c.steps_plot: figures.placeholder_figure(
                     "Per-step chart appears as tokens are committed", 220),
                 c.stats: "", c.status: status_html("Cleared.", "info"),
@@ -578,8 +586,11 @@ class ChatApp:
         if auto and self.worker.tuner is not None and method != "autoregressive":
             choice = self.worker.tuner.choose(temperature, top_p, method)
             label = self.worker.tuner.calibration(temperature, top_p).label()
+            origin = self.worker.tuner.origin
+            profile = ("profile measured on this machine" if self.worker.tuner.measured_here else
+                       f"profile: {origin} (this machine is measured at the first start)")
             return (f"<div class='sc-tree-info'>auto (hardware-aware optimizer): {describe_choice(choice, markup=True)}"
-                    f"<br><span class='sc-calibration'>{html.escape(label)}</span></div>")
+                    f"<br><span class='sc-calibration'>{html.escape(label)} · {html.escape(profile)}</span></div>")
         calibration = self.calibration(temperature, top_p)
         try:
             tree, desc = resolve_tree(method, size, depth, calibration.vector)
@@ -595,7 +606,17 @@ class ChatApp:
             note = (f" (you asked for depth {int(depth)}: the DP tree stops at {tree.depth}, deeper nodes are "
                     f"predicted to be accepted less often than wider ones)")
         label = f"<br><span class='sc-calibration'>{html.escape(calibration.label())}</span>" if tree is not None else ""
-        return f"<div class='sc-tree-info'>{html.escape(desc)}{note}{extra}{label}</div>"
+        versus = ""
+        tuner = self.worker.tuner
+        if tree is not None and tuner is not None and method != "autoregressive":
+            mine = predict(tree, tuner.calibration(temperature, top_p).vector, tuner.profile).predicted_speedup
+            pick = tuner.choose(temperature, top_p, method)
+            where = "here" if tuner.measured_here else f"({html.escape(tuner.origin)})"
+            slower = mine < pick.predicted_speedup
+            versus = (f"<br><span class='{'sc-warn' if mine < 1 else 'sc-calibration'}'>This tree: predicted "
+                      f"{mine:.2f}× the target alone {where}"
+                      + (f"; auto picks {html.escape(describe_choice(pick))}" if slower else "") + "</span>")
+        return f"<div class='sc-tree-info'>{html.escape(desc)}{note}{extra}{versus}{label}</div>"
 
     def auto_controls(self, method, auto, temperature, top_p):
         """Size and depth sliders under Auto: disabled, their labels naming the optimizer's pick (the

@@ -75,9 +75,10 @@ def build(app: ChatApp) -> gr.Blocks:
                                    info="Nodes per step, root included", elem_id="sc-size")
                 c.depth = gr.Slider(1, o["max_depth"], value=o["depth"], step=1, label="Tree depth",
                                     info="Longest draft path", elem_id="sc-depth")
-                c.auto = gr.Checkbox(False, label="Auto (hardware-aware tree choice)",
+                # on by default: the optimizer's pick is the fastest tree it knows for this machine
+                c.auto = gr.Checkbox(o["auto"] and worker.tuner is not None, label="Auto (hardware-aware tree choice)",
                                      visible=worker.tuner is not None, elem_id="sc-auto")
-                c.tree_info = gr.HTML(app.tree_info(o["method"], o["tree_size"], o["depth"], False,
+                c.tree_info = gr.HTML(app.tree_info(o["method"], o["tree_size"], o["depth"], c.auto.value,
                                                      o["temperature"], o["top_p"]), elem_id="sc-tree-info")
             with gr.Accordion("Display", open=True):
                 c.compare = gr.Checkbox(o["compare"], label="Compare with the target alone",
@@ -105,6 +106,9 @@ def build(app: ChatApp) -> gr.Blocks:
             with gr.Column(scale=6, min_width=300, elem_id="sc-viz-col"):
                 c.tree_plot = gr.Plot(figures.placeholder_figure("The token tree of each step appears here."),
                                       show_label=False, elem_id="sc-tree")
+                # while an answer streams: the step's tree as inline SVG (the browser draws it in
+                # microseconds, where a plotly figure costs its renderer a core); the plot after it
+                c.live_tree = gr.HTML("", visible=False, elem_id="sc-live-tree")
                 with gr.Row(elem_id="sc-replay", visible=False) as c.replay_row:
                     c.play_btn = gr.Button("▶ Play", size="sm", elem_id="sc-play", scale=0, min_width=80)
                     c.pause_btn = gr.Button("⏸ Pause", size="sm", elem_id="sc-pause", visible=False, scale=0,
@@ -149,7 +153,7 @@ def build(app: ChatApp) -> gr.Blocks:
 
         settings = [c.system, c.temperature, c.top_p, c.max_new, c.seed, c.method, c.size, c.depth, c.auto,
                     c.compare, c.highlight, c.present_box]
-        outputs = [c.chatbot, c.msg, c.history, c.run, c.tree_plot, c.slider, c.steps_plot, c.stats, c.status,
+        outputs = [c.chatbot, c.msg, c.history, c.run, c.tree_plot, c.live_tree, c.slider, c.steps_plot, c.stats, c.status,
                    c.compare_md, c.highlight_view, c.export_btn, c.stop_btn, c.baseline_info, c.replay_row,
                    c.step_text]
         chat_kwargs = dict(concurrency_limit=16, concurrency_id="chat", show_progress="hidden")

@@ -104,6 +104,11 @@ class LoadRequest:
     trust_remote_code: bool = False
 
 
+@dataclass
+class ProfileRequest:
+    """Measure this machine's hardware profile of the pair in use, for the optimizer."""
+
+
 _ids = itertools.count(1)
 
 
@@ -115,7 +120,7 @@ class SessionBusy(RuntimeError):
 class Job:
     """One queued request: read ``events`` until a terminal event; ``cancel()`` to stop it."""
 
-    request: GenerationRequest | LoadRequest
+    request: GenerationRequest | LoadRequest | ProfileRequest
     session: str | None = None
     id: int = field(default_factory=lambda: next(_ids))
     events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
@@ -125,7 +130,7 @@ class Job:
 
     @property
     def kind(self) -> str:
-        return "load" if isinstance(self.request, LoadRequest) else "generate"
+        return {LoadRequest: "load", ProfileRequest: "profile"}.get(type(self.request), "generate")
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -323,6 +328,12 @@ class Worker:
                     trust_remote_code: bool = False, session: str | None = None) -> Job:
         return self._enqueue(Job(LoadRequest(target, draft, dtype, device, trust_remote_code), session))
 
+    def measure_machine(self) -> Job:
+        """Queue a measurement of this machine's profile of the pair in use (about a minute on 2
+        cores; answers queued meanwhile wait, as behind any job); when it succeeds, ``tree="auto"``
+        and the target-alone estimate use it, and it is kept in the user cache for later starts."""
+        return self._enqueue(Job(ProfileRequest()))
+
     def _enqueue(self, job: Job) -> Job:
         job.worker = self
         with self._cond:
@@ -396,6 +407,8 @@ class Worker:
                     job._emit("cancelled")
                 elif job.kind == "load":
                     self._serve_load(job)
+                elif job.kind == "profile":
+                    self._serve_profile(job)
                 else:
                     self._serve_generate(job)
             except Exception as exc:  # noqa: BLE001 - the worker must survive anything a job does
@@ -406,6 +419,29 @@ class Worker:
                     job._emit("error", "the request ended without a result")
                 with self._cond:
                     self._current = None
+
+    def _serve_profile(self, job: Job) -> None:
+        import dataclasses
+
+        from engine.models.loading import cache_dir
+        from engine.tuning.profile import profile_path, quick_profile
+
+        tuner = self.tuner
+        if tuner is None:
+            job._emit("error", "no optimizer for this pair: nothing to measure for")
+            return
+        engine = getattr(self.engine, "_engine", self.engine)
+        job._emit("progress", "measuring this machine's forward times (about a minute)")
+        profile = quick_profile(engine.target, engine.draft, self.tokenizer, tuner.pair or tuner.profile.pair)
+        path = profile_path(cache_dir() / "profiles", profile.device, profile.pair, profile.dtype)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(profile.to_json())
+        except OSError as exc:
+            log.warning("could not keep this machine's profile (%s): it is measured again at the next start", exc)
+        if self.tuner is tuner:  # not replaced meanwhile (a model swap drops it)
+            self.set_tuner(dataclasses.replace(tuner, profile=profile, origin="this machine"))
+        job._emit("done", profile)
 
     def _serve_generate(self, job: Job) -> None:
         request: GenerationRequest = job.request

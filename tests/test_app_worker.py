@@ -224,7 +224,8 @@ def test_auto_tree_reports_the_optimizer_choice(worker, pair):
     assert demo.chat_app.c.auto.visible is False  # no tuner: no auto checkbox
     worker.set_tuner(fake_tuner())
     try:
-        assert build_demo(worker, pair[2]).chat_app.c.auto.visible is True
+        auto = build_demo(worker, pair[2]).chat_app.c.auto
+        assert auto.visible is True and auto.value is True  # the optimizer's pick by default
         events = worker.submit(GenerationRequest(prompt(pair), max_new_tokens=12, tree="auto")).wait(60)
         assert events[-1].kind == "done"
         choice = events[0].data["tree_choice"]
@@ -552,3 +553,40 @@ def test_the_worker_fits_the_conversation_to_the_context_when_the_job_runs(worke
         assert "shorten it" in events[-1].data
     finally:
         del worker.engine.max_context
+
+
+def test_measuring_the_machine_replaces_a_borrowed_profile_and_keeps_it(worker, pair, tmp_path, monkeypatch):
+    """The first start's background job: this machine's profile of the pair (target sizes 1..16, draft
+    widths 1..4, the step overhead) replaces a borrowed one in the optimizer, labelled as measured
+    here, and is kept in the user cache where the next start's load_tuner finds it."""
+    import dataclasses
+
+    from engine.tuning.optimizer import load_tuner
+    from engine.tuning.profile import QUICK_SIZES, QUICK_WIDTHS
+
+    monkeypatch.setenv("SEQUOIA_CACHE", str(tmp_path))
+    borrowed = dataclasses.replace(fake_tuner(), pair="tiny+tiny", origin="nearest bundled profile, measured on test")
+    worker.set_tuner(borrowed)
+    try:
+        assert not worker.tuner.measured_here
+        events = worker.measure_machine().wait(300)
+        assert events[-1].kind == "done", events[-1]
+        tuner = worker.tuner
+        assert tuner is not borrowed and tuner.measured_here and tuner.acceptance == borrowed.acceptance
+        assert sorted(tuner.profile.target) == QUICK_SIZES and sorted(tuner.profile.draft) == QUICK_WIDTHS
+        assert all(t > 0 for t in [*tuner.profile.target.values(), *tuner.profile.draft.values()])
+        kept = list((tmp_path / "profiles").glob("*.json"))
+        assert len(kept) == 1 and kept[0].name.startswith(tuner.profile.device)
+        monkeypatch.setattr("engine.tuning.calibrate.find_calibrations",
+                            lambda pair, directories=None: {(0.0, 1.0): _Vector([0.8, 0.1, 0.05])})
+        again = load_tuner("tiny+tiny", pair[0])
+        assert again is not None and again.measured_here and again.profile == tuner.profile
+    finally:
+        worker.set_tuner(None)
+
+
+class _Vector:
+    """A calibration as find_calibrations returns them (only what load_tuner reads)."""
+
+    def __init__(self, vector):
+        self.vector, self.confidence = vector, []

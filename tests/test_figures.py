@@ -1,6 +1,8 @@
 """app.figures and app.conversation: pure functions, tested on hand-made step records."""
 from __future__ import annotations
 
+import re
+
 import json
 
 import pytest
@@ -315,3 +317,30 @@ def test_race_places_the_speculative_answer_at_the_same_decoding_time():
     assert ">2 tokens<" in race and "width:50.0%" in race and "width:25.0%" in race
     done = figures.race_html(spec, alone * 2, total_tokens=8)
     assert "done in 0.24 s" in done and "width:100.0%" in done
+
+
+def test_the_live_tree_is_svg_with_legible_labels_and_the_whole_text_on_hover():
+    """A chain of 8 (what the optimizer picks on CPUs) is drawn top-down, so its labels keep 14
+    characters; a wide tree keeps at least 8. Every node has its whole text in a hover title; the
+    SVG is escaped and small (sent at every live update)."""
+    from engine.core.records import StepRecord, StepTimings
+
+    texts = {i: f" token_number_{i}" for i in range(300)} | {7: "<b>&</b>"}
+    chain = StepRecord(index=0, tokens=list(range(200, 209)), parents=list(range(-1, 8)), ranks=[0] + [1] * 8,
+                       draft_probs=[1.0] + [0.9] * 8, target_probs=[1.0] + [0.8] * 8, accepted=[0, 1, 2, 3],
+                       committed=[201, 202, 203, 250], timings=StepTimings(0.01, 0.02, 0.001), greedy=True,
+                       verifier_p=[None] * 9, verifier_q=[None] * 9)
+    svg = figures.tree_svg(chain, texts)
+    assert svg.count("<g class=\"sc-node") == 10 and len(svg) < 20_000  # 9 nodes and the bonus token
+    labels = re.findall(r"<text[^>]*>([^<]*)</text>", svg)
+    assert all(len(label) >= 14 for label in labels), labels
+    assert figures.tree_geometry(chain, texts).top_down
+    assert "␣token_number_201" in svg  # the whole text on hover
+    wide = StepRecord(index=0, tokens=[7] + list(range(100, 112)), parents=[-1] + [0] * 4 + [1, 1, 2, 2, 3, 3, 4, 4],
+                      ranks=[0, 1, 2, 3, 4, 1, 2, 1, 2, 1, 2, 1, 2], draft_probs=[1.0] * 13, target_probs=[0.5] * 13,
+                      accepted=[0, 1], committed=[100, 101], timings=StepTimings(0.01, 0.02, 0.001), greedy=True,
+                      verifier_p=[None] * 13, verifier_q=[None] * 13)
+    geometry = figures.tree_geometry(wide, texts)
+    assert not geometry.top_down and min(len(label) for label in geometry.labels[1:]) >= figures.MIN_LABEL_CHARS
+    svg = figures.tree_svg(wide, texts)
+    assert "<b>" not in svg and "&lt;b&gt;&amp;&lt;/b&gt;" in svg

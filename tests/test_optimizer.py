@@ -92,3 +92,42 @@ def test_cpu_profiles_are_named_by_the_isa_the_kernels_use(monkeypatch):
         monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: frozenset(flags))
         assert cpu_isa() == isa
         assert device_name(torch.device("cpu")).endswith(f"-{isa}-{torch.get_num_threads()}threads")
+
+
+def test_a_device_without_a_profile_borrows_the_nearest_and_says_whose(tmp_path, monkeypatch):
+    """4 threads where only 2- and 16-thread profiles exist: the 2-thread one of the same ISA (the
+    nearest), labelled; a user-cache profile of exactly this device is "this machine"."""
+    import dataclasses
+
+    import torch
+
+    from engine.tuning import optimizer
+    from engine.tuning.profile import device_name, profile_path
+
+    pair = "t+d"
+    here = device_name(torch.device("cpu"))
+    kind = here.rsplit("-", 1)[0]
+    bundled, user = tmp_path / "assets", tmp_path / "cache"
+    for directory, device in ((bundled, f"{kind}-2threads"), (bundled, f"{kind}-16threads"),
+                              (bundled, "cpu-x86_64-othersimd-4threads")):
+        path = profile_path(directory / "profiles", device, pair, "float32")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(dataclasses.replace(synthetic(lambda n: 0.01 * n), device=device).to_json())
+    monkeypatch.setattr("engine.models.prompts.ASSETS", bundled)
+    monkeypatch.setattr("engine.tuning.calibrate.find_calibrations",
+                        lambda pair, directories=None: {(0.0, 1.0): type("V", (), {"vector": [0.8], "confidence": []})()})
+    model = torch.nn.Linear(2, 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        tuner = optimizer.load_tuner(pair, model, cache=user)
+        assert tuner is not None and not tuner.measured_here
+        assert tuner.profile.device == f"{kind}-2threads" and f"{kind}-2threads" in tuner.origin
+        assert optimizer.load_tuner(pair, model, cache=user, nearest=False) is None
+        mine = profile_path(user / "profiles", device_name(torch.device("cpu")), pair, "float32")
+        mine.parent.mkdir(parents=True)
+        mine.write_text(synthetic(lambda n: 0.02 * n).to_json())
+        tuner = optimizer.load_tuner(pair, model, cache=user)
+        assert tuner.measured_here and tuner.origin == "this machine"
+    finally:
+        torch.set_num_threads(before)

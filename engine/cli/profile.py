@@ -7,8 +7,8 @@ from pathlib import Path
 
 from engine.cli.arguments import add_format_arguments
 from engine.models.loading import DTYPES, cache_dir, load_pair, pair_name
-from engine.models.prompts import encode_chat, load_prompt_set
-from engine.tuning.profile import measure_profile, measure_step_overhead, powers_of_two, profile_path
+from engine.tuning.profile import (measure_profile, measure_step_overhead, powers_of_two, profile_path,
+                                   profile_prompts)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,12 +27,10 @@ def main(argv: list[str] | None = None) -> None:
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
                                          draft_format=args.draft_format, target_format=args.target_format,
                                          draft_vocabulary=args.draft_vocab)
-    text = " ".join(m["content"] for p in load_prompt_set("chat") for m in p["messages"])
-    prefix = (encode_chat(tokenizer, [{"role": "user", "content": text}]) * 4)[: args.prefix]
+    prefix, chat = profile_prompts(tokenizer, args.prefix)
     pair = pair_name(args.target, args.draft, draft, target)
     profile = measure_profile(target, draft, prefix, powers_of_two(args.max_tokens), powers_of_two(args.max_width),
                               pair, args.repeats)
-    chat = encode_chat(tokenizer, load_prompt_set("chat")[0]["messages"])
     profile.step_overhead = measure_step_overhead(target, draft, chat, profile.target_time(1))
     path = args.out or profile_path(cache_dir() / "profiles", profile.device, pair, profile.dtype)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,6 +165,13 @@ class AutoTuner:
     max_depth: int = 16
     pair: str = ""
     confidence: dict[tuple[float, float], list] = field(default_factory=dict)
+    # where the profile was measured, as the UI says it: "this machine", or a bundled or nearest
+    # profile of another machine (see load_tuner)
+    origin: str = "this machine"
+
+    @property
+    def measured_here(self) -> bool:
+        return self.origin == "this machine"
 
     def __post_init__(self) -> None:
         if not self.acceptance:
@@ -185,29 +193,67 @@ class AutoTuner:
         return self._chosen[key]
 
 
-def load_tuner(pair: str, target, cache: Path | None = None):
+def load_tuner(pair: str, target, cache: Path | None = None, nearest: bool = True):
     """An :class:`engine.tuning.optimizer.AutoTuner` for ``pair`` ("target+draft" as the engine CLIs name
     it) from a hardware profile for this device/dtype and at least one acceptance vector, as
     written by ``python -m engine.cli.profile`` and ``python -m engine.cli.calibrate``. The user cache is
-    searched first, then the measurements bundled in ``assets/`` for the embedded pair; None when
-    either is missing."""
+    searched first (a profile there was measured on this machine: ``origin`` "this machine"), then
+    the measurements bundled in ``assets/`` for the embedded pair. With ``nearest``, a device no
+    profile names exactly (another thread count, another ISA) gets the nearest profile of the pair,
+    its ``origin`` saying whose it is, until this machine is measured
+    (:func:`engine.tuning.profile.quick_profile`). None without an acceptance vector or any profile."""
     from engine.models.loading import cache_dir
     from engine.models.prompts import ASSETS
 
-    for directory in (cache or cache_dir(), ASSETS):
+    directories = (cache or cache_dir(), ASSETS)
+    for directory in directories:
         tuner = _tuner_from(directory, pair, target)
         if tuner is not None:
+            tuner.origin = "this machine" if directory != ASSETS else f"bundled, measured on {tuner.profile.device}"
             return tuner
+    if nearest:
+        path = _nearest_profile(directories, pair, target)
+        if path is not None:
+            tuner = _tuner_from(path.parent.parent, pair, target, path)
+            if tuner is not None:
+                tuner.origin = f"nearest bundled profile, measured on {tuner.profile.device}"
+                return tuner
     return None
 
 
-def _tuner_from(directory: Path, pair: str, target):
+def _nearest_profile(directories, pair: str, target) -> Path | None:
+    """The profile of ``pair`` (any device of this kind, this dtype) closest to this device: the same
+    architecture and vector ISA first, then the nearest thread count."""
+    from engine.tuning.calibrate import safe_name
+    from engine.tuning.profile import device_name
+
+    param = next(target.parameters())
+    here = device_name(param.device)
+    suffix = f"__{safe_name(pair)}__{str(param.dtype).removeprefix('torch.')}.json"
+
+    def kind_and_threads(device: str) -> tuple[str, int | None]:
+        match = re.fullmatch(r"(.*)-(\d+)threads", device)
+        return (match[1], int(match[2])) if match else (device, None)
+
+    here_kind, here_threads = kind_and_threads(here)
+
+    def distance(path: Path) -> tuple:
+        kind, threads = kind_and_threads(path.name[: -len(suffix)])
+        gap = abs(threads - here_threads) if threads is not None and here_threads is not None else 1 << 20
+        return (kind != here_kind, gap, path.name)
+
+    found = [p for d in directories for p in (Path(d) / "profiles").glob(f"*{suffix}")
+             if p.name.split("-")[0] == here.split("-")[0]]  # a CPU's for a CPU, a GPU's for a GPU
+    return min(found, key=distance) if found else None
+
+
+def _tuner_from(directory: Path, pair: str, target, path: Path | None = None):
     from engine.tuning.calibrate import acceptance_vectors, find_calibrations
     from engine.tuning.profile import device_name, profile_path
 
     param = next(target.parameters())
     dtype = str(param.dtype).removeprefix("torch.")
-    path = profile_path(directory / "profiles", device_name(param.device), pair, dtype)
+    path = path or profile_path(directory / "profiles", device_name(param.device), pair, dtype)
     calibrations = find_calibrations(pair, [directory / "acceptance"])  # each file read once
     if not path.exists() or not calibrations:
         return None

@@ -68,13 +68,14 @@ def _interpolate(points: dict[int, float], x: int) -> float:
 
 
 def measure_forward(model, prefix: list[int], n: int, repeats: int = 3, runner=None,
-                    draft_level: bool = False) -> float:
+                    draft_level: bool = False, prefilled: bool = False) -> float:
     """Median seconds of one forward over ``n`` tree tokens (a chain mask) after ``prefix``.
 
     ``runner`` (an :mod:`engine.core.runner` runner of ``model``) is what the engine would use; by
     default a static runner with CUDA graphs on CUDA and a dynamic one on CPU. ``draft_level``
     adds what the engine does with a draft level's logits (probabilities, each row's top
     children and their q, read back to the host): on a GPU that costs as much as the forward.
+    ``prefilled``: ``runner`` already holds exactly ``prefix`` (it is left so again).
     """
     if runner is None:
         on_cuda = next(model.parameters()).device.type == "cuda"
@@ -84,8 +85,9 @@ def measure_forward(model, prefix: list[int], n: int, repeats: int = 3, runner=N
     positions = tree.position_ids(len(prefix))
     ids = torch.randint(0, min(1000, model.config.vocab_size), (n,)).tolist()
     with torch.inference_mode():
-        runner.reset()
-        runner.forward(prefix, start=0, logits_to_keep=1)
+        if not prefilled:
+            runner.reset()
+            runner.forward(prefix, start=0, logits_to_keep=1)
         times = []
         for _ in range(repeats + 1):  # the first run warms up (and captures a graph)
             synchronize(device)
@@ -124,16 +126,46 @@ def measure_profile(target, draft, prefix: list[int], sizes: list[int], widths: 
                               prefix_len=len(prefix))
     jobs = [("target", n) for n in sizes] + ([("draft", w) for w in widths] if draft is not None else [])
     readings: dict[tuple[str, int], list[float]] = {job: [] for job in jobs}
+    prefilled = runners is None and device.type == "cpu"  # one runner a model, the prefix read once
+    if prefilled:
+        runners = {kind: make_runner(model, static=False, max_len=len(prefix) + max(sizes + widths), cuda_graphs=False)
+                   for kind, model in (("target", target), ("draft", draft)) if model is not None}
+        with torch.inference_mode():
+            for runner in runners.values():
+                runner.forward(prefix, start=0, logits_to_keep=1)
     with tqdm(total=len(jobs) * repeats, desc="profiling", disable=not progress) as bar:
         for _ in range(repeats):
             for kind, n in jobs:
                 model = target if kind == "target" else draft
                 readings[kind, n].append(measure_forward(model, prefix, n, 1, (runners or {}).get(kind),
-                                                         draft_level=kind == "draft"))
+                                                         draft_level=kind == "draft", prefilled=prefilled))
                 bar.update()
     for (kind, n), times in readings.items():
         getattr(profile, kind)[n] = statistics.median(times)
     return profile
+
+
+QUICK_SIZES, QUICK_WIDTHS = [1, 2, 4, 8, 16], [1, 2, 4]  # what a first start measures (the CPU's best trees are small)
+
+
+def quick_profile(target, draft, tokenizer, pair: str, repeats: int = 3, prefix_len: int = 128) -> HardwareProfile:
+    """This machine's profile of the pair in about a minute on 2 CPU cores: what the app measures in
+    the background on a first start (``python -m engine.cli.profile`` measures more sizes)."""
+    prefix, chat = profile_prompts(tokenizer, prefix_len)
+    profile = measure_profile(target, draft, prefix, QUICK_SIZES, QUICK_WIDTHS, pair, repeats, progress=False)
+    profile.step_overhead = measure_step_overhead(target, draft, chat, profile.target_time(1))
+    return profile
+
+
+def profile_prompts(tokenizer, prefix_len: int) -> tuple[list[int], list[int]]:
+    """``(prefix, chat)``: the bundled chat prompts' text as one ``prefix_len``-token prefix, and the
+    first bundled chat prompt (for the step overhead)."""
+    from engine.models.prompts import encode_chat, load_prompt_set
+
+    prompts = load_prompt_set("chat")
+    text = " ".join(m["content"] for p in prompts for m in p["messages"])
+    prefix = (encode_chat(tokenizer, [{"role": "user", "content": text}]) * 4)[:prefix_len]
+    return prefix, encode_chat(tokenizer, prompts[0]["messages"])
 
 
 def measure_step_overhead(target, draft, prompt: list[int], forward_s: float, tokens: int = 24,

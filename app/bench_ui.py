@@ -1,0 +1,252 @@
+"""``python -m app.bench_ui``: the speed a person sees.
+
+Launches the app as a user does (``launch.py`` with its defaults, the embedded pair), drives a real
+Chromium through Playwright (1440x960), types each bundled prompt into the chat, sends it with
+Enter and records, as the answer's text changes on screen: the time to the first visible token
+and the decode rate (the answer's tokens after the first, over the time from the first visible
+token to the last change). It also reads the CPU seconds Chromium and the server spent per answer.
+In the same run, after the app is closed (never two at once on these cores), the headless engine
+decodes the same prompts with the same settings (``tree="auto"``, T = 0), and llama.cpp's
+``llama-server`` does target-only decoding when ``make peer`` has built it. JSON and a plot go to
+``results/`` (or ``--out``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+URL_LINE = re.compile(r"running at (http://\S+)")
+
+# Records (ms since the page's origin, characters) of the last assistant message whenever it changes.
+OBSERVER_JS = """() => {
+  window.__sc = [];
+  const chat = document.querySelector('#sc-chatbot');
+  const last = () => { const m = chat.querySelectorAll('.message.bot, [data-testid="bot"]');
+                       return m.length ? m[m.length - 1].innerText : ''; };
+  new MutationObserver(() => window.__sc.push([performance.now(), last()]))
+    .observe(chat, {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def process_tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and all its descendants (children still running)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
+def start_app(port: int, extra: list[str], log, wait_measure_s: float) -> tuple[subprocess.Popen, str]:
+    """``launch.py`` on ``port``; returns once it printed its URL and (when it measures this
+    machine on a first start) the measurement's end."""
+    process = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--port", str(port), *extra], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    url, measuring, deadline = None, False, time.monotonic() + 600
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            raise RuntimeError("the app exited before it was ready")
+        log("app: " + line.rstrip())
+        url = url or (URL_LINE.search(line)[1] if URL_LINE.search(line) else None)
+        measuring = measuring or line.startswith("Measuring this machine")
+        if line.startswith("Press Ctrl-C") and not measuring:
+            return process, url
+        if line.startswith(("Measured this machine", "Measuring this machine did not finish")):
+            return process, url
+        if line.startswith("Press Ctrl-C"):
+            deadline = time.monotonic() + wait_measure_s
+    raise RuntimeError("the app was not ready in time")
+
+
+def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | None) -> list[dict]:
+    """Each prompt through the page; what the screen showed, when, and the CPU it took."""
+    from playwright.sync_api import sync_playwright
+
+    from app.pair import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    results = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium") or shutil.which("chromium-browser"),
+                                    args=["--no-sandbox"])
+        browser_pid = _browser_pid(browser)
+        page = browser.new_page(viewport={"width": 1440, "height": 960})
+        page.goto(url)
+        page.wait_for_selector("#sc-chatbot")
+        box = page.locator("textarea").first
+        for i, prompt in enumerate(prompts):
+            page.evaluate(OBSERVER_JS)
+            chrome0, server0 = process_tree_cpu_seconds(browser_pid), process_tree_cpu_seconds(server_pid)
+            box.fill(prompt)
+            sent = page.evaluate("() => performance.now()")
+            box.press("Enter")
+            page.wait_for_function("() => /Done|Stopped|failed/.test(document.querySelector('#sc-status').innerText)",
+                                   timeout=600_000)
+            samples = page.evaluate("() => window.__sc")
+            chrome, server = process_tree_cpu_seconds(browser_pid) - chrome0, process_tree_cpu_seconds(server_pid) - server0
+            text = samples[-1][1] if samples else ""
+            visible = [(t, s) for t, s in samples if s.strip() and s.strip() != "…"]
+            tokens = len(tokenizer.encode(text, add_special_tokens=False))
+            first = visible[0][0] if visible else None
+            changes = [t for (t, s), (_, before) in zip(visible[1:], visible) if s != before]
+            last = changes[-1] if changes else first
+            decode = (tokens - 1) / ((last - first) / 1000) if first is not None and last > first else None
+            result = {"prompt": prompt, "tokens": tokens, "first_token_s": None if first is None else (first - sent) / 1000,
+                      "decode_tokens_per_s": decode, "updates": len(changes) + 1 if visible else 0,
+                      "chromium_cpu_s": chrome, "server_cpu_s": server,
+                      "status": page.locator("#sc-status").inner_text(), "stats": page.locator("#sc-stats").inner_text()}
+            log(f"on screen {i + 1}/{len(prompts)}: {tokens} tokens, first after {result['first_token_s']:.2f} s, "
+                f"{decode or 0:.2f} tokens/s, {len(changes) + 1} updates; Chromium {chrome:.1f} s CPU, "
+                f"server {server:.1f} s CPU")
+            if shots is not None:
+                page.screenshot(path=str(shots / f"bench-ui-{i + 1}.png"))
+            results.append(result)
+        browser.close()
+    return results
+
+
+def _browser_pid(browser) -> int:
+    """The browser process's pid (Playwright keeps it on its connection's transport)."""
+    import psutil
+
+    me = psutil.Process()
+    candidates = [c for c in me.children(recursive=True) if "chrom" in c.name().lower()]
+    return min(candidates, key=lambda c: c.create_time()).pid if candidates else me.pid
+
+
+def headless(prompts: list[str], max_new: int, log) -> list[dict]:
+    """The engine alone on the same prompts and settings as the app's defaults (T = 0, tree="auto")."""
+    from engine import SpeculativeEngine
+    from engine.models.loading import load_default_pair, pair_name
+    from engine.models.prompts import encode_chat
+    from engine.tuning.optimizer import load_tuner
+
+    target, draft, tokenizer = load_default_pair()
+    tuner = load_tuner(pair_name("default-target", "default-draft", draft, target), target)
+    engine = SpeculativeEngine(target, draft, tuner=tuner)
+    out = []
+    for prompt in prompts:
+        ids = encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+        started = time.perf_counter()
+        result = engine.generate(ids, max_new_tokens=max_new, temperature=0.0, tree="auto" if tuner else None)
+        out.append({"prompt": prompt, "tokens": len(result.tokens), "decode_tokens_per_s": result.tokens_per_second,
+                    "first_token_s": result.prefill_s + (result.steps[0].timings.total_s if result.steps else 0),
+                    "wall_s": time.perf_counter() - started, "tuner": tuner.origin if tuner else None})
+        log(f"headless: {out[-1]['tokens']} tokens, {result.tokens_per_second:.2f} tokens/s, first token after "
+            f"{out[-1]['first_token_s']:.2f} s")
+    return out
+
+
+def peer(prompts: list[str], max_new: int, log) -> list[dict] | str:
+    """llama.cpp target-only on the same prompts (chat template applied the same way), or why not."""
+    from engine.models.loading import load_default_pair
+    from engine.models.prompts import encode_chat
+    from engine.peer.llama_cpp import TARGET_ONLY, PeerError, peer_binaries, peer_configurations, run_peer
+
+    binaries, reason = peer_binaries()
+    if binaries is None:
+        return reason
+    tokenizer = load_default_pair()[2]
+    ids = [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    try:
+        runs = run_peer(ids, max_new, configs=[c for c in peer_configurations() if c.name == TARGET_ONLY],
+                        binaries=binaries, log=lambda *a, **k: log(" ".join(map(str, a))))
+    except PeerError as exc:
+        return str(exc)
+    return [{"decode_tokens_per_s": r} for r in runs[0].tokens_per_s]
+
+
+def median(values) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app.bench_ui", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=3, help="bundled chat prompts to send (first N)")
+    parser.add_argument("--port", type=int, default=7899)
+    parser.add_argument("--out", type=Path, default=ROOT / "results")
+    parser.add_argument("--no-headless", action="store_true", help="skip the headless engine run")
+    parser.add_argument("--app-args", default="", help="extra launch.py arguments, e.g. '--no-measure'")
+    args = parser.parse_args(argv)
+    from engine.models.prompts import load_prompt_set
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    prompts = [p["messages"][-1]["content"] for p in load_prompt_set("chat")[: args.prompts]]
+    process, url = start_app(args.port, args.app_args.split(), log, wait_measure_s=300)
+    try:
+        screen = on_screen(url, prompts, process.pid, log, args.out)
+    finally:
+        process.terminate()
+        process.wait(30)
+    max_new = 256  # the app's default answer budget
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu(), "threads": os.cpu_count(),
+              "on_screen": screen, "headless": None if args.no_headless else headless(prompts, max_new, log)}
+    report["llama_cpp_target_only"] = peer(prompts, max_new, log)
+    summary = {"on_screen_tokens_per_s": median(r["decode_tokens_per_s"] for r in screen),
+               "on_screen_first_token_s": median(r["first_token_s"] for r in screen),
+               "chromium_cpu_s_per_answer": median(r["chromium_cpu_s"] for r in screen)}
+    if report["headless"]:
+        summary["headless_tokens_per_s"] = median(r["decode_tokens_per_s"] for r in report["headless"])
+        summary["headless_first_token_s"] = median(r["first_token_s"] for r in report["headless"])
+        summary["on_screen_over_headless"] = summary["on_screen_tokens_per_s"] / summary["headless_tokens_per_s"]
+    if isinstance(report["llama_cpp_target_only"], list):
+        summary["llama_cpp_tokens_per_s"] = median(r["decode_tokens_per_s"] for r in report["llama_cpp_target_only"])
+        summary["on_screen_over_llama_cpp"] = summary["on_screen_tokens_per_s"] / summary["llama_cpp_tokens_per_s"]
+    report["summary"] = summary
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = args.out / f"bench-ui-{stamp}.json"
+    path.write_text(json.dumps(report, indent=2))
+    _plot(report, args.out / f"bench-ui-{stamp}.html")
+    log(json.dumps(summary, indent=2))
+    log(f"saved {path}")
+    return 0
+
+
+def _cpu() -> str:
+    from engine.backends.kernels import cpu_flags
+
+    flags = cpu_flags()
+    isa = "avx512-vnni" if {"avx512f", "avx512_vnni"} <= flags else "avx2" if "avx2" in flags else "generic"
+    return f"{isa}, {os.cpu_count()} cores"
+
+
+def _plot(report: dict, path: Path) -> None:
+    """Decode tokens/s per prompt: on screen, headless, llama.cpp target-only (an HTML plotly figure)."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    rows = [("on screen (Chromium)", report["on_screen"]), ("headless engine", report["headless"] or []),
+            ("llama.cpp target-only", report["llama_cpp_target_only"]
+             if isinstance(report["llama_cpp_target_only"], list) else [])]
+    for name, runs in rows:
+        if runs:
+            fig.add_bar(name=name, x=[f"prompt {i + 1}" for i in range(len(runs))],
+                        y=[r["decode_tokens_per_s"] for r in runs])
+    fig.update_layout(title=f"Decode tokens/s, {report['cpu']} ({report['date']})", barmode="group",
+                      yaxis_title="tokens/s")
+    fig.write_html(str(path), include_plotlyjs="cdn")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
