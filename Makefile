@@ -5,13 +5,13 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test bench venv browser clean-venv peer kernels
+.PHONY: run test bench venv browser clean-venv peer kernels test-kernels
 
 run: $(STAMP) kernels
 	$(PY) launch.py $(ARGS)
 
 # pytest's exit code 5 ("no tests collected") is non-zero, so make fails on it too.
-test: $(STAMP) browser kernels
+test: $(STAMP) browser test-kernels
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
@@ -24,6 +24,11 @@ venv: $(STAMP)
 # pure-torch fallbacks, so this says so instead of failing.
 kernels: $(STAMP)
 	@$(PY) -c "from engine.backends.kquant import build_kernels; print(build_kernels())" || echo "kernels: not built (no C++ compiler?); the int4 target falls back to pure torch"
+
+# The tests compare every integer path this CPU can run (portable, AVX2, AVX-512): built here, one
+# minute each the first time, so that the suite's own time is the tests'.
+test-kernels: $(STAMP)
+	@$(PY) -c "from engine.backends.kquant import build_kernels; print(build_kernels(every_path=True))" || echo "kernels: not built (no C++ compiler?); the int4 target falls back to pure torch"
 
 # llama.cpp as a peer for `python -m engine.cli.bench --peer llama.cpp`: built from the source vendored in
 # the llama-cpp-python sdist (PyPI, pinned by SHA-256) into the user cache; about 15 minutes on 2

@@ -202,7 +202,8 @@ def test_a_message_sent_during_an_answer_is_refused_with_a_message(app):
 
 def test_live_updates_keep_their_intervals_and_few_cores_get_fewer(monkeypatch):
     """While an answer streams, the chat text is sent at most every ``text_interval`` seconds and
-    the figures every ``plot_interval``; on up to 4 cores (where the browser draws on the cores
+    the live tree (inline SVG; the plotly figures come after the answer) every ``plot_interval``;
+    on up to 4 cores (where the browser draws on the cores
     that decode) those are 0.25 s and 1 s, on larger machines 0.05 s and 0.2 s. Counted, not
     timed: the updates are paced by a clock that advances 0.05 s with each decoding step, so a
     loaded machine cannot move the counts."""
@@ -228,7 +229,10 @@ def test_live_updates_keep_their_intervals_and_few_cores_get_fewer(monkeypatch):
         worker.close()
     c = chat.c
     live = [(t, u) for t, u in stamps[1:-1] if c.chatbot in u]  # between the first frame and the final one
-    texts, plots = [t for t, _ in live], [t for t, u in live if c.tree_plot in u]
+    texts, plots = [t for t, _ in live], [t for t, u in live if c.live_tree in u]
+    assert not any(c.tree_plot in u or c.steps_plot in u for _, u in live), "no plotly figure while streaming"
+    assert all(u[c.live_tree].startswith('<div class="sc-live-tree">') and "<svg" in u[c.live_tree]
+               for _, u in live if c.live_tree in u)
     steps = engine.steps_run
     assert steps >= 40 and len(texts) >= 5 and len(plots) >= 2, (steps, len(texts), len(plots))
     assert len(texts) <= steps * 0.05 / 0.1 + 1 and len(plots) <= steps * 0.05 / 0.5 + 1, (steps, len(texts), len(plots))

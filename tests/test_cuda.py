@@ -118,7 +118,7 @@ def test_device_map_auto_places_the_target_and_stays_exact(models):
     assert engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=TREES["3ary2"]).tokens == models["ref"]
 
 
-CUDA_SAMPLES, CUDA_TV_MAX = 8_000, 0.03  # fewer samples than the CPU grid: the TV noise floor is ~0.017
+CUDA_SAMPLES = 8_000  # as the CPU grid
 
 
 @pytest.mark.parametrize("method,tree", [("sequoia", Tree.k_ary(2, 2)), ("specinfer", Tree.k_independent(2, 2))])
@@ -127,7 +127,7 @@ def test_sampling_on_cuda_follows_the_targets_law(method, tree):
     is the target's, chi-square p > 1e-3 and total variation < 0.03 over 8,000 samples."""
     import numpy as np
     from test_engine_sampling import PROMPT, VOCAB, exact_joint, sharpened
-    from test_verify_stats import P_MIN, exactness_stats
+    from test_verify_stats import assert_exact
 
     target = sharpened(tm.qwen2(seed=4, vocab_size=VOCAB, hidden_size=32, layers=1), 30.0)
     draft = tm.perturbed(target, 0.05, seed=1)
@@ -137,8 +137,7 @@ def test_sampling_on_cuda_follows_the_targets_law(method, tree):
     for seed in range(CUDA_SAMPLES):
         tokens = engine.generate(PROMPT, max_new_tokens=2, temperature=0.7, tree=tree, seed=seed, method=method).tokens
         counts[tokens[0], tokens[1]] += 1
-    p_value, tv = exactness_stats(counts, exact)
-    assert p_value > P_MIN and tv < CUDA_TV_MAX, f"p-value {p_value:.2e}, TV {tv:.4f}"
+    assert_exact(counts, exact)
     again = [engine.generate(PROMPT, max_new_tokens=8, temperature=1.0, tree=tree, seed=3, method=method).tokens
              for _ in range(2)]
     assert again[0] == again[1], "same seed, same sample"

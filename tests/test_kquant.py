@@ -122,11 +122,7 @@ def every_path(compiled) -> dict:
     """The extension built for each SIMD path this CPU runs: ``{simd_path: module}``. The engine
     runs the native one; building the others lets a test prove a change on every path, not just
     the one of the machine that tests it."""
-    from engine.backends.kernels import cpu_flags
-
-    marches = ["x86-64"] + (["x86-64-v3"] if "avx2" in cpu_flags() else [])
-    if platform.machine() != "x86_64":
-        marches = []
+    marches = kquant.other_marches()  # built by `make test` before pytest starts (else here, a minute each)
     paths = {compiled.simd_path(): compiled} | {(e := kquant.compile_kernels(m)).simd_path(): e for m in marches}
     assert "portable" in paths or platform.machine() != "x86_64"
     return paths

@@ -116,11 +116,23 @@ def simd_path() -> str:
     return "none" if ext is None else ext.simd_path()
 
 
-def build_kernels() -> str:
-    """Build the kernels now (``make kernels``); returns a line saying what was built."""
+def other_marches() -> list[str]:
+    """The other ``-march`` builds this CPU can run, which the tests compare with the native one:
+    the portable path, and the AVX2 path where the CPU has AVX2 (x86 only)."""
+    from engine.backends.kernels import cpu_flags
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    return ["x86-64"] + (["x86-64-v3"] if "avx2" in cpu_flags() else [])
+
+
+def build_kernels(every_path: bool = False) -> str:
+    """Build the kernels now (``make kernels``; with ``every_path`` also :func:`other_marches`, as
+    ``make test`` does); returns a line saying what was built."""
     if _extension() is None:
         raise RuntimeError("the k-quant kernels could not be built; see the log above")
-    return f"k-quant kernels ready ({simd_path()})"
+    others = [compile_kernels(march).simd_path() for march in other_marches()] if every_path else []
+    return f"k-quant kernels ready ({', '.join([simd_path(), *others])})"
 
 
 # ---- packing GGUF blocks into the kernel's tiles ----------------------------------------------
