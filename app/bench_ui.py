@@ -25,15 +25,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 URL_LINE = re.compile(r"running at (http://\S+)")
 
-# Records (ms since the page's origin, characters) of the last assistant message whenever it changes.
-OBSERVER_JS = """() => {
+BOT_MESSAGES = "#sc-chatbot .message.bot, #sc-chatbot [data-testid='bot']"
+# Records (ms since the page's origin, text) of the new assistant message whenever the chat changes:
+# the answer to the message about to be sent is the first bot message past the ``before`` already shown.
+OBSERVER_JS = """(before) => {
   window.__sc = [];
+  if (window.__scObserver) window.__scObserver.disconnect();
   const chat = document.querySelector('#sc-chatbot');
-  const last = () => { const m = chat.querySelectorAll('.message.bot, [data-testid="bot"]');
-                       return m.length ? m[m.length - 1].innerText : ''; };
-  new MutationObserver(() => window.__sc.push([performance.now(), last()]))
-    .observe(chat, {subtree: true, childList: true, characterData: true});
-}"""
+  const answer = () => { const m = document.querySelectorAll("%s");
+                         return m.length > before ? m[m.length - 1].innerText : ''; };
+  window.__scObserver = new MutationObserver(() => window.__sc.push([performance.now(), answer()]));
+  window.__scObserver.observe(chat, {subtree: true, childList: true, characterData: true});
+}""" % BOT_MESSAGES
 
 
 def process_tree_cpu_seconds(pid: int) -> float:
@@ -92,15 +95,18 @@ def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | 
         page = browser.new_page(viewport={"width": 1440, "height": 960})
         page.goto(url)
         page.wait_for_selector("#sc-chatbot")
-        box = page.locator("textarea").first
+        box = page.get_by_placeholder("Ask something…")
         for i, prompt in enumerate(prompts):
-            page.evaluate(OBSERVER_JS)
+            before = page.locator(BOT_MESSAGES).count()
+            page.evaluate(OBSERVER_JS, before)
             chrome0, server0 = process_tree_cpu_seconds(browser_pid), process_tree_cpu_seconds(server_pid)
             box.fill(prompt)
             sent = page.evaluate("() => performance.now()")
             box.press("Enter")
-            page.wait_for_function("() => /Done|Stopped|failed/.test(document.querySelector('#sc-status').innerText)",
-                                   timeout=600_000)
+            page.wait_for_function(
+                """(before) => document.querySelectorAll("%s").length > before &&
+                     /Done|Stopped|failed/.test(document.querySelector('#sc-status').innerText)""" % BOT_MESSAGES,
+                arg=before, timeout=600_000)
             samples = page.evaluate("() => window.__sc")
             chrome, server = process_tree_cpu_seconds(browser_pid) - chrome0, process_tree_cpu_seconds(server_pid) - server0
             text = samples[-1][1] if samples else ""
@@ -209,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     if report["headless"]:
         summary["headless_tokens_per_s"] = median(r["decode_tokens_per_s"] for r in report["headless"])
         summary["headless_first_token_s"] = median(r["first_token_s"] for r in report["headless"])
-        summary["on_screen_over_headless"] = summary["on_screen_tokens_per_s"] / summary["headless_tokens_per_s"]
+        summary["on_screen_over_headless_per_prompt"] = [
+            s["decode_tokens_per_s"] / h["decode_tokens_per_s"] if s["decode_tokens_per_s"] else None
+            for s, h in zip(screen, report["headless"])]
+        summary["on_screen_over_headless"] = median(summary["on_screen_over_headless_per_prompt"])
     if isinstance(report["llama_cpp_target_only"], list):
         summary["llama_cpp_tokens_per_s"] = median(r["decode_tokens_per_s"] for r in report["llama_cpp_target_only"])
         summary["on_screen_over_llama_cpp"] = summary["on_screen_tokens_per_s"] / summary["llama_cpp_tokens_per_s"]

@@ -577,16 +577,16 @@ def test_measuring_the_machine_replaces_a_borrowed_profile_and_keeps_it(worker, 
         assert all(t > 0 for t in [*tuner.profile.target.values(), *tuner.profile.draft.values()])
         kept = list((tmp_path / "profiles").glob("*.json"))
         assert len(kept) == 1 and kept[0].name.startswith(tuner.profile.device)
-        monkeypatch.setattr("engine.tuning.calibrate.find_calibrations",
-                            lambda pair, directories=None: {(0.0, 1.0): _Vector([0.8, 0.1, 0.05])})
+        # the pair's calibration is bundled, not in the user cache: the measured profile is used all the same
+        from engine.tuning.calibrate import Acceptance, acceptance_path
+
+        bundled = tmp_path / "bundled"
+        path = acceptance_path(bundled / "acceptance", "tiny+tiny", 0.0, 1.0)
+        path.parent.mkdir(parents=True)
+        path.write_text(Acceptance("tiny+tiny", 0.0, 1.0, 100, [80, 10, 5], [0.8, 0.1, 0.05]).to_json())
+        monkeypatch.setattr("engine.models.prompts.ASSETS", bundled)
         again = load_tuner("tiny+tiny", pair[0])
         assert again is not None and again.measured_here and again.profile == tuner.profile
     finally:
         worker.set_tuner(None)
 
-
-class _Vector:
-    """A calibration as find_calibrations returns them (only what load_tuner reads)."""
-
-    def __init__(self, vector):
-        self.vector, self.confidence = vector, []

@@ -254,7 +254,10 @@ def _tuner_from(directory: Path, pair: str, target, path: Path | None = None):
     param = next(target.parameters())
     dtype = str(param.dtype).removeprefix("torch.")
     path = path or profile_path(directory / "profiles", device_name(param.device), pair, dtype)
-    calibrations = find_calibrations(pair, [directory / "acceptance"])  # each file read once
+    from engine.models.prompts import ASSETS
+
+    # this folder's calibrations, then the bundled ones: a profile measured here needs no calibration of its own
+    calibrations = find_calibrations(pair, [directory / "acceptance", ASSETS / "acceptance"])  # each read once
     if not path.exists() or not calibrations:
         return None
     acceptance = acceptance_vectors(calibrations)
