@@ -97,6 +97,9 @@ def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | 
         page.wait_for_selector("#sc-chatbot")
         box = page.get_by_placeholder("Ask something…")
         for i, prompt in enumerate(prompts):
+            if i:  # each prompt in a conversation of its own, as the headless engine gets it
+                page.locator("#sc-clear").click()
+                page.wait_for_function("() => /Cleared/.test(document.querySelector('#sc-status').innerText)")
             before = page.locator(BOT_MESSAGES).count()
             page.evaluate(OBSERVER_JS, before)
             chrome0, server0 = process_tree_cpu_seconds(browser_pid), process_tree_cpu_seconds(server_pid)
