@@ -475,11 +475,11 @@ class ChatApp:
         update.update({c.chatbot: display_messages(history), c.history: history, c.run: run,
                        c.status: status(text, kind)})
         update.update(self._run_views(run, len(run.steps) - 1 if run.steps else None, highlight, tokenizer))
-        update[c.tree_plot] = gr.update(value=update[c.tree_plot], visible=True)  # the live SVG gives way to it
-        update[c.live_tree] = gr.update(visible=False)
         update[c.export_btn] = self._export_file(system, history, settings, run)
         update[c.stop_btn] = gr.update(interactive=False)
         update[c.baseline_info] = self.baseline_html(temperature, top_p)
+        # the live SVG gives way to the plotly tree; the last update keeps the plain figure (the API's value)
+        yield {c.tree_plot: gr.update(visible=True), c.live_tree: gr.update(visible=False)}
         yield update
 
     def _run_views(self, run: Run, index: int | None, highlight: bool, tokenizer=None) -> dict:

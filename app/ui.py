@@ -153,9 +153,9 @@ def build(app: ChatApp) -> gr.Blocks:
 
         settings = [c.system, c.temperature, c.top_p, c.max_new, c.seed, c.method, c.size, c.depth, c.auto,
                     c.compare, c.highlight, c.present_box]
-        outputs = [c.chatbot, c.msg, c.history, c.run, c.tree_plot, c.live_tree, c.slider, c.steps_plot, c.stats, c.status,
+        outputs = [c.chatbot, c.msg, c.history, c.run, c.tree_plot, c.slider, c.steps_plot, c.stats, c.status,
                    c.compare_md, c.highlight_view, c.export_btn, c.stop_btn, c.baseline_info, c.replay_row,
-                   c.step_text]
+                   c.step_text, c.live_tree]  # the API's output order: new outputs go last
         chat_kwargs = dict(concurrency_limit=16, concurrency_id="chat", show_progress="hidden")
         # events after which the teaching tabs redraw (a new answer) or empty (a cleared chat)
         answered = [

@@ -80,10 +80,10 @@ def test_chat_tree_replay_and_stop(server, page):
     page.fill("#sc-msg textarea", "Explain <b>speculative</b> decoding & trees")
     page.keyboard.press("Enter")
 
-    # streamed text and a live tree with nodes
+    # streamed text and a live tree (inline SVG while the answer streams) with nodes
     page.wait_for_function("() => { const b = document.querySelectorAll('#sc-chatbot .bot'); "
                            "return b.length && b[b.length - 1].innerText.trim().length > 3; }", timeout=30_000)
-    page.wait_for_function("() => document.querySelectorAll('#sc-tree g.annotation').length >= 3", timeout=30_000)
+    page.wait_for_function("() => document.querySelectorAll('#sc-live-tree g.sc-node').length >= 3", timeout=30_000)
     shot(page, "1-streaming")
     user = page.locator("#sc-chatbot .user").last.inner_text()
     assert "<b>speculative</b> decoding & trees" in user  # shown as typed, not as HTML

@@ -58,6 +58,7 @@ def test_the_teaching_tabs_on_the_real_pair(server):
         # the embedded pair's T = 0 calibration on this profile: the pick is the 8-node, depth-4 default
         expect(why).to_contain_text("Your setting is the optimizer's pick: 8 nodes, depth 4", timeout=30_000)
         expect(page.locator("#sc-why-g .js-plotly-plot")).to_be_visible()
+        page.get_by_label("Auto (hardware-aware tree choice)").uncheck()  # on by default; a manual tree is one click away
         set_slider(page, "Tree size", 16)
         expect(why).to_contain_text("over your 16 nodes, depth 4", timeout=30_000)
         set_slider(page, "Temperature", 0.6)

@@ -67,7 +67,7 @@ def test_profile_times_sizes_round_robin_and_keeps_medians(models, monkeypatch):
     target, noisy, _ = models
     calls, readings = [], iter([5, 1, 7, 9, 2, 8, 6, 3, 4])
     monkeypatch.setattr(profile_module, "measure_forward",
-                        lambda model, prefix, n, repeats, runner, draft_level: calls.append(n) or next(readings))
+                        lambda model, prefix, n, repeats, runner, draft_level, prefilled: calls.append(n) or next(readings))
     profile = measure_profile(target, None, PROMPTS[0], sizes=[1, 2, 4], widths=[], pair="tiny", repeats=3,
                               progress=False)
     assert calls == [1, 2, 4] * 3
