@@ -357,8 +357,7 @@ class ChatApp:
 
         yield {c.chatbot: display_messages(history[:-1] + [{"role": "assistant", "content": "…"}]),
                c.msg: "", c.history: history[:-1],
-               c.tree_plot: gr.update(visible=False),
-               c.live_tree: gr.update(value=figures.live_placeholder("Waiting for the first step…"), visible=True),
+               c.live_tree: figures.live_placeholder("Waiting for the first step…"),
                c.slider: gr.update(visible=False), c.compare_md: gr.update(value="", visible=False),
                c.steps_plot: figures.placeholder_figure("Per-step chart appears as tokens are committed", 220),
                c.stats: "", c.status: status(queued), c.stop_btn: gr.update(interactive=True),
@@ -478,8 +477,7 @@ class ChatApp:
         update[c.export_btn] = self._export_file(system, history, settings, run)
         update[c.stop_btn] = gr.update(interactive=False)
         update[c.baseline_info] = self.baseline_html(temperature, top_p)
-        # the live SVG gives way to the plotly tree; the last update keeps the plain figure (the API's value)
-        yield {c.tree_plot: gr.update(visible=True), c.live_tree: gr.update(visible=False)}
+        update[c.live_tree] = ""  # the live SVG gives way to the plotly tree (laid out, under it, all along)
         yield update
 
     def _run_views(self, run: Run, index: int | None, highlight: bool, tokenizer=None) -> dict:
@@ -558,9 +556,8 @@ class ChatApp:
         self.worker.cancel_session(session)
         c = self.c
         return {c.chatbot: [], c.history: [], c.run: Run(), c.msg: "",
-                c.tree_plot: gr.update(value=figures.placeholder_figure("The token tree of each step appears here."),
-                                       visible=True),
-                c.live_tree: gr.update(visible=False),
+                c.tree_plot: figures.placeholder_figure("The token tree of each step appears here."),
+                c.live_tree: "",
                 c.slider: gr.update(visible=False), c.steps_plot: figures.placeholder_figure(
                     "Per-step chart appears as tokens are committed", 220),
                 c.stats: "", c.status: status_html("Cleared.", "info"),

@@ -107,8 +107,10 @@ def build(app: ChatApp) -> gr.Blocks:
                 c.tree_plot = gr.Plot(figures.placeholder_figure("The token tree of each step appears here."),
                                       show_label=False, elem_id="sc-tree")
                 # while an answer streams: the step's tree as inline SVG (the browser draws it in
-                # microseconds, where a plotly figure costs its renderer a core); the plot after it
-                c.live_tree = gr.HTML("", visible=False, elem_id="sc-live-tree")
+                # microseconds, where a plotly figure costs its renderer a core); the plot after it.
+                # Neither is ever hidden by Gradio: while the SVG has content, CSS folds the plot to
+                # no height but keeps its width, so plotly always draws into a laid-out box
+                c.live_tree = gr.HTML("", elem_id="sc-live-tree")
                 with gr.Row(elem_id="sc-replay", visible=False) as c.replay_row:
                     c.play_btn = gr.Button("▶ Play", size="sm", elem_id="sc-play", scale=0, min_width=80)
                     c.pause_btn = gr.Button("⏸ Pause", size="sm", elem_id="sc-pause", visible=False, scale=0,
