@@ -4,6 +4,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Two pytest workers: most tests run one torch thread on tiny models, so a 2-core machine would
+# otherwise sit half idle. Every real-pair test goes to one worker (tests/conftest.py).
+PYTEST_WORKERS ?= 2
 
 .PHONY: run test bench venv browser clean-venv peer kernels test-kernels
 
@@ -12,7 +15,7 @@ run: $(STAMP) kernels
 
 # pytest's exit code 5 ("no tests collected") is non-zero, so make fails on it too.
 test: $(STAMP) browser test-kernels
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m engine.cli.bench --quick

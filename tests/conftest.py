@@ -8,6 +8,8 @@ lean forward the engine runs. The float32 target transformers dequantises is loa
 tests that compare with it (:func:`float_target`)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -103,3 +105,26 @@ def real_pair(_stock_pair, greedy_references, multiturn_reference, long_referenc
     target, draft, tokenizer = _stock_pair
     prepare(target, draft)
     return target, draft, tokenizer
+
+
+def pytest_configure(config):
+    """Under xdist each worker gets its share of the cores: torch's threads on a 2-core machine with
+    two workers would otherwise be four, and each parallel region would wait on a descheduled one.
+    Tests about thread counts set their own."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+
+
+REAL_MODEL_FIXTURES = {"_stock_pair", "real_pair", "float_target", "chat_prompts", "greedy_references",
+                       "multiturn_reference", "long_reference"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Under ``pytest -n 2 --dist loadgroup`` (``make test``) every test that touches the real pair
+    runs in one worker, so the pair is loaded once and never twice at a time (24 GiB machines);
+    the tiny-model tests share out over the workers."""
+    for item in items:
+        if item.get_closest_marker("real_pair") or REAL_MODEL_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.xdist_group("real-models"))
