@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 URL_LINE = re.compile(r"running at (http://\S+)")
+ENGINE_RATE = re.compile(r"measured ([0-9.]+) tokens/s")  # the stats line: the engine's own step clock
 
 BOT_MESSAGES = "#sc-chatbot .message.bot, #sc-chatbot [data-testid='bot']"
 # Records (ms since the page's origin, text) of the new assistant message whenever the chat changes:
@@ -93,6 +94,8 @@ def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | 
                                     args=["--no-sandbox"])
         browser_pid = _browser_pid(browser)
         page = browser.new_page(viewport={"width": 1440, "height": 960})
+        cdp = page.context.new_cdp_session(page)
+        cdp.send("Performance.enable")
         page.goto(url)
         page.wait_for_selector("#sc-chatbot")
         box = page.get_by_placeholder("Ask something…")
@@ -103,6 +106,7 @@ def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | 
             before = page.locator(BOT_MESSAGES).count()
             page.evaluate(OBSERVER_JS, before)
             chrome0, server0 = process_tree_cpu_seconds(browser_pid), process_tree_cpu_seconds(server_pid)
+            page0 = page_metrics(cdp)
             box.fill(prompt)
             sent = page.evaluate("() => performance.now()")
             box.press("Enter")
@@ -119,18 +123,34 @@ def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | 
             changes = [t for (t, s), (_, before) in zip(visible[1:], visible) if s != before]
             last = changes[-1] if changes else first
             decode = (tokens - 1) / ((last - first) / 1000) if first is not None and last > first else None
+            page1 = page_metrics(cdp)
+            stats = page.locator("#sc-stats").inner_text()
+            engine_rate = ENGINE_RATE.search(stats)
             result = {"prompt": prompt, "tokens": tokens, "first_token_s": None if first is None else (first - sent) / 1000,
                       "decode_tokens_per_s": decode, "updates": len(changes) + 1 if visible else 0,
+                      "engine_in_app_tokens_per_s": float(engine_rate[1]) if engine_rate else None,
                       "chromium_cpu_s": chrome, "server_cpu_s": server,
-                      "status": page.locator("#sc-status").inner_text(), "stats": page.locator("#sc-stats").inner_text()}
+                      "page_main_thread_s": {k: page1[k] - page0[k] for k in PAGE_METRICS},
+                      "status": page.locator("#sc-status").inner_text(), "stats": stats}
             log(f"on screen {i + 1}/{len(prompts)}: {tokens} tokens, first after {result['first_token_s']:.2f} s, "
-                f"{decode or 0:.2f} tokens/s, {len(changes) + 1} updates; Chromium {chrome:.1f} s CPU, "
-                f"server {server:.1f} s CPU")
+                f"{decode or 0:.2f} tokens/s ({result['engine_in_app_tokens_per_s']} by the engine's own clock), "
+                f"{len(changes) + 1} updates; Chromium {chrome:.1f} s CPU, server {server:.1f} s CPU; page main "
+                f"thread: " + ", ".join(f"{k} {v:.2f} s" for k, v in result["page_main_thread_s"].items()))
             if shots is not None:
                 page.screenshot(path=str(shots / f"bench-ui-{i + 1}.png"))
             results.append(result)
         browser.close()
     return results
+
+
+PAGE_METRICS = ("TaskDuration", "ScriptDuration", "LayoutDuration", "RecalcStyleDuration")
+
+
+def page_metrics(cdp) -> dict[str, float]:
+    """Seconds the page's main thread spent so far: in all tasks, in script, in layout and in style
+    recalculation (Chrome DevTools Protocol ``Performance.getMetrics``)."""
+    metrics = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
+    return {name: float(metrics.get(name, 0.0)) for name in PAGE_METRICS}
 
 
 def _browser_pid(browser) -> int:
@@ -214,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     report["llama_cpp_target_only"] = peer(prompts, max_new, log)
     summary = {"on_screen_tokens_per_s": median(r["decode_tokens_per_s"] for r in screen),
                "on_screen_first_token_s": median(r["first_token_s"] for r in screen),
+               "engine_in_app_tokens_per_s": median(r["engine_in_app_tokens_per_s"] for r in screen),
                "chromium_cpu_s_per_answer": median(r["chromium_cpu_s"] for r in screen)}
     if report["headless"]:
         summary["headless_tokens_per_s"] = median(r["decode_tokens_per_s"] for r in report["headless"])
