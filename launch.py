@@ -102,11 +102,18 @@ def report_measurement(job, worker) -> None:
         print(f"Measuring this machine did not finish ({last.kind}: {last.data}); the bundled profile stays.", flush=True)
 
 
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.offline:
         os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    # The engine thread gives up the GIL at every torch op and takes it back after; with Gradio's
+    # threads busy it waited up to the 5 ms switch interval each time. At 0.5 ms the engine decodes
+    # as fast in the app as alone (measured: 0.9x of headless at 5 ms, 1.0x at 0.5 ms, no browser).
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         worker = build_worker(args)
     except EngineError as exc:
