@@ -110,7 +110,7 @@ def test_presentation_mode_shows_the_tree_and_the_answer_large(url, browser):
         page.goto(url)
         page.wait_for_selector("#sc-msg textarea", timeout=60_000)
         ask(page, "Explain trees")
-        # "Done" may show one update before the final plotly tree replaces the live SVG one
+        # "Done" arrives with the final figure, but plotly draws it after the update is applied
         page.wait_for_selector("#sc-tree g.annotation text", timeout=30_000)
         size = lambda: page.evaluate(  # noqa: E731
             "() => parseFloat(getComputedStyle(document.querySelector('#sc-tree g.annotation text')).fontSize)")
