@@ -172,3 +172,30 @@ def test_imported_conversation_renders_markdown_and_code(server, page, tmp_path)
     # a long code line wraps inside the bubble instead of hiding past its edge
     assert bot.locator("pre").first.evaluate("p => p.scrollWidth <= p.clientWidth + 1")
     shot(page, "6-imported-markdown")
+
+
+COUNT_FRAMES_JS = """window.scFrames = 0; const request = window.requestAnimationFrame.bind(window);
+window.requestAnimationFrame = (callback) => { window.scFrames += 1; return request(callback); };"""
+
+
+def test_an_idle_page_requests_few_frames(server, page):
+    """Gradio's status trackers request an animation frame at every vsync while the page is idle (a
+    tenth of a core on these machines, taken from decoding). ``assets/quiet_frames.js``, put at the
+    top of the page's <head> by the server, delays theirs to 4 a second."""
+    context = page.context.browser.new_context(viewport={"width": 1500, "height": 1000})
+    try:
+        context.add_init_script(COUNT_FRAMES_JS)  # runs before the page's scripts: counts what reaches the browser
+        idle = context.new_page()
+        idle.goto(server[1])
+        idle.wait_for_selector("#sc-msg textarea", timeout=60_000)
+        idle.wait_for_timeout(3000)
+        read = "() => [window.scFrames, window.scQuietFrames ? window.scQuietFrames.slowed : -1]"
+        frames0, slowed0 = idle.evaluate(read)
+        idle.wait_for_timeout(4000)
+        frames1, slowed1 = idle.evaluate(read)
+    finally:
+        context.close()
+    assert slowed0 >= 0, "quiet_frames.js did not run before Gradio's modules"
+    slowed, frames = slowed1 - slowed0, frames1 - frames0
+    assert slowed > 0  # the trackers' loops are there, and go through the gate
+    assert frames < 4 * 25, (frames, slowed)  # unthrottled: 90 a second here (16 with the gate)
