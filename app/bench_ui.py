@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 URL_LINE = re.compile(r"running at (http://\S+)")
 ENGINE_RATE = re.compile(r"measured ([0-9.]+) tokens/s")  # the stats line: the engine's own step clock
 
+SETTLE_MS = 5000
 BOT_MESSAGES = "#sc-chatbot .message.bot, #sc-chatbot [data-testid='bot']"
 # Records (ms since the page's origin, text) of the new assistant message whenever the chat changes:
 # the answer to the message about to be sent is the first bot message past the ``before`` already shown.
@@ -98,6 +99,7 @@ def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | 
         cdp.send("Performance.enable")
         page.goto(url)
         page.wait_for_selector("#sc-chatbot")
+        page.wait_for_timeout(SETTLE_MS)  # as a person reads the page before typing: its first render is done
         box = page.get_by_placeholder("Ask something…")
         for i, prompt in enumerate(prompts):
             if i:  # each prompt in a conversation of its own, as the headless engine gets it
@@ -132,7 +134,7 @@ def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | 
                       "chromium_cpu_s": chrome, "server_cpu_s": server,
                       "page_main_thread_s": {k: page1[k] - page0[k] for k in PAGE_METRICS},
                       "status": page.locator("#sc-status").inner_text(), "stats": stats}
-            log(f"on screen {i + 1}/{len(prompts)}: {tokens} tokens, first after {result['first_token_s']:.2f} s, "
+            log(f"on screen {i + 1}/{len(prompts)}: {tokens} tokens, first after {result['first_token_s'] or float('nan'):.2f} s, "
                 f"{decode or 0:.2f} tokens/s ({result['engine_in_app_tokens_per_s']} by the engine's own clock), "
                 f"{len(changes) + 1} updates; Chromium {chrome:.1f} s CPU, server {server:.1f} s CPU; page main "
                 f"thread: " + ", ".join(f"{k} {v:.2f} s" for k, v in result["page_main_thread_s"].items()))
