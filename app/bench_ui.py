@@ -27,6 +27,8 @@ URL_LINE = re.compile(r"running at (http://\S+)")
 ENGINE_RATE = re.compile(r"measured ([0-9.]+) tokens/s")  # the stats line: the engine's own step clock
 
 SETTLE_MS = 5000
+FINAL_TEXT_JS = """() => { const m = document.querySelectorAll("#sc-chatbot [data-testid='bot']");
+  return !document.querySelector('#sc-chatbot .sc-live-text') && m.length && !/^…?$/.test(m[m.length - 1].innerText.trim()); }"""
 BOT_MESSAGES = "#sc-chatbot .message.bot, #sc-chatbot [data-testid='bot']"
 # Records (ms since the page's origin, text) of the new assistant message whenever the chat changes:
 # the answer to the message about to be sent is the first bot message past the ``before`` already shown.
@@ -105,6 +107,7 @@ def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | 
             if i:  # each prompt in a conversation of its own, as the headless engine gets it
                 page.locator("#sc-clear").click()
                 page.wait_for_function("() => /Cleared/.test(document.querySelector('#sc-status').innerText)")
+                page.wait_for_timeout(SETTLE_MS)  # the last answer's charts and tabs are drawn, as a person reads
             before = page.locator(BOT_MESSAGES).count()
             page.evaluate(OBSERVER_JS, before)
             chrome0, server0 = process_tree_cpu_seconds(browser_pid), process_tree_cpu_seconds(server_pid)
@@ -116,9 +119,11 @@ def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | 
                 """(before) => document.querySelectorAll("%s").length > before &&
                      /Done|Stopped|failed/.test(document.querySelector('#sc-status').innerText)""" % BOT_MESSAGES,
                 arg=before, timeout=600_000)
+            page.wait_for_function(FINAL_TEXT_JS, timeout=60_000)  # Gradio's Markdown replaced the live text
+            page.wait_for_timeout(300)
             samples = page.evaluate("() => window.__sc")
             chrome, server = process_tree_cpu_seconds(browser_pid) - chrome0, process_tree_cpu_seconds(server_pid) - server0
-            text = samples[-1][1] if samples else ""
+            text = page.locator(BOT_MESSAGES).last.inner_text()
             visible = [(t, s) for t, s in samples if s.strip() and s.strip() != "…"]
             tokens = len(tokenizer.encode(text, add_special_tokens=False))
             first = visible[0][0] if visible else None

@@ -310,9 +310,18 @@ def tree_svg(step: StepRecord, token_texts, title: str | None = None, scale: flo
             f'viewBox="0 0 {width:.0f} {height:.0f}" role="img" aria-label="{heading}">{"".join(parts)}</svg></div>')
 
 
-def live_placeholder(message: str) -> str:
-    """The live tree's place before the first step."""
-    return f'<div class="sc-live-tree sc-live-empty">{html.escape(message)}</div>'
+def live_placeholder(message: str, feed: str | None = None) -> str:
+    """The live tree's place before the first step. With ``feed`` (a live feed's token), the box
+    the page's live-feed script fills: the step's tree, then the stats line."""
+    if feed is None:
+        return f'<div class="sc-live-tree sc-live-empty">{html.escape(message)}</div>'
+    return (f'<div class="sc-live-tree" data-sc-feed="{html.escape(feed)}"><div class="sc-feed-tree">'
+            f'<div class="sc-live-empty">{html.escape(message)}</div></div><div class="sc-feed-stats"></div></div>')
+
+
+def markdown_html(line: str) -> str:
+    """HTML of a one-line Markdown text that uses only ``**bold**`` (the stats line)."""
+    return re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", html.escape(line, quote=False))
 
 
 def tree_figure(step: StepRecord, token_texts: Mapping[int, str] | Callable[[int], str] | None,

@@ -37,6 +37,7 @@ from .conversation import (
     import_steps,
 )
 from .explain_view import ExplainView
+from .live_feed import Feed, LiveFeeds
 from .text import (
     describe_choice,
     dropped_notice,
@@ -84,7 +85,8 @@ def live_update_intervals(cores: int | None = None) -> dict[str, float]:
     those; larger ones 20 and 5."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return {"text_interval": 0.25, "plot_interval": 1.0} if cores <= 4 else {"text_interval": 0.05, "plot_interval": 0.2}
+    return ({"text_interval": 0.25, "plot_interval": 1.0} if cores <= 4 else {"text_interval": 0.05, "plot_interval": 0.2}) | {
+        "feed_interval": 0.1, "feed_tree_interval": 0.25}
 
 
 DEFAULTS |= live_update_intervals()
@@ -93,6 +95,12 @@ BASELINE_TOKENS = 48
 
 
 # ----- small pieces ------------------------------------------------------------------------------
+def text_record(text: str, sent: str) -> dict:
+    """A live-feed record that takes the page from ``sent`` to ``text``: the delta when ``text``
+    extends it, else the whole text (a character completed by a later byte token)."""
+    return {"text": text[len(sent):]} if text.startswith(sent) else {"reset": text}
+
+
 class TokenTexts:
     """Decoded text of single tokens, cached per tokenizer."""
 
@@ -173,6 +181,7 @@ class ChatApp:
         self.baselines: dict[tuple, float] = {}
         self._baselines_lock = threading.Lock()
         self.explain = ExplainView(self)  # the teaching tabs under the chat
+        self.feeds = LiveFeeds()  # served by launch (app.live_feed.mount): streaming answers' live records
 
     # ----- the target alone, measured once per pair and settings -----------------------------------
     def _baseline_key(self, temperature: float, top_p: float) -> tuple:
@@ -331,6 +340,17 @@ class ChatApp:
 
     def _stream(self, job: Job, history, message, system, choice, tree_desc, tree, highlight, notices, settings,
                 scale=1.0):
+        """The answer's updates: through the live feed while the page reads it (then Gradio gets only
+        the first and last updates), through Gradio's updates otherwise."""
+        feed = self.feeds.open()
+        try:
+            yield from self._stream_to(feed, job, history, message, system, choice, tree_desc, tree, highlight,
+                                       notices, settings, scale)
+        finally:
+            feed.close()
+
+    def _stream_to(self, feed: Feed, job: Job, history, message, system, choice, tree_desc, tree, highlight,
+                   notices, settings, scale=1.0):
         c, o = self.c, self.options
         run = Run(tree_desc=tree_desc, scale=scale)
         method = settings["method"]
@@ -347,6 +367,7 @@ class ChatApp:
         phase = "main"
         last_text = last_plot = 0.0
         dirty_text = dirty_plot = False
+        fed_text = ""  # the answer's text as the feed has sent it
         position = job.position()
         queued = f"Waiting for the engine: {position} request{'s' if position != 1 else ''} ahead of yours." \
             if position else "Starting: preparing the prompt for the engine…"
@@ -357,7 +378,7 @@ class ChatApp:
 
         yield {c.chatbot: display_messages(history[:-1] + [{"role": "assistant", "content": "…"}]),
                c.msg: "", c.history: history[:-1],
-               c.live_tree: figures.live_placeholder("Waiting for the first step…"),
+               c.live_tree: figures.live_placeholder("Waiting for the first step…", feed=feed.token),
                c.slider: gr.update(visible=False), c.compare_md: gr.update(value="", visible=False),
                c.steps_plot: figures.placeholder_figure("Per-step chart appears as tokens are committed", 220),
                c.stats: "", c.status: status(queued), c.stop_btn: gr.update(interactive=True),
@@ -415,6 +436,22 @@ class ChatApp:
                 elif kind in ("done", "cancelled", "error"):
                     terminal = event
             now = clock()
+            if terminal is None and dirty_text and phase == "main" and feed.subscribed:
+                if now - last_text >= o["feed_interval"]:
+                    text = tokenizer.decode(tokens, skip_special_tokens=True)
+                    record, fed_text = text_record(text, fed_text), text
+                    last = run.steps[-1] if run.steps else None
+                    record["status"] = status(
+                        f"Decoding with {html.escape(who)} · step {len(run.steps)} · {len(tokens)} tokens"
+                        + (f" · last step accepted {last.accepted_draft_tokens} of {last.tree_size - 1} drafts"
+                           if last is not None and last.tree_size > 1 else ""))
+                    if dirty_plot and run.steps and now - last_plot >= o["feed_tree_interval"]:
+                        record["tree"] = figures.tree_svg(run.steps[-1], run.texts, scale=1.25 * run.scale)
+                        record["stats"] = figures.markdown_html(figures.stats_line(run.steps, expected_tokens=run.expected))
+                        last_plot, dirty_plot = now, False
+                    feed.put(**record)
+                    last_text, dirty_text = now, False
+                continue
             if terminal is None and dirty_text and now - last_text >= o["text_interval"]:
                 update = {}
                 answer["content"] = tokenizer.decode(tokens, skip_special_tokens=True)
@@ -439,6 +476,9 @@ class ChatApp:
 
         # ----- the end of the answer ------------------------------------------------------------
         answer["content"] = tokenizer.decode(tokens, skip_special_tokens=True)
+        if feed.subscribed and fed_text and answer["content"] != fed_text:  # the steps since the last record
+            feed.put(**text_record(answer["content"], fed_text))
+        feed.close()
         update = {}
         kind = "ok"
         temperature, top_p = settings["temperature"], settings["top_p"]

@@ -13,7 +13,7 @@ from starlette.middleware import Middleware
 
 from engine.core.speculative import METHODS
 
-from . import figures
+from . import figures, live_feed
 from .conversation import highlight_html
 from .handlers import ChatApp, Run
 from .page_script import HeadScriptMiddleware
@@ -21,7 +21,8 @@ from .text import header_html, key_html, method_help, pair_markdown
 from .worker import Worker
 
 CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "style.css"
-QUIET_FRAMES_JS = CSS_PATH.with_name("quiet_frames.js")  # runs before Gradio's modules: see the file
+# put first in every page's <head>, ahead of Gradio's modules: see each file
+PAGE_SCRIPTS = [CSS_PATH.with_name("quiet_frames.js"), CSS_PATH.with_name("live_feed.js")]
 COLLAPSE_BELOW = 1280  # px: narrower windows start with the settings sidebar closed
 
 # on load: open the settings sidebar only where there is room for it beside the tree and the chat
@@ -241,11 +242,15 @@ def theme() -> gr.themes.Base:
 
 def launch(demo: gr.Blocks, server_name: str = "127.0.0.1", server_port: int | None = None, share: bool = False,
            inbrowser: bool = False, prevent_thread_lock: bool = False, quiet: bool = False, **kwargs):
-    """``demo.launch`` with the app's theme, CSS, queue, upload limits and early page script."""
+    """``demo.launch`` with the app's theme, CSS, queue, upload limits, page scripts and live feed."""
     demo.queue(default_concurrency_limit=4)
-    early = Middleware(HeadScriptMiddleware, script=QUIET_FRAMES_JS.read_text())
-    return demo.launch(server_name=server_name, server_port=server_port, share=share, inbrowser=inbrowser,
-                       prevent_thread_lock=prevent_thread_lock, quiet=quiet, theme=theme(),
-                       css_paths=[CSS_PATH] if CSS_PATH.exists() else None, max_file_size="5mb",
-                       show_error=True, run_history=False, footer_links=["api", "settings"],
-                       app_kwargs={"middleware": [early]}, **kwargs)
+    early = Middleware(HeadScriptMiddleware, script="\n".join(path.read_text() for path in PAGE_SCRIPTS))
+    launched = demo.launch(server_name=server_name, server_port=server_port, share=share, inbrowser=inbrowser,
+                           prevent_thread_lock=True, quiet=quiet, theme=theme(),
+                           css_paths=[CSS_PATH] if CSS_PATH.exists() else None, max_file_size="5mb",
+                           show_error=True, run_history=False, footer_links=["api", "settings"],
+                           app_kwargs={"middleware": [early]}, **kwargs)
+    live_feed.mount(launched[0], demo.chat_app.feeds)
+    if not prevent_thread_lock:
+        demo.block_thread()
+    return launched

@@ -85,6 +85,7 @@ def test_chat_tree_replay_and_stop(server, page):
                            "return b.length && b[b.length - 1].innerText.trim().length > 3; }", timeout=30_000)
     page.wait_for_function("() => document.querySelectorAll('#sc-live-tree g.sc-node').length >= 3", timeout=30_000)
     shot(page, "1-streaming")
+    assert page.locator("#sc-chatbot .sc-live-text").count() == 1  # the text came over the live feed
     user = page.locator("#sc-chatbot .user").last.inner_text()
     assert "<b>speculative</b> decoding & trees" in user  # shown as typed, not as HTML
 
@@ -92,6 +93,7 @@ def test_chat_tree_replay_and_stop(server, page):
     expect(page.locator("#sc-compare")).to_contain_text("Race, measured live", timeout=60_000)
     expect(page.locator("#sc-status")).to_contain_text("Done", timeout=60_000)
     expect(page.locator("#sc-compare")).to_contain_text("target alone", timeout=10_000)
+    expect(page.locator("#sc-chatbot .sc-live-text")).to_have_count(0)  # Gradio's final Markdown took over
     expect(page.locator("#sc-highlight .tok-draft").first).to_be_visible()
     expect(page.locator("#sc-stats")).to_contain_text("tokens/step")
     title = page.locator("#sc-tree .gtitle").text_content()

@@ -207,9 +207,10 @@ def test_live_updates_keep_their_intervals_and_few_cores_get_fewer(monkeypatch):
     that decode) those are 0.25 s and 1 s, on larger machines 0.05 s and 0.2 s. Counted, not
     timed: the updates are paced by a clock that advances 0.05 s with each decoding step, so a
     loaded machine cannot move the counts."""
-    assert handlers.live_update_intervals(2) == {"text_interval": 0.25, "plot_interval": 1.0}
-    assert handlers.live_update_intervals(16) == {"text_interval": 0.05, "plot_interval": 0.2}
-    assert {k: handlers.DEFAULTS[k] for k in ("text_interval", "plot_interval")} == handlers.live_update_intervals()
+    feed = {"feed_interval": 0.1, "feed_tree_interval": 0.25}
+    assert handlers.live_update_intervals(2) == {"text_interval": 0.25, "plot_interval": 1.0} | feed
+    assert handlers.live_update_intervals(16) == {"text_interval": 0.05, "plot_interval": 0.2} | feed
+    assert {k: handlers.DEFAULTS[k] for k in handlers.live_update_intervals()} == handlers.live_update_intervals()
     tokenizer = support.tokenizer()
     target, draft = support.tiny_pair()
     engine = support.SlowEngine(make_engine(target, draft, tokenizer), delay=0.01)
@@ -238,6 +239,48 @@ def test_live_updates_keep_their_intervals_and_few_cores_get_fewer(monkeypatch):
     assert len(texts) <= steps * 0.05 / 0.1 + 1 and len(plots) <= steps * 0.05 / 0.5 + 1, (steps, len(texts), len(plots))
     assert min(b - a for a, b in zip(texts, texts[1:])) >= 0.1 - 1e-9
     assert min(b - a for a, b in zip(plots, plots[1:])) >= 0.5 - 1e-9
+
+
+def test_a_page_reading_the_live_feed_gets_the_answer_there_and_gradio_only_the_first_and_last_update(monkeypatch):
+    """Once a page reads an answer's live feed, the answer streams as records (text deltas whose
+    concatenation is the final text, the step's tree SVG and stats at most every
+    ``feed_tree_interval``, the status line), Gradio gets no update between the first and the last,
+    and the feed ends before the last. Paced by a step-counting clock, as above."""
+    tokenizer = support.tokenizer()
+    target, draft = support.tiny_pair()
+    engine = support.SlowEngine(make_engine(target, draft, tokenizer), delay=0.01)
+    monkeypatch.setattr(handlers, "clock", lambda: engine.steps_run * 0.05)
+    worker = Worker(engine, tokenizer, {})
+    chat = ui.build_demo(worker, tokenizer, {"feed_interval": 0.1, "feed_tree_interval": 0.5}).chat_app
+    opened = []
+    open_feed = chat.feeds.open
+
+    def open_read_feed():  # as live_feed.js does once the first update shows the token
+        feed = open_feed()
+        feed.subscribers += 1
+        opened.append(feed)
+        return feed
+
+    monkeypatch.setattr(chat.feeds, "open", open_read_feed)
+    try:
+        updates = list(chat.respond("Hello there", [], handlers.Run(), "", 0.0, 1.0, 120, 0, "chain", 2, 1, False,
+                                    False, False))
+    finally:
+        worker.close()
+    c, (feed,) = chat.c, opened
+    assert f'data-sc-feed="{feed.token}"' in updates[0][c.live_tree]
+    assert not any(c.chatbot in u for u in updates[1:-1]), "Gradio's chat updates while the page reads the feed"
+    records = [json.loads(r) for r in feed.records]
+    assert records[-1] == {"end": True} and feed.closed_at is not None
+    text = ""
+    for record in records[:-1]:
+        text = record["reset"] if "reset" in record else text + record["text"]
+    assert all("Decoding with chain" in r["status"] for r in records[:-2])  # the last text may come with the end
+    final = updates[-1][c.history][-1]["content"]
+    assert text == final and len(records) >= 5, (len(records), text, final)
+    trees = [r for r in records if "tree" in r]
+    assert trees and all("<svg" in r["tree"] and "tokens/step" in r["stats"] for r in trees)
+    assert len(trees) <= engine.steps_run * 0.05 / 0.5 + 1
 
 
 @pytest.mark.parametrize("method", ["sequoia", "autoregressive"])
