@@ -25,6 +25,9 @@ KV_CACHE_MB = 1024  # default budget of the conversation KV caches (engine.core.
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--host", default="127.0.0.1", help="interface to serve on (0.0.0.0 exposes it to the network)")
+    parser.add_argument("--allowed-hosts", default="",
+                        help="comma-separated extra Host names the server answers to (beyond the loopback names and "
+                             "--host); * answers any (turns the DNS-rebinding guard off)")
     parser.add_argument("--port", type=int, default=None, help="port (default: the first free one from 7860)")
     parser.add_argument("--share", action="store_true", help="also create a public gradio.live link (off)")
     parser.add_argument("--inbrowser", action="store_true", help="open the app in the default browser")
@@ -132,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": max(1, args.max_new_tokens), "pair": pair,
         "predict": measured and not args.tiny})
     app, local_url, share_url = ui.launch(demo, server_name=args.host, server_port=args.port, share=args.share,
-                                          inbrowser=args.inbrowser, prevent_thread_lock=True, quiet=True)
+                                          inbrowser=args.inbrowser, prevent_thread_lock=True, quiet=True,
+                                          extra_hosts=args.allowed_hosts.split(","))
     from app import openai_api
     openai_api.mount(app, worker, {"tree_size": max(1, args.tree_size), "depth": max(1, args.depth)})
     print(f"Sequoia Chat is running at {local_url}" + (f" (public link: {share_url})" if share_url else ""),

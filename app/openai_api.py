@@ -399,6 +399,10 @@ def routes(worker: Worker, defaults: dict | None = None) -> FastAPI:
     @api.post("/chat/completions")
     async def chat_completions(http: Request) -> Response:
         try:
+            media_type = http.headers.get("content-type", "").split(";")[0].strip().lower()
+            if media_type != "application/json":  # a web page's "simple" cross-site POST cannot send this
+                raise APIError(415, f"the request body must be sent as application/json (got {media_type or 'none'!r})",
+                               code="unsupported_media_type")
             try:
                 body = await http.json()
             except (ValueError, UnicodeDecodeError):

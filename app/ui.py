@@ -6,6 +6,7 @@ Every request goes through the :class:`app.worker.Worker`, which owns the models
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import gradio as gr
@@ -16,6 +17,7 @@ from engine.core.speculative import METHODS
 from . import figures, live_feed
 from .conversation import highlight_html
 from .handlers import ChatApp, Run
+from .host_guard import HostGuardMiddleware, allowed_hosts
 from .page_script import HeadScriptMiddleware
 from .text import header_html, key_html, method_help, pair_markdown
 from .worker import Worker
@@ -241,15 +243,20 @@ def theme() -> gr.themes.Base:
 
 
 def launch(demo: gr.Blocks, server_name: str = "127.0.0.1", server_port: int | None = None, share: bool = False,
-           inbrowser: bool = False, prevent_thread_lock: bool = False, quiet: bool = False, **kwargs):
-    """``demo.launch`` with the app's theme, CSS, queue, upload limits, page scripts and live feed."""
+           inbrowser: bool = False, prevent_thread_lock: bool = False, quiet: bool = False,
+           extra_hosts: Sequence[str] = (), **kwargs):
+    """``demo.launch`` with the app's theme, CSS, queue, upload limits, page scripts and live feed,
+    behind a Host allowlist (the loopback names, ``server_name`` and ``extra_hosts``; ``*`` turns
+    it off)."""
     demo.queue(default_concurrency_limit=4)
+    # a share link arrives with the tunnel's Host name: it is public by design
+    guard = Middleware(HostGuardMiddleware, allowed=None if share else allowed_hosts(server_name, extra_hosts))
     early = Middleware(HeadScriptMiddleware, script="\n".join(path.read_text() for path in PAGE_SCRIPTS))
     launched = demo.launch(server_name=server_name, server_port=server_port, share=share, inbrowser=inbrowser,
                            prevent_thread_lock=True, quiet=quiet, theme=theme(),
                            css_paths=[CSS_PATH] if CSS_PATH.exists() else None, max_file_size="5mb",
                            show_error=True, run_history=False, footer_links=["api", "settings"],
-                           app_kwargs={"middleware": [early]}, **kwargs)
+                           app_kwargs={"middleware": [guard, early]}, **kwargs)
     live_feed.mount(launched[0], demo.chat_app.feeds)
     if not prevent_thread_lock:
         demo.block_thread()

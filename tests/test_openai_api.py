@@ -3,6 +3,8 @@ official ``openai`` client: answers equal the engine's own, streamed or not; par
 honoured; bad input gets OpenAI's error shape with a 4xx status; clients run concurrently."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -207,3 +209,44 @@ def test_a_streaming_client_that_goes_away_frees_the_engine(server):
         assert support.wait_until(lambda: worker.busy == 0, 10), "the engine kept decoding for a closed stream"
     finally:
         worker.engine.delay = 0.0
+
+
+def test_a_web_pages_simple_cross_site_post_is_refused(server):
+    """A page on any site can POST ``text/plain`` (or a form) to localhost without a CORS
+    preflight; the API takes only ``application/json`` bodies, which such a page cannot send."""
+    worker, base = server
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    steps = worker.engine.steps_run
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        headers = {"content-type": content_type} if content_type else {}
+        response = httpx.post(f"{base}/chat/completions", content=body.encode(), headers=headers,
+                              timeout=30)
+        assert response.status_code == 415, (content_type, response.text)
+        assert response.json()["error"]["code"] == "unsupported_media_type"
+    assert worker.engine.steps_run == steps, "a refused request reached the engine"
+    ok = httpx.post(f"{base}/chat/completions", content=body.encode(),
+                    headers={"content-type": "application/json; charset=utf-8"}, timeout=120)
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("host", ["evil.example", "rebind.attacker.test:80", "localhost.evil.example",
+                                  "x.localhost", "192.0.2.7"])
+def test_a_foreign_host_name_is_refused_everywhere(server, host):
+    """DNS rebinding: a name the attacker controls, pointed at 127.0.0.1, reaches the server with
+    that name as its Host. Every path answers 403 to it, the UI, Gradio's API and /v1 alike."""
+    _, base = server
+    root = base[:-len("/v1")]
+    for url in (root + "/", root + "/config", base + "/models"):
+        response = httpx.get(url, headers={"host": host}, timeout=30)
+        assert response.status_code == 403, (url, host, response.status_code)
+        assert "not allowed" in response.text
+    post = httpx.post(base + "/chat/completions", headers={"host": host},
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert post.status_code == 403
+
+
+def test_the_loopback_names_get_in(server):
+    _, base = server
+    port = base.rsplit(":", 1)[1].split("/")[0]
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "LOCALHOST", "127.0.0.2"):
+        assert httpx.get(base + "/models", headers={"host": host}, timeout=30).status_code == 200, host
