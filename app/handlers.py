@@ -380,7 +380,6 @@ class ChatApp:
                c.msg: "", c.history: history[:-1],
                c.live_tree: figures.live_placeholder("Waiting for the first step…", feed=feed.token),
                c.slider: gr.update(visible=False), c.compare_md: gr.update(value="", visible=False),
-               c.steps_plot: figures.placeholder_figure("Per-step chart appears as tokens are committed", 220),
                c.stats: "", c.status: status(queued), c.stop_btn: gr.update(interactive=True),
                c.replay_row: gr.update(visible=False), c.step_text: ""}
         terminal = None
