@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 import threading
+from pathlib import Path
 
 from engine.backends.hugepages import restart_with_huge_pages
 
@@ -28,6 +29,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--allowed-hosts", default="",
                         help="comma-separated extra Host names the server answers to (beyond the loopback names and "
                              "--host); * answers any (turns the DNS-rebinding guard off)")
+    parser.add_argument("--api-key", default=None,
+                        help="a key every client must give: Bearer token on /v1, password on the page "
+                             "(needed with a non-loopback --host or --share)")
+    parser.add_argument("--api-key-file", default=None, help="read the API key from this file (first line)")
     parser.add_argument("--port", type=int, default=None, help="port (default: the first free one from 7860)")
     parser.add_argument("--share", action="store_true", help="also create a public gradio.live link (off)")
     parser.add_argument("--inbrowser", action="store_true", help="open the app in the default browser")
@@ -85,7 +90,6 @@ def worker_policy(args: argparse.Namespace) -> dict:
     """What UI requests may load: local folders under --models-dir only; remote code only with
     --trust-remote-code. Also how drafts loaded from the UI are stored (--draft-format, --draft-vocab)
     and the memory the conversation KV caches may hold (--kv-cache-mb)."""
-    from pathlib import Path
 
     if args.kv_cache_mb < 0:
         raise SystemExit("error: --kv-cache-mb must be >= 0")
@@ -108,8 +112,38 @@ def report_measurement(job, worker) -> None:
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key or --api-key-file (its first line), or None. Raises SystemExit with
+    one line when both are given, the file cannot be read, or the key is empty."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise SystemExit("error: give --api-key or --api-key-file, not both")
+    key = args.api_key
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).expanduser().read_text().splitlines()
+        except OSError as exc:
+            raise SystemExit(f"error: cannot read --api-key-file: {exc.strerror}") from None
+        key = lines[0] if lines else ""
+    if key is not None and not key.strip():
+        raise SystemExit("error: the API key is empty")
+    return None if key is None else key.strip()
+
+
+def check_exposure(args: argparse.Namespace, key: str | None) -> None:
+    """Refuse (SystemExit, one line) to serve beyond this machine without a key."""
+    if key is None and (args.share or args.host not in LOOPBACK_HOSTS):
+        where = "a public share link" if args.share else f"--host {args.host}"
+        raise SystemExit(f"error: {where} lets other machines reach the app and its API; give --api-key "
+                         f"or --api-key-file too")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    key = api_key(args)
+    check_exposure(args, key)
     if args.offline:
         os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -136,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         "predict": measured and not args.tiny})
     app, local_url, share_url = ui.launch(demo, server_name=args.host, server_port=args.port, share=args.share,
                                           inbrowser=args.inbrowser, prevent_thread_lock=True, quiet=True,
-                                          extra_hosts=args.allowed_hosts.split(","))
+                                          extra_hosts=args.allowed_hosts.split(","), api_key=key)
     from app import openai_api
-    openai_api.mount(app, worker, {"tree_size": max(1, args.tree_size), "depth": max(1, args.depth)})
+    openai_api.mount(app, worker, {"tree_size": max(1, args.tree_size), "depth": max(1, args.depth)}, api_key=key)
     print(f"Sequoia Chat is running at {local_url}" + (f" (public link: {share_url})" if share_url else ""),
           flush=True)
     print(f"OpenAI-compatible API: {local_url.rstrip('/')}/v1 (chat/completions, models)", flush=True)

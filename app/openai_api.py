@@ -21,13 +21,14 @@ from __future__ import annotations
 import json
 import math
 import queue
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.conversation import MAX_IMPORT_MESSAGES, MAX_MESSAGE_CHARS, ContextTooLong, fit_context
@@ -386,10 +387,31 @@ async def stream(worker: Worker, call: ChatCall) -> AsyncIterator[str]:
 
 
 # ----- routes ----------------------------------------------------------------------------------
-def routes(worker: Worker, defaults: dict | None = None) -> FastAPI:
-    """A FastAPI sub-application with the two endpoints (mounted by :func:`mount`)."""
+def bearer_check(api_key: str | None):
+    """A dependency that refuses (401, OpenAI's shape) requests without ``Authorization: Bearer
+    <api_key>``; with no key, every request passes."""
+
+    async def check(http: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, given = http.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
+            raise APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>' (the server's "
+                           "--api-key)", code="invalid_api_key", kind="authentication_error")
+
+    return check
+
+
+def routes(worker: Worker, defaults: dict | None = None, api_key: str | None = None) -> FastAPI:
+    """A FastAPI sub-application with the two endpoints (mounted by :func:`mount`), behind
+    ``api_key`` when one is given."""
     defaults = dict(defaults or {})
-    api = FastAPI(title="Sequoia Chat OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    api = FastAPI(title="Sequoia Chat OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(bearer_check(api_key))])
+
+    @api.exception_handler(APIError)
+    async def api_error(_request: Request, error: APIError) -> JSONResponse:
+        return error.response()
 
     @api.get("/models")
     def models() -> dict:
@@ -427,8 +449,9 @@ def routes(worker: Worker, defaults: dict | None = None) -> FastAPI:
     return api
 
 
-def mount(app: FastAPI, worker: Worker, defaults: dict | None = None) -> None:
+def mount(app: FastAPI, worker: Worker, defaults: dict | None = None, api_key: str | None = None) -> None:
     """Serve the endpoints under ``/v1`` of ``app`` (the Gradio app's FastAPI server), ahead of its
-    own routes; ``defaults``: the tree used when a request does not say (``tree_size``, ``depth``)."""
-    app.mount("/v1", routes(worker, defaults))
+    own routes; ``defaults``: the tree used when a request does not say (``tree_size``, ``depth``);
+    ``api_key``: the Bearer token every request must carry (none: open, for loopback use)."""
+    app.mount("/v1", routes(worker, defaults, api_key))
     app.router.routes.insert(0, app.router.routes.pop())

@@ -6,6 +6,7 @@ Every request goes through the :class:`app.worker.Worker`, which owns the models
 """
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -244,11 +245,14 @@ def theme() -> gr.themes.Base:
 
 def launch(demo: gr.Blocks, server_name: str = "127.0.0.1", server_port: int | None = None, share: bool = False,
            inbrowser: bool = False, prevent_thread_lock: bool = False, quiet: bool = False,
-           extra_hosts: Sequence[str] = (), **kwargs):
+           extra_hosts: Sequence[str] = (), api_key: str | None = None, **kwargs):
     """``demo.launch`` with the app's theme, CSS, queue, upload limits, page scripts and live feed,
     behind a Host allowlist (the loopback names, ``server_name`` and ``extra_hosts``; ``*`` turns
-    it off)."""
+    it off). With ``api_key``, the page asks for it (any user name, the key as the password)."""
     demo.queue(default_concurrency_limit=4)
+    if api_key is not None:
+        kwargs.update(auth=lambda _user, password: secrets.compare_digest(password.encode(), api_key.encode()),
+                      auth_message="This server needs its API key: any user name, the key as the password.")
     # a share link arrives with the tunnel's Host name: it is public by design
     guard = Middleware(HostGuardMiddleware, allowed=None if share else allowed_hosts(server_name, extra_hosts))
     early = Middleware(HeadScriptMiddleware, script="\n".join(path.read_text() for path in PAGE_SCRIPTS))

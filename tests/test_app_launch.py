@@ -75,3 +75,25 @@ def test_the_app_process_switches_the_gil_every_half_millisecond(monkeypatch):
         assert sys.getswitchinterval() == launch.GIL_SWITCH_INTERVAL_S
     finally:
         sys.setswitchinterval(before)
+
+
+def test_serving_beyond_this_machine_needs_an_api_key(tmp_path, capsys):
+    """--host 0.0.0.0 (or a LAN address) and --share refuse to start without a key, before any model
+    loads; --api-key or --api-key-file (its first line) lets them."""
+    import pytest
+
+    for argv in (["--host", "0.0.0.0"], ["--host", "192.168.1.20"], ["--share"]):
+        with pytest.raises(SystemExit, match="--api-key"):
+            launch.main(argv + ["--tiny"])
+    assert launch.check_exposure(launch.parse_args(["--host", "0.0.0.0"]), "k") is None
+    assert launch.check_exposure(launch.parse_args(["--host", "localhost"]), None) is None
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\nignored\n")
+    assert launch.api_key(launch.parse_args(["--api-key-file", str(key_file)])) == "s3cret"
+    assert launch.api_key(launch.parse_args(["--api-key", " k "])) == "k"
+    assert launch.api_key(launch.parse_args([])) is None
+    for argv, message in ((["--api-key", "a", "--api-key-file", str(key_file)], "not both"),
+                          (["--api-key-file", str(tmp_path / "missing")], "cannot read"),
+                          (["--api-key", "  "], "empty")):
+        with pytest.raises(SystemExit, match=message):
+            launch.api_key(launch.parse_args(argv))

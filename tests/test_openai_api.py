@@ -250,3 +250,48 @@ def test_the_loopback_names_get_in(server):
     port = base.rsplit(":", 1)[1].split("/")[0]
     for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "LOCALHOST", "127.0.0.2"):
         assert httpx.get(base + "/models", headers={"host": host}, timeout=30).status_code == 200, host
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    """``(worker, base_url)``: the app served with an API key, as ``launch.py --api-key`` does."""
+    tok = support.tokenizer()
+    target, draft = support.tiny_pair()
+    worker = Worker(make_engine(target, draft, tok), tok, {"target": MODEL, "draft": "tiny-draft"})
+    demo = ui.build_demo(worker, tok)
+    app, url, _ = ui.launch(demo, server_name="127.0.0.1", server_port=support.free_port(),
+                            prevent_thread_lock=True, quiet=True, api_key=API_KEY)
+    openai_api.mount(app, worker, {"tree_size": 8, "depth": 4}, api_key=API_KEY)
+    yield worker, url.rstrip("/")
+    demo.close()
+    worker.close()
+
+
+API_KEY = "test-key-7f3a"
+
+
+def test_with_an_api_key_the_api_wants_the_bearer_token(keyed_server):
+    _, root = keyed_server
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": f"Basic {API_KEY}"}):
+        response = httpx.get(f"{root}/v1/models", headers=headers, timeout=30)
+        assert response.status_code == 401, headers
+        assert response.json()["error"]["code"] == "invalid_api_key"
+        post = httpx.post(f"{root}/v1/chat/completions", headers=headers, timeout=30,
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        assert post.status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        client(f"{root}/v1").models.list()
+    keyed = openai.OpenAI(base_url=f"{root}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    assert keyed.models.list().data[0].id == MODEL
+    answer = keyed.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert answer.choices[0].message.content is not None
+
+
+def test_with_an_api_key_the_page_wants_it_as_the_password(keyed_server):
+    _, root = keyed_server
+    assert httpx.get(f"{root}/config", timeout=30).status_code == 401
+    with httpx.Client(base_url=root, timeout=30) as browser:
+        refused = browser.post("/login", data={"username": "me", "password": "wrong"})
+        assert refused.status_code >= 400
+        assert browser.post("/login", data={"username": "me", "password": API_KEY}).status_code == 200
+        assert browser.get("/config").status_code == 200
