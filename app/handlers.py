@@ -376,6 +376,12 @@ class ChatApp:
             return status_html(html.escape(notice) + ("<br>" if notice and text else "") + text,
                                "warn" if notice and kind == "info" else kind)
 
+        def decoding_status():
+            last = run.steps[-1] if run.steps else None
+            return status(f"Decoding with {html.escape(who)} · step {len(run.steps)} · {len(tokens)} tokens"
+                          + (f" · last step accepted {last.accepted_draft_tokens} of {last.tree_size - 1} drafts"
+                             if last is not None and last.tree_size > 1 else ""))
+
         yield {c.chatbot: display_messages(history[:-1] + [{"role": "assistant", "content": "…"}]),
                c.msg: "", c.history: history[:-1],
                c.live_tree: figures.live_placeholder("Waiting for the first step…", feed=feed.token),
@@ -439,11 +445,7 @@ class ChatApp:
                 if now - last_text >= o["feed_interval"]:
                     text = tokenizer.decode(tokens, skip_special_tokens=True)
                     record, fed_text = text_record(text, fed_text), text
-                    last = run.steps[-1] if run.steps else None
-                    record["status"] = status(
-                        f"Decoding with {html.escape(who)} · step {len(run.steps)} · {len(tokens)} tokens"
-                        + (f" · last step accepted {last.accepted_draft_tokens} of {last.tree_size - 1} drafts"
-                           if last is not None and last.tree_size > 1 else ""))
+                    record["status"] = decoding_status()
                     if dirty_plot and run.steps and now - last_plot >= o["feed_tree_interval"]:
                         record["tree"] = figures.tree_svg(run.steps[-1], run.texts, scale=1.25 * run.scale)
                         record["stats"] = figures.markdown_html(figures.stats_line(run.steps, expected_tokens=run.expected))
@@ -456,11 +458,7 @@ class ChatApp:
                 answer["content"] = tokenizer.decode(tokens, skip_special_tokens=True)
                 if phase == "main":
                     update[c.chatbot] = display_messages(history)
-                    last = run.steps[-1] if run.steps else None
-                    update[c.status] = status(
-                        f"Decoding with {html.escape(who)} · step {len(run.steps)} · {len(tokens)} tokens"
-                        + (f" · last step accepted {last.accepted_draft_tokens} of {last.tree_size - 1} drafts"
-                           if last is not None and last.tree_size > 1 else ""))
+                    update[c.status] = decoding_status()
                 else:
                     update[c.status] = status(f"Answer done. Now the target alone, for comparison: "
                                               f"{len(compare_tokens)} tokens…")
