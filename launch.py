@@ -55,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"session, least recently used evicted ({KV_CACHE_MB}; 0 keeps none)")
     parser.add_argument("--no-measure", action="store_true",
                         help="do not measure this machine's forward times for the optimizer on a first start "
-                             "(it then uses the nearest bundled profile; python -m engine.cli.profile measures)")
+                             "(it then uses the nearest bundled profile; python -m engine.cli.profile measures), "
+                             "nor the target alone's rate at T = 0 on each start (a 48-token answer)")
     # development: a tiny random pair with the real tokenizer, to work on the UI without the weights
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -182,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Measuring this machine for the optimizer (about a minute, once); until then it uses the "
               f"{tuner.origin}.", flush=True)
         threading.Thread(target=report_measurement, args=(job, worker), daemon=True).start()
+    if not args.no_measure:  # after the profile: the stats line's "× the target alone" is then measured here
+        demo.chat_app.measure_baseline_later(0.0, 1.0)
     print("Press Ctrl-C to stop.", flush=True)
     try:
         demo.block_thread()

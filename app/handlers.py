@@ -95,6 +95,17 @@ BASELINE_TOKENS = 48
 
 
 # ----- small pieces ------------------------------------------------------------------------------
+def _finished_run(job: Job) -> dict | None:
+    """The main run's summary of a finished job (its "finished" event), or None if it did not end well."""
+    run = None
+    for event in job.iter_events():
+        if event.kind == "finished" and event.phase == "main":
+            run = event.data
+        elif event.kind in ("error", "cancelled"):
+            return None
+    return run
+
+
 def text_record(text: str, sent: str) -> dict:
     """A live-feed record that takes the page from ``sent`` to ``text``: the delta when ``text``
     extends it, else the whole text (a character completed by a later byte token)."""
@@ -225,14 +236,28 @@ class ChatApp:
                     f"Measure replaces it with a measurement of this setting).")
         return f"<div class='sc-baseline'>{text}</div>"
 
+    @staticmethod
+    def _baseline_request(temperature: float, top_p: float, seed: int = 0) -> GenerationRequest:
+        """What "Measure the target alone" decodes: a short fixed prompt, no draft."""
+        return GenerationRequest(system="", messages=[{"role": "user", "content": BASELINE_PROMPT}],
+                                 max_new_tokens=BASELINE_TOKENS, temperature=temperature, top_p=top_p, tree=None,
+                                 seed=seed, method="autoregressive")
+
+    def measure_baseline_later(self, temperature: float = 0.0, top_p: float = 1.0) -> Job:
+        """Queue a measurement of the target alone at this setting (the app's defaults) behind the
+        worker's other jobs; its rate is kept when it finishes, so the stats line compares with a
+        measurement of this machine, not the profile's estimate."""
+        job = self.worker.submit(self._baseline_request(temperature, top_p), session="startup-baseline")
+        threading.Thread(target=lambda: self.record_baseline(temperature, top_p, _finished_run(job)),
+                         name="baseline-record", daemon=True).start()
+        return job
+
     def measure_baseline(self, temperature, top_p, seed, request: gr.Request | None = None):
         """Decode a short fixed prompt with the target alone and keep its rate for this setting."""
         c = self.c
         temperature, top_p = clamp(temperature, 0.0, 2.0), clamp(top_p, 0.01, 1.0)
         session = getattr(request, "session_hash", None) or "local"
-        req = GenerationRequest(system="", messages=[{"role": "user", "content": BASELINE_PROMPT}],
-                                max_new_tokens=BASELINE_TOKENS, temperature=temperature, top_p=top_p, tree=None,
-                                seed=int(clamp(seed, 0, 2**31 - 1, int)), method="autoregressive")
+        req = self._baseline_request(temperature, top_p, int(clamp(seed, 0, 2**31 - 1, int)))
         try:
             job = self.worker.submit(req, session=session)
         except SessionBusy:
@@ -240,16 +265,11 @@ class ChatApp:
                    + status_html("An answer is still running: measure after it.", "warn")}
             return
         yield {c.baseline_info: status_html(f"Measuring the target alone ({BASELINE_TOKENS} tokens)…", "info")}
-        finished = None
-        for event in job.iter_events():
-            if event.kind == "finished":
-                finished = event.data
-            elif event.kind in ("error", "cancelled"):
-                yield {c.baseline_info: self.baseline_html(temperature, top_p)
-                       + status_html(f"Measurement {event.kind}.", "warn")}
-                return
-            elif event.kind == "done":
-                break
+        finished = _finished_run(job)
+        if finished is None:
+            yield {c.baseline_info: self.baseline_html(temperature, top_p)
+                   + status_html("The measurement was stopped or failed.", "warn")}
+            return
         self.record_baseline(temperature, top_p, finished)
         yield {c.baseline_info: self.baseline_html(temperature, top_p)}
 
