@@ -44,7 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     add_format_arguments(parser)
     parser.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub (HF_HUB_OFFLINE=1)")
-    parser.add_argument("--trust-remote-code", action="store_true", help="allow model repos to run their own code")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let --target and --draft run their repositories' own code (the launch pair only)")
+    parser.add_argument("--models-panel-remote-code", action="store_true",
+                        help="let whoever reaches the page load repositories that run their own code from the "
+                             "Models panel: remote code execution for every client of the port")
     parser.add_argument("--models-dir", default=os.environ.get("SEQUOIA_MODELS_DIR", "~/models"),
                         help="the only folder the UI may load local models from (~/models, or $SEQUOIA_MODELS_DIR)")
     parser.add_argument("--tree-size", type=int, default=8, help="initial tree size in the UI (nodes, root included)")
@@ -89,12 +93,12 @@ def build_worker(args: argparse.Namespace):
 
 def worker_policy(args: argparse.Namespace) -> dict:
     """What UI requests may load: local folders under --models-dir only; remote code only with
-    --trust-remote-code. Also how drafts loaded from the UI are stored (--draft-format, --draft-vocab)
+    --models-panel-remote-code (--trust-remote-code is for the launch pair alone). Also how drafts loaded from the UI are stored (--draft-format, --draft-vocab)
     and the memory the conversation KV caches may hold (--kv-cache-mb)."""
 
     if args.kv_cache_mb < 0:
         raise SystemExit("error: --kv-cache-mb must be >= 0")
-    return {"models_dir": Path(args.models_dir).expanduser(), "allow_remote_code": args.trust_remote_code,
+    return {"models_dir": Path(args.models_dir).expanduser(), "allow_remote_code": args.models_panel_remote_code,
             "draft_format": args.draft_format, "draft_vocabulary": args.draft_vocab, "kv_cache_bytes": args.kv_cache_mb << 20}
 
 

@@ -575,8 +575,8 @@ class Worker:
             raise ModelLoadError(f"device '{device}' is not available here: use cpu"
                                  + (" or cuda" if torch.cuda.is_available() else ""))
         if request.trust_remote_code and not self.allow_remote_code:
-            raise ModelLoadError("running a repository's own code is disabled: start the app with "
-                                 "--trust-remote-code to allow it")
+            raise ModelLoadError("loading a repository that runs its own code from the Models panel is disabled: "
+                                 "start the app with --models-panel-remote-code to allow it")
         target_id = validate_model_id(request.target, "target", self.models_dir)
         draft_id = validate_model_id(request.draft, "draft", self.models_dir)
         if not self._wait_for_orphan(job):

@@ -26,7 +26,9 @@ def test_ui_policy_follows_the_flags(tmp_path):
     policy = launch.worker_policy(launch.parse_args(["--models-dir", str(tmp_path)]))
     assert policy == {"models_dir": tmp_path, "allow_remote_code": False, "draft_format": "auto",
                       "draft_vocabulary": "auto", "kv_cache_bytes": 1 << 30}
-    assert launch.worker_policy(launch.parse_args(["--trust-remote-code"]))["allow_remote_code"] is True
+    # --trust-remote-code is for the launch pair: the Models panel needs its own, explicit flag
+    assert launch.worker_policy(launch.parse_args(["--trust-remote-code"]))["allow_remote_code"] is False
+    assert launch.worker_policy(launch.parse_args(["--models-panel-remote-code"]))["allow_remote_code"] is True
     assert launch.worker_policy(launch.parse_args(["--draft-format", "int8"]))["draft_format"] == "int8"
     assert launch.worker_policy(launch.parse_args(["--draft-vocab", "0"]))["draft_vocabulary"] == "0"
 

@@ -203,7 +203,7 @@ def test_remote_code_requests_are_refused_unless_the_app_allows_them(pair):
     w = Worker.from_models(target, draft, tokenizer, "a", "b", loader=loader)
     try:
         events = w.load_models("org/target", "org/draft", trust_remote_code=True).wait(30)
-        assert events[-1].kind == "error" and "--trust-remote-code" in str(events[-1].data)
+        assert events[-1].kind == "error" and "--models-panel-remote-code" in str(events[-1].data)
         assert calls == [] and w.info["target"] == "a"
     finally:
         w.close()
