@@ -19,6 +19,7 @@ if __name__ == "__main__":  # before torch loads: glibc reads its tunables when 
 from engine.cli.arguments import add_format_arguments  # noqa: E402
 from engine.errors import EngineError  # noqa: E402
 from engine.models.loading import DTYPES  # noqa: E402
+from app.cross_origin import parse_origins  # noqa: E402
 
 KV_CACHE_MB = 1024  # default budget of the conversation KV caches (engine.core.prefix_cache.DEFAULT_BUDGET_BYTES)
 
@@ -29,6 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--allowed-hosts", default="",
                         help="comma-separated extra Host names the server answers to (beyond the loopback names and "
                              "--host); * answers any (turns the DNS-rebinding guard off)")
+    parser.add_argument("--cors-origins", default="",
+                        help="comma-separated web origins (https://app.example:8443) whose pages may call /v1 "
+                             "from the browser, without credentials; none by default, and never the UI")
     parser.add_argument("--api-key", default=None,
                         help="a key every client must give: Bearer token on /v1, password on the page "
                              "(needed with a non-loopback --host or --share)")
@@ -149,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     key = api_key(args)
     check_exposure(args, key)
+    try:
+        origins = parse_origins(args.cors_origins.split(","))
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     if args.offline:
         os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -175,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         "predict": measured and not args.tiny})
     app, local_url, share_url = ui.launch(demo, server_name=args.host, server_port=args.port, share=args.share,
                                           inbrowser=args.inbrowser, prevent_thread_lock=True, quiet=True,
-                                          extra_hosts=args.allowed_hosts.split(","), api_key=key)
+                                          extra_hosts=args.allowed_hosts.split(","), api_key=key,
+                                          cors_origins=origins)
     from app import openai_api
     openai_api.mount(app, worker, {"tree_size": max(1, args.tree_size), "depth": max(1, args.depth)}, api_key=key)
     print(f"Sequoia Chat is running at {local_url}" + (f" (public link: {share_url})" if share_url else ""),

@@ -18,6 +18,7 @@ from engine.core.speculative import METHODS
 from . import figures, live_feed
 from .conversation import highlight_html
 from .handlers import ChatApp, Run
+from .cross_origin import CrossOriginMiddleware
 from .host_guard import HostGuardMiddleware, allowed_hosts
 from .page_script import HeadScriptMiddleware
 from .text import header_html, key_html, method_help, pair_markdown
@@ -255,12 +256,25 @@ def quiet_queue(demo: gr.Blocks) -> None:
     queue.progress_update_sleep_when_free = max(queue.progress_update_sleep_when_free, 0.1)
 
 
+def without_gradio_cors(app) -> None:
+    """Takes Gradio's CORS middleware out of ``app`` (it answers foreign Origins with credentials
+    on some Hosts): :class:`CrossOriginMiddleware` is the policy. The stack is rebuilt on the next
+    request."""
+    kept = [m for m in app.user_middleware if m.cls.__name__ != "CustomCORSMiddleware"]
+    if len(kept) == len(app.user_middleware):
+        raise RuntimeError("Gradio's CORS middleware was not found: check app.cross_origin against this Gradio")
+    app.user_middleware = kept
+    app.middleware_stack = None
+
+
 def launch(demo: gr.Blocks, server_name: str = "127.0.0.1", server_port: int | None = None, share: bool = False,
            inbrowser: bool = False, prevent_thread_lock: bool = False, quiet: bool = False,
-           extra_hosts: Sequence[str] = (), api_key: str | None = None, **kwargs):
+           extra_hosts: Sequence[str] = (), api_key: str | None = None, cors_origins: frozenset[str] = frozenset(),
+           **kwargs):
     """``demo.launch`` with the app's theme, CSS, queue, upload limits, page scripts and live feed,
     behind a Host allowlist (the loopback names, ``server_name`` and ``extra_hosts``; ``*`` turns
-    it off). With ``api_key``, the page asks for it (any user name, the key as the password)."""
+    it off) and the cross-origin policy of :mod:`app.cross_origin` (``cors_origins`` may call
+    ``/v1``). With ``api_key``, the page asks for it (any user name, the key as the password)."""
     demo.queue(default_concurrency_limit=4)
     quiet_queue(demo)
     if api_key is not None:
@@ -268,12 +282,14 @@ def launch(demo: gr.Blocks, server_name: str = "127.0.0.1", server_port: int | N
                       auth_message="This server needs its API key: any user name, the key as the password.")
     # a share link arrives with the tunnel's Host name: it is public by design
     guard = Middleware(HostGuardMiddleware, allowed=None if share else allowed_hosts(server_name, extra_hosts))
+    cross_origin = Middleware(CrossOriginMiddleware, api_origins=frozenset(cors_origins))
     early = Middleware(HeadScriptMiddleware, script="\n".join(path.read_text() for path in PAGE_SCRIPTS))
     launched = demo.launch(server_name=server_name, server_port=server_port, share=share, inbrowser=inbrowser,
                            prevent_thread_lock=True, quiet=quiet, theme=theme(),
                            css_paths=[CSS_PATH] if CSS_PATH.exists() else None, max_file_size="5mb",
                            show_error=True, run_history=False, footer_links=["api", "settings"],
-                           app_kwargs={"middleware": [guard, early]}, **kwargs)
+                           app_kwargs={"middleware": [guard, cross_origin, early]}, **kwargs)
+    without_gradio_cors(launched[0])
     live_feed.mount(launched[0], demo.chat_app.feeds)
     if not prevent_thread_lock:
         demo.block_thread()

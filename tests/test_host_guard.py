@@ -26,3 +26,15 @@ def test_binding_every_interface_adds_this_machines_names():
     names = allowed_hosts("0.0.0.0")
     assert LOOPBACK_NAMES <= names and socket.gethostname().lower() in names
     assert "evil.example" not in names
+
+
+def test_cors_origins_must_be_full_origins():
+    from app.cross_origin import parse_origins, same_origin
+
+    assert parse_origins(["https://A.example:8443/", " ", "http://localhost:3000"]) == {
+        "https://a.example:8443", "http://localhost:3000"}
+    for bad in ("*", "a.example", "https://a.example/path", "ftp://a.example", "https://a.example/?q=1"):
+        with pytest.raises(ValueError, match="full origins"):
+            parse_origins([bad])
+    assert same_origin("http://127.0.0.1:7860", "127.0.0.1:7860")
+    assert not same_origin("http://127.0.0.1:7861", "127.0.0.1:7860") and not same_origin("null", "127.0.0.1:7860")

@@ -260,7 +260,7 @@ def keyed_server():
     worker = Worker(make_engine(target, draft, tok), tok, {"target": MODEL, "draft": "tiny-draft"})
     demo = ui.build_demo(worker, tok)
     app, url, _ = ui.launch(demo, server_name="127.0.0.1", server_port=support.free_port(),
-                            prevent_thread_lock=True, quiet=True, api_key=API_KEY)
+                            prevent_thread_lock=True, quiet=True, api_key=API_KEY, cors_origins={ALLOWED_ORIGIN})
     openai_api.mount(app, worker, {"tree_size": 8, "depth": 4}, api_key=API_KEY)
     yield worker, url.rstrip("/")
     demo.close()
@@ -268,6 +268,8 @@ def keyed_server():
 
 
 API_KEY = "test-key-7f3a"
+ALLOWED_ORIGIN = "https://tools.example:8443"
+EVIL = "https://evil.example"
 
 
 def test_with_an_api_key_the_api_wants_the_bearer_token(keyed_server):
@@ -295,3 +297,60 @@ def test_with_an_api_key_the_page_wants_it_as_the_password(keyed_server):
         assert refused.status_code >= 400
         assert browser.post("/login", data={"username": "me", "password": API_KEY}).status_code == 200
         assert browser.get("/config").status_code == 200
+
+
+# ----- cross-origin requests (app/cross_origin.py) ------------------------------------------------
+def _port(base: str) -> str:
+    return base.rsplit(":", 1)[1].split("/")[0]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "[::1]"])
+def test_a_foreign_page_can_read_nothing_and_change_nothing(server, host):
+    """Gradio answered a foreign Origin with credentials whenever the Host was not exactly a
+    loopback name it knows ([::1], a LAN address): a page the user visits could drive the UI."""
+    _, base = server
+    root = f"http://127.0.0.1:{_port(base)}"
+    headers = {"host": f"{host}:{_port(base)}", "origin": EVIL}
+    for path in ("/config", "/v1/models", "/gradio_api/info"):
+        read = httpx.get(root + path, headers=headers, timeout=30)
+        assert "access-control-allow-origin" not in read.headers, path
+        assert "access-control-allow-credentials" not in read.headers, path
+    for path in ("/gradio_api/queue/join", "/gradio_api/upload", "/v1/chat/completions"):
+        preflight = httpx.options(root + path, headers=headers | {"access-control-request-method": "POST",
+                                                                  "access-control-request-headers": "content-type"})
+        assert preflight.status_code == 403 and "access-control-allow-origin" not in preflight.headers, path
+    upload = httpx.post(root + "/gradio_api/upload", headers=headers, files={"files": ("a.txt", b"x")}, timeout=30)
+    assert upload.status_code == 403  # a form POST needs no preflight: refused before the route
+    post = httpx.post(root + "/v1/chat/completions", headers=headers, timeout=30,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert post.status_code == 403 and post.json()["error"]["code"] == "cors"
+
+
+def test_the_pages_own_requests_still_pass(server):
+    _, base = server
+    own = f"http://127.0.0.1:{_port(base)}"
+    post = httpx.post(base + "/chat/completions", headers={"origin": own}, timeout=60,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert post.status_code == 200, post.text
+
+
+def test_a_listed_origin_may_call_v1_without_credentials(keyed_server):
+    _, root = keyed_server
+    origin = {"origin": ALLOWED_ORIGIN}
+    preflight = httpx.options(f"{root}/v1/chat/completions", timeout=30, headers=origin | {
+        "access-control-request-method": "POST", "access-control-request-headers": "authorization, content-type"})
+    assert preflight.status_code == 204
+    assert preflight.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    assert "access-control-allow-credentials" not in preflight.headers
+    answer = httpx.post(f"{root}/v1/chat/completions", timeout=60,
+                        headers=origin | {"authorization": f"Bearer {API_KEY}"},
+                        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    assert "access-control-allow-credentials" not in answer.headers
+    # the listed origin gets /v1 only, never the UI's routes
+    ui_preflight = httpx.options(f"{root}/gradio_api/queue/join", timeout=30,
+                                 headers=origin | {"access-control-request-method": "POST"})
+    assert ui_preflight.status_code == 403
+    assert "access-control-allow-origin" not in httpx.get(f"{root}/v1/models", timeout=30, headers={
+        "origin": EVIL, "authorization": f"Bearer {API_KEY}"}).headers
