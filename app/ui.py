@@ -17,8 +17,8 @@ from engine.core.speculative import METHODS
 
 from . import figures, live_feed
 from .conversation import highlight_html
-from .handlers import ChatApp, Run
 from .cross_origin import CrossOriginMiddleware
+from .handlers import ChatApp, Run
 from .host_guard import HostGuardMiddleware, allowed_hosts
 from .page_script import HeadScriptMiddleware
 from .text import header_html, key_html, method_help, pair_markdown
