@@ -48,7 +48,7 @@ from .text import (
     status_html,
     step_text_html,
 )
-from .worker import GenerationRequest, Job, SessionBusy, Worker
+from .worker import GenerationRequest, Job, QueueFull, SessionBusy, Worker
 
 DEFAULTS = {
     "title": "Sequoia Chat",
@@ -349,6 +349,11 @@ class ChatApp:
                        "when the answer is done.")
             yield {c.status: status_html("Not sent: an answer is still streaming. Your message stays in the box; "
                                          "send it when the answer is done, or press Stop first.", "warn")}
+            return
+        except QueueFull as exc:
+            gr.Warning(f"Not sent: {exc}.")
+            yield {c.status: status_html(html.escape(f"Not sent: {exc} (about {exc.retry_after} s). Your message "
+                                                     "stays in the box."), "warn")}
             return
         try:
             yield from self._stream(job, history, message, system, choice, tree_desc, tree, highlight, notices,

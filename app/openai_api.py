@@ -32,12 +32,16 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.conversation import MAX_IMPORT_MESSAGES, MAX_MESSAGE_CHARS, ContextTooLong, fit_context
-from app.worker import Event, GenerationRequest, Job, Worker
+from app.worker import TERMINAL, Event, GenerationRequest, Job, QueueFull, Worker
 from engine.core.speculative import METHODS
 from engine.trees.tree import Tree
 from engine.tuning.tree_store import build_tree
 
 DEFAULT_MAX_TOKENS = 256
+# Threads that wait on jobs' events for the API, apart from the pool Gradio's handlers (Stop and
+# Clear included) draw from: however many API calls wait, the UI keeps its threads.
+API_WAITERS = anyio.CapacityLimiter(8)
+DISCONNECT_CHECK_S = 0.25  # how often a whole answer's wait asks whether its client is still there
 MAX_STOPS = 4
 MAX_TREE_SIZE = 128
 OWNER = "sequoia-chat"
@@ -47,15 +51,16 @@ class APIError(Exception):
     """An error answered in OpenAI's shape with an HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 @dataclass
@@ -303,13 +308,38 @@ def _failure(message: str) -> APIError:
     return APIError(500, f"the engine failed: {message}", None, "engine_error", "server_error")
 
 
-def complete(worker: Worker, call: ChatCall) -> dict:
-    """Run ``call`` to the end (blocking); the ``chat.completion`` object."""
-    job = worker.submit(call.request)
+def submit(worker: Worker, call: ChatCall, client: str | None) -> Job:
+    """Queue ``call`` for ``client``; a full queue is a 429 with ``Retry-After``."""
+    try:
+        return worker.submit(call.request, client=client)
+    except QueueFull as exc:
+        raise APIError(429, str(exc), code="rate_limit_exceeded", kind="rate_limit_error",
+                       headers={"Retry-After": str(exc.retry_after)}) from None
+
+
+async def events(job: Job, http: Request | None = None) -> AsyncIterator[Event]:
+    """``job``'s events up to its terminal one, waited for in the API's own threads. With ``http``,
+    the job is cancelled as soon as that client has gone away."""
+    checked = time.monotonic()
+    while True:
+        event = await anyio.to_thread.run_sync(_next_event, job, limiter=API_WAITERS)
+        if http is not None and not job.cancelled and time.monotonic() - checked > DISCONNECT_CHECK_S:
+            checked = time.monotonic()
+            if await http.is_disconnected():
+                job.cancel()
+        if event is None:
+            continue
+        yield event
+        if event.kind in TERMINAL:
+            return
+
+
+async def complete(worker: Worker, call: ChatCall, job: Job, http: Request | None = None) -> dict:
+    """Run ``job`` to the end; the ``chat.completion`` object. Cancelled if ``http`` disconnects."""
     answer = Answer(worker.tokenizer, call.stops)
     started = finished = None
-    for event in job.iter_events():
-        started, finished = _note(event, started, finished)
+    async for event in events(job, http):
+        started, finished = _note(event, started, finished, answer)
         if event.kind == "step" and event.phase == "main" and not answer.stopped:
             answer.add(event.data)
             if answer.stopped:
@@ -325,9 +355,13 @@ def complete(worker: Worker, call: ChatCall) -> dict:
             "usage": _usage(call, answer), "sequoia": speculation(answer, started, finished)}
 
 
-def _note(event: Event, started: dict | None, finished: dict | None) -> tuple[dict | None, dict | None]:
+def _note(event: Event, started: dict | None, finished: dict | None,
+          answer: Answer) -> tuple[dict | None, dict | None]:
+    """Keep the main run's "started" and "finished" data; the answer is decoded with the tokenizer
+    of the pair that serves the job (a model swap may have run ahead of it)."""
     if event.phase == "main" and event.kind == "started":
         started = event.data
+        answer.tokenizer = (started or {}).get("tokenizer") or answer.tokenizer
     if event.phase == "main" and event.kind == "finished":
         finished = event.data
     return started, finished
@@ -340,10 +374,9 @@ def _next_event(job: Job) -> Event | None:
         return None
 
 
-async def stream(worker: Worker, call: ChatCall) -> AsyncIterator[str]:
+async def stream(worker: Worker, call: ChatCall, job: Job) -> AsyncIterator[str]:
     """Server-sent events of ``chat.completion.chunk`` objects, then ``[DONE]``. The job is cancelled
-    when the client goes away (the next event wait notices within 0.2 s)."""
-    job = worker.submit(call.request)
+    when the client goes away (the server stops this generator)."""
     answer = Answer(worker.tokenizer, call.stops)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": call.model}
@@ -355,11 +388,8 @@ async def stream(worker: Worker, call: ChatCall) -> AsyncIterator[str]:
     started = finished = None
     try:
         yield chunk({"role": "assistant", "content": ""})
-        while True:
-            event = await anyio.to_thread.run_sync(_next_event, job)
-            if event is None:
-                continue
-            started, finished = _note(event, started, finished)
+        async for event in events(job):
+            started, finished = _note(event, started, finished, answer)
             if event.kind == "step" and event.phase == "main" and not answer.stopped:
                 delta = answer.add(event.data)
                 if delta:
@@ -429,11 +459,16 @@ def routes(worker: Worker, defaults: dict | None = None, api_key: str | None = N
                 body = await http.json()
             except (ValueError, UnicodeDecodeError):
                 raise APIError(400, "the request body is not valid JSON") from None
-            call = await anyio.to_thread.run_sync(parse_chat, body, worker, defaults)
+            call = await anyio.to_thread.run_sync(parse_chat, body, worker, defaults, limiter=API_WAITERS)
+            job = submit(worker, call, f"api:{http.client.host if http.client else 'unknown'}")
             if call.stream:
-                return StreamingResponse(stream(worker, call), media_type="text/event-stream",
+                return StreamingResponse(stream(worker, call, job), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
-            return JSONResponse(await anyio.to_thread.run_sync(complete, worker, call))
+            try:
+                return JSONResponse(await complete(worker, call, job, http))
+            finally:
+                if not job.finished:
+                    job.cancel()
         except APIError as error:
             return error.response()
 

@@ -116,12 +116,27 @@ class SessionBusy(RuntimeError):
     """A session asked for another job while one of its jobs is still waiting or running."""
 
 
+class QueueFull(RuntimeError):
+    """Refused: the queue holds ``MAX_WAITING`` jobs, or this client already has ``MAX_PER_CLIENT``
+    jobs waiting or running. ``retry_after``: seconds after which trying again is reasonable."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+MAX_WAITING = 32      # jobs waiting behind the running one, all clients together
+MAX_PER_CLIENT = 4    # one running and three waiting per client (an API caller's address)
+RETRY_PER_JOB_S = 15  # what a waiting answer is guessed to take, for Retry-After
+
+
 @dataclass
 class Job:
     """One queued request: read ``events`` until a terminal event; ``cancel()`` to stop it."""
 
     request: GenerationRequest | LoadRequest | ProfileRequest
     session: str | None = None
+    client: str | None = None  # who asked, for the per-client cap (None: not capped)
     id: int = field(default_factory=lambda: next(_ids))
     events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
     worker: "Worker | None" = field(default=None, repr=False)
@@ -319,10 +334,12 @@ class Worker:
         target.tuner = tuner
 
     # ----- submitting --------------------------------------------------------------------
-    def submit(self, request: GenerationRequest, session: str | None = None) -> Job:
+    def submit(self, request: GenerationRequest, session: str | None = None, client: str | None = None) -> Job:
         """Queue a generation. With ``session``, refused (:class:`SessionBusy`) while that session has
-        a job waiting or running: the check and the registration are one locked step."""
-        return self._enqueue(Job(request, session))
+        a job waiting or running; with ``client``, refused (:class:`QueueFull`) while that client has
+        ``MAX_PER_CLIENT``; any job is refused when ``MAX_WAITING`` wait. Checks and registration
+        are one locked step."""
+        return self._enqueue(Job(request, session, client))
 
     def load_models(self, target: str, draft: str, dtype: str = "float32", device: str = "cpu",
                     trust_remote_code: bool = False, session: str | None = None) -> Job:
@@ -342,6 +359,14 @@ class Worker:
             if job.session is not None and any(
                     j.session == job.session and not j.finished for j in [*self._pending, self._current] if j):
                 raise SessionBusy("an answer is still streaming in this session: wait for it or press Stop")
+            queued = [j for j in [self._current, *self._pending] if j is not None and not j.finished]
+            if len(self._pending) >= MAX_WAITING:
+                raise QueueFull(f"the server is busy: {len(self._pending)} requests are waiting; try again later",
+                                RETRY_PER_JOB_S * len(queued))
+            mine = [j for j in queued if job.client is not None and j.client == job.client]
+            if len(mine) >= MAX_PER_CLIENT:
+                raise QueueFull(f"you have {len(mine)} requests waiting or running (at most {MAX_PER_CLIENT}): "
+                                f"wait for one to finish", RETRY_PER_JOB_S * len(mine))
             self._pending.append(job)
             ahead = len(self._pending) - 1 + (self._current is not None)
             self._cond.notify_all()

@@ -537,6 +537,43 @@ def test_one_session_gets_one_job_however_many_threads_submit_at_once(pair):
         w.close()
 
 
+def test_a_full_queue_and_a_client_past_its_share_are_refused(pair, monkeypatch):
+    """MAX_WAITING jobs wait at most (any client, UI sessions included); one client gets
+    MAX_PER_CLIENT jobs waiting or running. Refusals say when to come back; others still get in."""
+    import threading
+
+    from app import worker as worker_module
+    from app.worker import QueueFull
+
+    monkeypatch.setattr(worker_module, "MAX_WAITING", 6)
+    target, draft, tokenizer = pair
+    gate = threading.Event()
+
+    def loader(model_id, dtype, device, trust_remote_code, draft_format="none"):
+        gate.wait(30)
+        return (target if model_id == "org/target" else draft), tokenizer
+
+    w = Worker.from_models(target, draft, tokenizer, "a", "b", loader=loader)
+    request = GenerationRequest(prompt(pair), max_new_tokens=2, tree=TREE)
+    try:
+        load = w.load_models("org/target", "org/draft")  # runs, holding the queue
+        assert support.wait_until(lambda: w._current is load, 10)
+        mine = [w.submit(request, client="api:10.0.0.7") for _ in range(worker_module.MAX_PER_CLIENT)]
+        with pytest.raises(QueueFull, match="at most 4") as refused:
+            w.submit(request, client="api:10.0.0.7")
+        assert refused.value.retry_after > 0
+        others = [w.submit(request, client="api:10.0.0.8"), w.submit(request, session="tab")]
+        with pytest.raises(QueueFull, match="busy"):  # 6 waiting: nobody else gets in
+            w.submit(request, session="another tab")
+        mine[0].cancel()  # a freed place is free again
+        w.submit(request, client="api:10.0.0.7")
+        gate.set()
+        assert all(job.wait(60)[-1].kind in ("done", "cancelled") for job in mine + others)
+    finally:
+        gate.set()
+        w.close()
+
+
 def test_the_worker_fits_the_conversation_to_the_context_when_the_job_runs(worker, pair):
     worker.engine.max_context = 160  # the wrapper's view, which the worker budgets against
     try:

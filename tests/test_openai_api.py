@@ -11,6 +11,7 @@ import pytest
 import test_app_support as support
 
 from app import openai_api, ui
+from app import worker as worker_module
 from app.worker import Worker, make_engine
 from engine.models.prompts import encode_chat
 from engine.tuning.tree_store import build_tree
@@ -166,13 +167,14 @@ def test_a_user_key_reuses_its_conversation_cache(server):
         "context", "method", "depth", "auto", "model"])
 def test_bad_input_gets_an_openai_error(server, body, status, param, code):
     worker, base = server
+    jobs_before = next(worker_module._ids)
     response = httpx.post(f"{base}/chat/completions", json=body, timeout=30)
     assert response.status_code == status
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error")
     assert error["message"] and "\n" not in error["message"]
-    assert worker.busy == 0  # nothing was queued
+    assert next(worker_module._ids) == jobs_before + 1  # no job was made for it
 
 
 def test_the_official_client_raises_the_matching_errors(server):
@@ -197,18 +199,65 @@ def test_malformed_requests_and_unknown_paths(server):
     assert httpx.get(f"{base}/chat/completions").status_code == 405
 
 
-def test_a_streaming_client_that_goes_away_frees_the_engine(server):
+# A slow answer: 2000 tokens at most 5 a step (depth 4) is 400 steps or more, 20 s at 0.05 s a step.
+SLOW_STEP_S = 0.05
+SLOW_BODY = {"model": MODEL, "messages": QUESTION, "max_tokens": 2000, "temperature": 0}
+FULL_ANSWER_STEPS = 2000 // 5
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["stream", "whole"])
+def test_a_client_that_goes_away_frees_the_engine(server, streamed):
+    """The job stops within a second or two of the client leaving, long before the answer could
+    have ended on its own."""
     worker, base = server
-    worker.engine.delay = 0.03
+    worker.engine.delay = SLOW_STEP_S
+    steps = worker.engine.steps_run
     try:
-        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 2000, "temperature": 0, "stream": True}
-        with httpx.stream("POST", f"{base}/chat/completions", json=body, timeout=30) as response:
-            lines = response.iter_lines()
-            assert '"role": "assistant"' in next(line for line in lines if line)
-            assert support.wait_until(lambda: worker.engine.steps_run > 0 and worker.busy == 1, 30)
-        assert support.wait_until(lambda: worker.busy == 0, 10), "the engine kept decoding for a closed stream"
+        if streamed:
+            with httpx.stream("POST", f"{base}/chat/completions", json=SLOW_BODY | {"stream": True},
+                              timeout=30) as response:
+                lines = response.iter_lines()  # kept: a dropped iterator closes the connection
+                assert '"role": "assistant"' in next(line for line in lines if line)
+                assert support.wait_until(lambda: worker.engine.steps_run > steps + 5 and worker.busy == 1, 30)
+        else:  # a whole answer: the client gives up waiting for it (as the openai client's timeout does)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{base}/chat/completions", json=SLOW_BODY, timeout=httpx.Timeout(30, read=3))
+            assert worker.engine.steps_run > steps + 5
+        assert support.wait_until(lambda: worker.busy == 0, 5), "the engine kept decoding for a client that left"
+        assert worker.engine.steps_run - steps < FULL_ANSWER_STEPS // 2
     finally:
         worker.engine.delay = 0.0
+
+
+def test_a_client_gets_429_past_its_share_and_the_ui_keeps_answering(server):
+    """One client may have MAX_PER_CLIENT answers waiting or running; the next gets 429 with
+    Retry-After. Meanwhile Gradio's own endpoints still answer (the API waits in its own threads)."""
+    import threading
+
+    worker, base = server
+    worker.engine.delay = SLOW_STEP_S
+    root = base[:-len("/v1")]
+    results: list[int] = []
+    threads = [threading.Thread(target=lambda: results.append(httpx.post(
+        f"{base}/chat/completions", json=SLOW_BODY, timeout=120).status_code)) for _ in range(worker_module.MAX_PER_CLIENT)]
+    try:
+        for thread in threads:
+            thread.start()
+        assert support.wait_until(lambda: worker.busy == worker_module.MAX_PER_CLIENT, 30)
+        refused = httpx.post(f"{base}/chat/completions", json=SLOW_BODY, timeout=30)
+        assert refused.status_code == 429 and int(refused.headers["retry-after"]) > 0
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        with pytest.raises(openai.RateLimitError):
+            client(base).chat.completions.create(**SLOW_BODY)
+        assert httpx.get(f"{root}/config", timeout=10).status_code == 200
+    finally:
+        worker.engine.delay = 0.0
+        for job in [worker._current, *worker._pending]:
+            if job is not None:
+                job.cancel()
+        for thread in threads:
+            thread.join(60)
+    assert support.wait_until(lambda: worker.busy == 0, 10)
 
 
 def test_a_web_pages_simple_cross_site_post_is_refused(server):
