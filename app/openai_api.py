@@ -19,6 +19,7 @@ tokens reused from the conversation cache (in the last chunk when streaming).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import queue
 import secrets
@@ -28,6 +29,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
+from jinja2 import TemplateError
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -43,8 +45,12 @@ DEFAULT_MAX_TOKENS = 256
 API_WAITERS = anyio.CapacityLimiter(8)
 DISCONNECT_CHECK_S = 0.25  # how often a whole answer's wait asks whether its client is still there
 MAX_STOPS = 4
+MAX_STOP_CHARS = 256           # each stop string; the hold-back check is quadratic in its length
+MAX_BODY_BYTES = 8 << 20       # a request body
+MAX_TOTAL_CHARS = 2_000_000    # all messages together (the longest context is far shorter)
 MAX_TREE_SIZE = 128
 OWNER = "sequoia-chat"
+log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -136,6 +142,10 @@ def parse_messages(messages) -> tuple[str | None, list[dict]]:
                            f"messages[{i}].role", "invalid_value")
     if not history or history[-1]["role"] != "user":
         raise APIError(400, "the last message must come from the user", "messages", "invalid_value")
+    total = sum(len(m["content"]) for m in history) + sum(len(s) for s in system)
+    if total > MAX_TOTAL_CHARS:
+        raise APIError(400, f"the messages hold {total} characters; at most {MAX_TOTAL_CHARS} are accepted",
+                       "messages", "context_length_exceeded")
     return ("\n\n".join(system) or None), history
 
 
@@ -144,9 +154,9 @@ def parse_stops(value) -> list[str]:
         return []
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or len(stops) > MAX_STOPS or \
-            not all(isinstance(s, str) and s for s in stops):
-        raise APIError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOPS} of them", "stop",
-                       "invalid_value")
+            not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise APIError(400, f"'stop' must be a string of 1 to {MAX_STOP_CHARS} characters or a list of up to "
+                            f"{MAX_STOPS} of them", "stop", "invalid_value")
     return stops
 
 
@@ -219,6 +229,9 @@ def parse_chat(body, worker: Worker, defaults: dict) -> ChatCall:
         ids, dropped = fit_context(worker.tokenizer, system, history, worker.context_limit(request))
     except ContextTooLong as exc:
         raise APIError(400, str(exc), "messages", "context_length_exceeded") from None
+    except TemplateError as exc:
+        raise APIError(400, f"the model's chat template refused these messages: {exc}", "messages",
+                       "invalid_value") from None
     if dropped:
         raise APIError(400, f"the conversation does not fit the model's context with max_tokens={max_tokens}: "
                             f"shorten it or lower max_tokens", "messages", "context_length_exceeded")
@@ -417,6 +430,31 @@ async def stream(worker: Worker, call: ChatCall, job: Job) -> AsyncIterator[str]
 
 
 # ----- routes ----------------------------------------------------------------------------------
+async def read_body(http: Request) -> bytes:
+    """The request body, refused (413) past ``MAX_BODY_BYTES`` whether or not it says its length."""
+    too_big = APIError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB", code="request_too_large")
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_big
+    body = bytearray()
+    async for part in http.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise too_big
+    return bytes(body)
+
+
+def parse_body(body: bytes) -> dict:
+    """The JSON object of a request body (400 for anything else, deep nesting included)."""
+    try:
+        value = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise APIError(400, "the request body is not valid JSON (or nests too deeply)") from None
+    if not isinstance(value, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return value
+
+
 def bearer_check(api_key: str | None):
     """A dependency that refuses (401, OpenAI's shape) requests without ``Authorization: Bearer
     <api_key>``; with no key, every request passes."""
@@ -455,10 +493,7 @@ def routes(worker: Worker, defaults: dict | None = None, api_key: str | None = N
             if media_type != "application/json":  # a web page's "simple" cross-site POST cannot send this
                 raise APIError(415, f"the request body must be sent as application/json (got {media_type or 'none'!r})",
                                code="unsupported_media_type")
-            try:
-                body = await http.json()
-            except (ValueError, UnicodeDecodeError):
-                raise APIError(400, "the request body is not valid JSON") from None
+            body = parse_body(await read_body(http))
             call = await anyio.to_thread.run_sync(parse_chat, body, worker, defaults, limiter=API_WAITERS)
             job = submit(worker, call, f"api:{http.client.host if http.client else 'unknown'}")
             if call.stream:
@@ -471,6 +506,12 @@ def routes(worker: Worker, defaults: dict | None = None, api_key: str | None = N
                     job.cancel()
         except APIError as error:
             return error.response()
+
+    @api.exception_handler(Exception)
+    async def internal(_request: Request, error: Exception) -> JSONResponse:
+        log.exception("an API request failed")
+        return APIError(500, f"the server failed on this request ({type(error).__name__})", code="internal_error",
+                        kind="server_error").response()
 
     @api.exception_handler(404)
     async def not_found(_request: Request, _exc) -> JSONResponse:

@@ -403,3 +403,27 @@ def test_a_listed_origin_may_call_v1_without_credentials(keyed_server):
     assert ui_preflight.status_code == 403
     assert "access-control-allow-origin" not in httpx.get(f"{root}/v1/models", timeout=30, headers={
         "origin": EVIL, "authorization": f"Bearer {API_KEY}"}).headers
+
+
+# ----- input caps -------------------------------------------------------------------------------
+def test_oversized_and_malformed_bodies_get_openai_errors_and_queue_nothing(server):
+    worker, base = server
+    jobs_before = next(worker_module._ids)
+    url = f"{base}/chat/completions"
+    json_headers = {"content-type": "application/json"}
+    big = httpx.post(url, content=b" " * (openai_api.MAX_BODY_BYTES + 1), headers=json_headers, timeout=60)
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the cap holds while reading
+        for _ in range(openai_api.MAX_BODY_BYTES // (1 << 20) + 2):
+            yield b" " * (1 << 20)
+    assert httpx.post(url, content=chunks(), headers=json_headers, timeout=60).status_code == 413
+    deep = httpx.post(url, content=b"[" * 100_000 + b"]" * 100_000, headers=json_headers, timeout=60)
+    assert deep.status_code == 400 and deep.json()["error"]["message"].startswith("the request body is not valid")
+    for stop in ("x" * (openai_api.MAX_STOP_CHARS + 1), ["a", "b", "c", "d", "e"], [""]):
+        response = httpx.post(url, json={"model": MODEL, "messages": QUESTION, "stop": stop}, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "stop", stop
+    many = [{"role": "user", "content": "x" * 150_000}] * 15  # 2.25 M characters
+    response = httpx.post(url, json={"model": MODEL, "messages": many}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert next(worker_module._ids) == jobs_before + 1  # nothing reached the queue
