@@ -6,9 +6,11 @@ from __future__ import annotations
 import html
 import os
 import queue
+import shutil
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -187,7 +189,7 @@ class ChatApp:
             worker.tokenizer = tokenizer
         self.options = {**DEFAULTS, **(options or {})}
         self.texts = TokenTexts()
-        self.export_dir = Path(tempfile.mkdtemp(prefix="sequoia-chat-export-"))
+        self._export_dir: Path | None = None
         # target-alone decoding rates measured on this machine, per pair and (temperature, top-p)
         self.baselines: dict[tuple, float] = {}
         self._baselines_lock = threading.Lock()
@@ -599,11 +601,22 @@ class ChatApp:
                     old.unlink()
             except OSError:
                 pass
-        path = self.export_dir / f"sequoia-chat-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{id(history) % 10000}.json"
+        handle, name = tempfile.mkstemp(prefix=f"sequoia-chat-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".json",
+                                        dir=self.export_dir)  # a fresh name, however many export at once
+        os.close(handle)
+        path = Path(name)
         steps = run.steps if isinstance(run, Run) and run.steps else None
         texts = run.texts if steps else None
         path.write_text(export_conversation(system, history, settings, steps, texts), encoding="utf-8")
         return gr.update(value=str(path), interactive=True)
+
+    @property
+    def export_dir(self) -> Path:
+        """This app's folder of exported conversations: made on the first export, removed with the app."""
+        if self._export_dir is None:
+            self._export_dir = Path(tempfile.mkdtemp(prefix="sequoia-chat-export-"))
+            weakref.finalize(self, shutil.rmtree, self._export_dir, ignore_errors=True)
+        return self._export_dir
 
     # ----- other handlers ---------------------------------------------------------------------
     def stop(self, request: gr.Request | None = None) -> None:

@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import PurePath
 
 import anyio
 from jinja2 import TemplateError
@@ -240,8 +241,12 @@ def parse_chat(body, worker: Worker, defaults: dict) -> ChatCall:
 
 
 def model_id(worker: Worker) -> str:
-    """The id this server answers to: the target of the pair in use."""
-    return str(worker.info.get("target") or "sequoia")
+    """The id this server answers to: the target of the pair in use (a local folder by its name
+    only: the server's paths are nobody's business)."""
+    target = str(worker.info.get("target") or "sequoia")
+    if target.startswith(("/", "~", ".")) or "\\" in target or target.count("/") > 1:
+        return PurePath(target.replace("\\", "/")).name or "sequoia"
+    return target
 
 
 # ----- answers -------------------------------------------------------------------------------
@@ -495,7 +500,10 @@ def routes(worker: Worker, defaults: dict | None = None, api_key: str | None = N
                                code="unsupported_media_type")
             body = parse_body(await read_body(http))
             call = await anyio.to_thread.run_sync(parse_chat, body, worker, defaults, limiter=API_WAITERS)
-            job = submit(worker, call, f"api:{http.client.host if http.client else 'unknown'}")
+            client = f"api:{http.client.host if http.client else 'unknown'}"
+            if call.request.cache_key:  # a 'user' names a conversation of this client's, never another's
+                call.request.cache_key = f"{client}|{call.request.cache_key}"
+            job = submit(worker, call, client)
             if call.stream:
                 return StreamingResponse(stream(worker, call, job), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})

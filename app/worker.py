@@ -253,6 +253,8 @@ def validate_model_id(value: str, role: str, models_dir: Path | None = None) -> 
             if root not in candidate.parents:
                 raise ModelLoadError(_outside(value, models_dir))
             return str(candidate)
+    if value.startswith(("/", "~", ".")) or "\\" in value or re.match(r"[A-Za-z]:", value):
+        raise ModelLoadError(_outside(value))  # whether or not it exists: the answer tells nothing of the disk
     _refuse_local_path(value, models_dir)
     if not _HUB_ID.match(value) or ".." in value:
         where = f"a folder under {models_dir}" if models_dir is not None else "a local folder (none configured)"
@@ -261,9 +263,8 @@ def validate_model_id(value: str, role: str, models_dir: Path | None = None) -> 
 
 
 def _outside(value: str, models_dir: Path | None = None) -> str:
-    where = f" {Path(models_dir).expanduser().resolve()}" if models_dir is not None else ""
-    return (f"'{value}' is a local path outside the models folder{where}: the app loads local models only "
-            f"from there (launch.py --models-dir)")
+    return (f"'{value}' names a local path that is not a folder in the models folder: the app loads local "
+            f"models only from there (launch.py --models-dir), by their name in it")
 
 
 def _refuse_local_path(value: str, models_dir: Path | None) -> None:

@@ -315,3 +315,17 @@ def test_a_baseline_queued_at_start_is_measured_and_kept(app):
     rate, source = app.baseline(0.0, 1.0)
     assert job.finished and source == "measured" and rate > 0
     assert app.baseline(0.7, 1.0)[1] != "measured"  # only the setting it measured
+
+
+def test_exports_in_the_same_second_never_share_a_file_and_the_folder_goes_with_the_app(app):
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    paths = {app.export_settings("", history)["value"] for _ in range(50)}
+    assert len(paths) == 50  # id(history) % 10000 made them collide
+    import gc
+
+    fresh = handlers.ChatApp(app.worker)
+    folder = fresh.export_dir
+    assert folder.is_dir()
+    del fresh
+    gc.collect()
+    assert not folder.exists()

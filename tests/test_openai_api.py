@@ -142,7 +142,20 @@ def test_a_user_key_reuses_its_conversation_cache(server):
     second = c.chat.completions.create(model=MODEL, messages=follow, temperature=0, max_tokens=8, user="alice")
     assert second.model_extra["sequoia"]["reused_prompt_tokens"] >= len(encode_chat(worker.tokenizer, QUESTION))
     assert second.choices[0].message.content == engine_answer(worker, follow, max_new=8)[0]
-    assert "api-user:alice" in worker.kv_store.keys()
+    assert "api:127.0.0.1|api-user:alice" in worker.kv_store.keys()
+    # the same 'user' from another address is another conversation: nothing of alice's is reused
+    elsewhere = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120, http_client=httpx.Client(
+        transport=httpx.HTTPTransport(local_address="127.0.0.2")))
+    probe = elsewhere.chat.completions.create(model=MODEL, messages=follow, temperature=0, max_tokens=8, user="alice")
+    assert probe.model_extra["sequoia"]["reused_prompt_tokens"] == 0
+
+
+def test_models_never_show_a_local_path():
+    from types import SimpleNamespace
+
+    for target, shown in (("/home/me/models/Qwen2.5-7B", "Qwen2.5-7B"), ("~/models/mine/", "mine"),
+                          ("./local", "local"), ("C:\\models\\qwen", "qwen"), ("Qwen/Qwen2.5-1.5B", "Qwen/Qwen2.5-1.5B")):
+        assert openai_api.model_id(SimpleNamespace(info={"target": target})) == shown
 
 
 @pytest.mark.parametrize("body, status, param, code", [
