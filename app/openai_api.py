@@ -5,9 +5,10 @@ Requests join the same worker queue as the browser tabs, so the API and the UI s
 engine fairly (first come, first served). Bad input is answered with OpenAI's error shape,
 ``{"error": {"message", "type", "param", "code"}}``, and a 4xx status before anything runs.
 
-Honoured: ``model`` (the pair's target id), ``messages`` (system/developer, user, assistant; text
-content), ``temperature`` (default 1, as OpenAI's; 0 is greedy and exact), ``top_p``,
-``max_tokens`` / ``max_completion_tokens``, ``seed``, ``stop`` (up to 4 strings, cut from the text),
+Honoured: ``model`` (the pair's target id), ``messages`` (system/developer anywhere, user, assistant;
+text content), ``temperature`` (default 1, as OpenAI's; 0 is greedy and exact), ``top_p``,
+``max_tokens`` / ``max_completion_tokens`` (default: the rest of the context), ``seed`` (default: a
+fresh one), ``stop`` (up to 4 strings, cut from the text),
 ``stream`` and ``stream_options.include_usage``, ``n`` (1 only) and ``user`` (a conversation key:
 requests with the same ``user`` reuse one conversation KV cache, like a browser session).
 An extension field ``sequoia`` picks the tree: ``{"tree_size", "depth", "method", "auto"}``.
@@ -118,7 +119,9 @@ def _text(content, index: int) -> str:
 
 
 def parse_messages(messages) -> tuple[str | None, list[dict]]:
-    """``(system prompt, user/assistant history)``; system (or developer) messages only at the start."""
+    """``(system prompt, history)``: the system (or developer) messages before the first turn make
+    the system prompt; later ones stay in the history as ``system`` turns, where the chat template
+    places them."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", "messages",
                        "invalid_value")
@@ -131,11 +134,10 @@ def parse_messages(messages) -> tuple[str | None, list[dict]]:
             raise APIError(400, f"messages[{i}] must be an object with 'role' and 'content'", f"messages[{i}]",
                            "invalid_value")
         role = message["role"]
-        if role in ("system", "developer"):
-            if history:
-                raise APIError(400, f"messages[{i}]: a {role} message is only accepted before the conversation",
-                               f"messages[{i}].role", "invalid_value")
+        if role in ("system", "developer") and not history:
             system.append(_text(message["content"], i))
+        elif role in ("system", "developer"):  # later instructions stay where they were given
+            history.append({"role": "system", "content": _text(message["content"], i)})
         elif role in ("user", "assistant"):
             history.append({"role": role, "content": _text(message["content"], i)})
         else:
@@ -200,9 +202,12 @@ def parse_chat(body, worker: Worker, defaults: dict) -> ChatCall:
     if model is not None and model != served:
         raise APIError(404, f"the model {model!r} does not exist: this server serves {served!r} (GET /v1/models)",
                        "model", "model_not_found")
-    for name, allowed in (("tools", None), ("functions", None), ("logprobs", False), ("top_logprobs", None)):
-        if body.get(name) not in (allowed, None):
-            raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported_parameter")
+    for name, allowed in (("tools", None), ("functions", None), ("tool_choice", "none"), ("logprobs", False),
+                          ("top_logprobs", None), ("frequency_penalty", 0), ("presence_penalty", 0),
+                          ("logit_bias", {}), ("response_format", {"type": "text"})):
+        if body.get(name) not in (allowed, None):  # refused, never silently ignored
+            raise APIError(400, f"'{name}' is not supported by this server (the answer would not honour it)",
+                           name, "unsupported_parameter")
     if body.get("n") not in (None, 1):
         raise APIError(400, "'n' must be 1: one answer per request", "n", "unsupported_parameter")
     system, history = parse_messages(body.get("messages"))
@@ -213,14 +218,14 @@ def parse_chat(body, worker: Worker, defaults: dict) -> ChatCall:
     if not isinstance(stream_options, dict):
         raise APIError(400, "'stream_options' must be an object", "stream_options", "invalid_value")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else _integer(max_tokens, "max_tokens", 1)
-    seed = body.get("seed")
-    seed = 0 if seed is None else _integer(seed, "seed", -(2 ** 63), 2 ** 63 - 1)
+    max_tokens = None if max_tokens is None else _integer(max_tokens, "max_tokens", 1)
+    seed = body.get("seed")  # none given: a fresh one, so sampled answers differ from call to call
+    seed = secrets.randbelow(2 ** 31) if seed is None else _integer(seed, "seed", -(2 ** 63), 2 ** 63 - 1)
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > 256):
         raise APIError(400, "'user' must be a string of at most 256 characters", "user", "invalid_value")
     tree, method = parse_tree(body.get("sequoia"), worker, defaults)
-    request = GenerationRequest(max_new_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+    request = GenerationRequest(max_new_tokens=max_tokens or 0, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                                 top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), tree=tree, seed=seed,
                                 method=method, system=system, messages=history,
                                 cache_key=f"api-user:{user}" if user else None)
@@ -228,13 +233,19 @@ def parse_chat(body, worker: Worker, defaults: dict) -> ChatCall:
                     parse_stops(body.get("stop")))
     try:  # refuse what does not fit now, rather than dropping turns as the UI does
         ids, dropped = fit_context(worker.tokenizer, system, history, worker.context_limit(request))
+        if max_tokens is None:  # the rest of the context, as llama-server does (a model with none stated: 256)
+            room = worker.context_limit(request)
+            request.max_new_tokens = DEFAULT_MAX_TOKENS if room is None else room - len(ids)
+            if request.max_new_tokens < 1:
+                raise ContextTooLong(f"the messages fill the model's context ({len(ids)} tokens): nothing is left "
+                                     f"to answer with")
     except ContextTooLong as exc:
         raise APIError(400, str(exc), "messages", "context_length_exceeded") from None
     except TemplateError as exc:
         raise APIError(400, f"the model's chat template refused these messages: {exc}", "messages",
                        "invalid_value") from None
     if dropped:
-        raise APIError(400, f"the conversation does not fit the model's context with max_tokens={max_tokens}: "
+        raise APIError(400, f"the conversation does not fit the model's context with max_tokens={request.max_new_tokens}: "
                             f"shorten it or lower max_tokens", "messages", "context_length_exceeded")
     call.prompt_tokens = len(ids)
     return call

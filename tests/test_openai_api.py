@@ -176,8 +176,12 @@ def test_models_never_show_a_local_path():
      "invalid_value"),
     ({"model": MODEL, "messages": QUESTION, "sequoia": {"auto": "yes"}}, 400, "sequoia.auto", "invalid_value"),
     ({"model": "gpt-4o", "messages": QUESTION}, 404, "model", "model_not_found"),
+    ({"model": MODEL, "messages": QUESTION, "frequency_penalty": 0.5}, 400, "frequency_penalty", "unsupported_parameter"),
+    ({"model": MODEL, "messages": QUESTION, "response_format": {"type": "json_object"}}, 400, "response_format",
+     "unsupported_parameter"),
+    ({"model": MODEL, "messages": QUESTION, "logit_bias": {"11": 5}}, 400, "logit_bias", "unsupported_parameter"),
 ], ids=["temperature", "top_p", "max_tokens", "seed", "stop", "n", "empty", "role", "content", "last-assistant",
-        "context", "method", "depth", "auto", "model"])
+        "context", "method", "depth", "auto", "model", "penalty", "response_format", "logit_bias"])
 def test_bad_input_gets_an_openai_error(server, body, status, param, code):
     worker, base = server
     jobs_before = next(worker_module._ids)
@@ -440,3 +444,32 @@ def test_oversized_and_malformed_bodies_get_openai_errors_and_queue_nothing(serv
     response = httpx.post(url, json={"model": MODEL, "messages": many}, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
     assert next(worker_module._ids) == jobs_before + 1  # nothing reached the queue
+
+
+# ----- conformance ------------------------------------------------------------------------------
+def test_defaults_the_rest_of_the_context_and_a_fresh_seed(server):
+    worker, _ = server
+    body = {"model": MODEL, "messages": QUESTION, "temperature": 0.8}
+    call = openai_api.parse_chat(body, worker, {"tree_size": 8, "depth": 4})
+    assert call.request.max_new_tokens == worker.engine.max_context - call.prompt_tokens - 8  # not 256
+    seeds = {openai_api.parse_chat(body, worker, {}).request.seed for _ in range(5)}
+    assert len(seeds) > 1  # seed 0 every time made sampled answers repeat
+    assert openai_api.parse_chat(body | {"seed": 7}, worker, {}).request.seed == 7
+    # harmless values of the refused parameters pass
+    assert openai_api.parse_chat(body | {"frequency_penalty": 0, "response_format": {"type": "text"}}, worker, {})
+
+
+def test_developer_and_system_messages_anywhere(server):
+    worker, base = server
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}, {"role": "system", "content": "Now answer in French."},
+                {"role": "user", "content": [{"type": "text", "text": "How are "}, {"type": "text", "text": "you?"}]}]
+    call = openai_api.parse_chat({"model": MODEL, "messages": messages}, worker, {})
+    assert call.request.system == "Be brief."
+    assert call.request.messages[2] == {"role": "system", "content": "Now answer in French."}
+    assert call.request.messages[3]["content"] == "How are you?"
+    answer = client(base).chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.choices[0].message.content == engine_answer(worker, [
+        {"role": "system", "content": "Be brief."}, *messages[1:4], {"role": "user", "content": "How are you?"}],
+        max_new=4)[0]
