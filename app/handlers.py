@@ -193,6 +193,7 @@ class ChatApp:
         # target-alone decoding rates measured on this machine, per pair and (temperature, top-p)
         self.baselines: dict[tuple, float] = {}
         self._baselines_lock = threading.Lock()
+        self._epochs: dict[str, int] = {}  # per session: conversations replaced by Clear or Import
         self.explain = ExplainView(self)  # the teaching tabs under the chat
         self.feeds = LiveFeeds()  # served by launch (app.live_feed.mount): streaming answers' live records
 
@@ -243,7 +244,7 @@ class ChatApp:
         """What "Measure the target alone" decodes: a short fixed prompt, no draft."""
         return GenerationRequest(system="", messages=[{"role": "user", "content": BASELINE_PROMPT}],
                                  max_new_tokens=BASELINE_TOKENS, temperature=temperature, top_p=top_p, tree=None,
-                                 seed=seed, method="autoregressive")
+                                 seed=seed, method="autoregressive", keep_cache=False)  # the chat's cache stays
 
     def measure_baseline_later(self, temperature: float = 0.0, top_p: float = 1.0) -> Job:
         """Queue a measurement of the target alone at this setting (the app's defaults) behind the
@@ -357,10 +358,14 @@ class ChatApp:
             yield {c.status: status_html(html.escape(f"Not sent: {exc} (about {exc.retry_after} s). Your message "
                                                      "stays in the box."), "warn")}
             return
+        epoch = self._epoch(session)
         try:
-            yield from self._stream(job, history, message, system, choice, tree_desc, tree, highlight, notices,
-                                    dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new, seed=seed,
-                                         method=method, tree=tree_desc), 1.4 if present else 1.0)
+            for update in self._stream(job, history, message, system, choice, tree_desc, tree, highlight, notices,
+                                       dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new, seed=seed,
+                                            method=method, tree=tree_desc), 1.4 if present else 1.0):
+                if self._epoch(session) != epoch:
+                    return  # Clear or Import replaced this conversation: the answer's updates would undo it
+                yield update
         finally:
             if not job.finished:
                 job.cancel()  # the browser went away or the event was cancelled
@@ -626,8 +631,15 @@ class ChatApp:
         if not self.worker.cancel_session(session):
             gr.Info("Nothing is running.")
 
+    def _epoch(self, session: str, bump: bool = False) -> int:
+        """How many times ``session``'s conversation was replaced (Clear, Import); ``bump`` counts one more."""
+        with self._baselines_lock:
+            self._epochs[session] = self._epochs.get(session, 0) + bump
+            return self._epochs[session]
+
     def clear(self, request: gr.Request | None = None):
         session = getattr(request, "session_hash", None) or "local"
+        self._epoch(session, bump=True)
         self.worker.cancel_session(session)
         c = self.c
         return {c.chatbot: [], c.history: [], c.run: Run(), c.msg: "",
@@ -760,6 +772,7 @@ class ChatApp:
             gr.Warning(f"Import failed: {exc}")
             return {c.status: status_html(html.escape(f"Import failed: {exc}"), "error")}
         session = getattr(request, "session_hash", None) or "local"
+        self._epoch(session, bump=True)
         self.worker.cancel_session(session)
         out = {c.chatbot: display_messages(history), c.history: history, c.system: system, c.run: Run(),
                c.status: status_html(f"Imported {len(history)} messages.", "ok"),

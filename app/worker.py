@@ -92,6 +92,7 @@ class GenerationRequest:
     system: str | None = None
     messages: list[dict] | None = None
     cache_key: str | None = None  # whose conversation cache to use (default: the job's session)
+    keep_cache: bool = True  # False: decode from a fresh cache and leave the session's as it was
     trace: bool = False  # the main phase's steps carry the verifier's trace (StepRecord.trace)
 
 
@@ -476,7 +477,7 @@ class Worker:
         except ContextTooLong as exc:
             job._emit("error", f"Not sent: {exc}")
             return
-        key = request.cache_key or job.session
+        key = (request.cache_key or job.session) if request.keep_cache else None
         cache = self._take_cache(key)
         try:
             main = self._decode(job, "main", request.tree, request.method, prompt, cache)

@@ -130,3 +130,22 @@ def test_a_model_swap_empties_the_store(pair):
         assert worker.kv_store.keys() == []
     finally:
         worker.close()
+
+
+def test_measuring_the_target_alone_leaves_the_sessions_cache(pair):
+    """"Measure the target alone" runs in the tab's session; the next turn still reuses the chat."""
+    from app.handlers import ChatApp
+
+    tokenizer = pair[2]
+    worker = new_worker(pair)
+    try:
+        history = [{"role": "user", "content": "Write a haiku about trees"}]
+        answer1, _ = turn(worker, history, session="s")
+        measure = ChatApp._baseline_request(0.0, 1.0)
+        assert worker.submit(measure, session="s").wait(60)[-1].kind == "done"
+        history += [{"role": "assistant", "content": tokenizer.decode(answer1, skip_special_tokens=True)},
+                    {"role": "user", "content": "And one about rivers"}]
+        _, second = turn(worker, history, session="s")
+        assert second["reused_tokens"] > 0  # it was 0: the measurement had taken the session's cache
+    finally:
+        worker.close()

@@ -329,3 +329,23 @@ def test_exports_in_the_same_second_never_share_a_file_and_the_folder_goes_with_
     del fresh
     gc.collect()
     assert not folder.exists()
+
+
+@pytest.mark.parametrize("replace", ["clear", "import"])
+def test_clear_or_import_during_an_answer_is_not_undone_by_it(app, replace, tmp_path):
+    """The answer's last update carried the old conversation and put it back after Clear/Import."""
+    c = app.c
+    answer = app.respond("Write a long story", [], handlers.Run(), "", 0.0, 1.0, 400, 0, "sequoia", 8, 4, False,
+                         False, False)
+    next(answer)
+    next(answer)  # streaming now
+    if replace == "clear":
+        app.clear()
+    else:
+        exported = tmp_path / "chat.json"
+        exported.write_text(export_conversation("", [{"role": "user", "content": "imported"},
+                                                     {"role": "assistant", "content": "yes"}], None, None, None))
+        assert "Imported 2 messages" in app.import_file(str(exported))[c.status]
+    later = list(answer)
+    assert all(c.chatbot not in update and c.history not in update for update in later), \
+        "the answer's updates wrote the old conversation back"
