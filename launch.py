@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-measure", action="store_true",
                         help="do not measure this machine's forward times for the optimizer on a first start "
                              "(it then uses the nearest bundled profile; python -m engine.cli.profile measures), "
-                             "nor the target alone's rate at T = 0 on each start (a 48-token answer)")
+                             "nor the target alone's rate at T = 0 before serving on each start (a 48-token answer, a few seconds)")
     # development: a tiny random pair with the real tokenizer, to work on the UI without the weights
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -181,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         "tree_size": max(1, args.tree_size), "depth": max(1, args.depth),
         "max_new_tokens": max(1, args.max_new_tokens), "pair": pair,
         "predict": measured and not args.tiny})
+    if not args.no_measure:  # before any page can draw on the cores: the stats line's "× the target alone"
+        rate = demo.chat_app.measure_baseline_now(0.0, 1.0)
+        print(f"Measured the target alone on this machine: {rate:.1f} tokens/s at T = 0." if rate else
+              "Measuring the target alone did not finish; the stats line estimates it from the profile.", flush=True)
     app, local_url, share_url = ui.launch(demo, server_name=args.host, server_port=args.port, share=args.share,
                                           inbrowser=args.inbrowser, prevent_thread_lock=True, quiet=True,
                                           extra_hosts=args.allowed_hosts.split(","), api_key=key,
@@ -196,8 +200,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Measuring this machine for the optimizer (about a minute, once); until then it uses the "
               f"{tuner.origin}.", flush=True)
         threading.Thread(target=report_measurement, args=(job, worker), daemon=True).start()
-    if not args.no_measure:  # after the profile: the stats line's "× the target alone" is then measured here
-        demo.chat_app.measure_baseline_later(0.0, 1.0)
     print("Press Ctrl-C to stop.", flush=True)
     try:
         demo.block_thread()

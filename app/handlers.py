@@ -246,14 +246,12 @@ class ChatApp:
                                  max_new_tokens=BASELINE_TOKENS, temperature=temperature, top_p=top_p, tree=None,
                                  seed=seed, method="autoregressive", keep_cache=False)  # the chat's cache stays
 
-    def measure_baseline_later(self, temperature: float = 0.0, top_p: float = 1.0) -> Job:
-        """Queue a measurement of the target alone at this setting (the app's defaults) behind the
-        worker's other jobs; its rate is kept when it finishes, so the stats line compares with a
-        measurement of this machine, not the profile's estimate."""
+    def measure_baseline_now(self, temperature: float = 0.0, top_p: float = 1.0) -> float | None:
+        """Decode the fixed prompt with the target alone now (blocking, queued behind the worker's
+        other jobs) and keep its rate, so the stats line compares with a measurement of this
+        machine rather than the profile's estimate; the rate, or None if it did not finish."""
         job = self.worker.submit(self._baseline_request(temperature, top_p), session="startup-baseline")
-        threading.Thread(target=lambda: self.record_baseline(temperature, top_p, _finished_run(job)),
-                         name="baseline-record", daemon=True).start()
-        return job
+        return self.record_baseline(temperature, top_p, _finished_run(job))
 
     def measure_baseline(self, temperature, top_p, seed, request: gr.Request | None = None):
         """Decode a short fixed prompt with the target alone and keep its rate for this setting."""
