@@ -522,6 +522,9 @@ class ChatApp:
                 " (reached max new tokens)." if reason == "length" else ".")
             if run.tree_desc:
                 text += f" {html.escape(run.tree_desc[0].upper() + run.tree_desc[1:])}."
+        elif terminal.kind == "cancelled" and run.main is not None:  # Stop during Compare: the answer was whole
+            text, kind = (f"Done: {len(tokens)} tokens in {len(run.steps)} steps. The comparison with the target "
+                          f"alone was stopped."), "warn"
         elif terminal.kind == "cancelled":
             answer["note"] = "stopped"
             text, kind = f"Stopped after {len(run.steps)} steps ({len(tokens)} tokens).", "warn"

@@ -345,3 +345,23 @@ def test_clear_or_import_during_an_answer_is_not_undone_by_it(app, replace, tmp_
     later = list(answer)
     assert all(c.chatbot not in update and c.history not in update for update in later), \
         "the answer's updates wrote the old conversation back"
+
+
+def test_stop_during_compare_keeps_the_whole_answer_unmarked(app):
+    """The answer had ended; only the target-alone run for the comparison was stopped."""
+    c = app.c
+    app.worker.engine = support.SlowEngine(app.worker.engine, 0.02)  # the comparison lasts seconds
+    updates = app.respond("Write a haiku about trees", [], handlers.Run(), "", 0.0, 1.0, 200, 0, "sequoia", 8, 4,
+                          False, True, False)  # Compare on
+    stopped = False
+    last = None
+    for update in updates:
+        last = update
+        status = str(update.get(c.status, ""))
+        if not stopped and "Now the target alone, for comparison" in status:
+            assert app.worker.cancel_session("local") == 1
+            stopped = True
+    assert stopped, "the comparison phase never started"
+    answer = last[c.history][-1]
+    assert answer["role"] == "assistant" and "note" not in answer and answer["content"]
+    assert "comparison with the target alone was stopped" in last[c.status]
