@@ -73,7 +73,7 @@ class APIError(Exception):
 
 @dataclass
 class ChatCall:
-    """A validated chat completion request."""
+    """A validated chat completion request (or, with ``text``, a legacy text completion)."""
 
     request: GenerationRequest
     model: str
@@ -81,6 +81,7 @@ class ChatCall:
     include_usage: bool = False
     stops: list[str] = field(default_factory=list)
     prompt_tokens: int = 0
+    text: bool = False  # /v1/completions: the prompt as given, answers as "text_completion" objects
 
 
 # ----- validation ----------------------------------------------------------------------------
@@ -251,6 +252,37 @@ def parse_chat(body, worker: Worker, defaults: dict) -> ChatCall:
     return call
 
 
+def parse_completion(body, worker: Worker, defaults: dict) -> ChatCall:
+    """Validate a ``/v1/completions`` body: ``prompt`` (a string, or a list of one) is continued as
+    given, no chat template; ``max_tokens`` defaults to 16 as in OpenAI's API."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt or len(prompt) > MAX_TOTAL_CHARS:
+        raise APIError(400, f"'prompt' must be one non-empty string of at most {MAX_TOTAL_CHARS} characters",
+                       "prompt", "invalid_value")
+    for name in ("suffix", "logprobs", "best_of"):
+        if body.get(name) not in (None, 1 if name == "best_of" else None):
+            raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported_parameter")
+    if body.get("echo") not in (None, False):
+        raise APIError(400, "'echo' is not supported by this server", "echo", "unsupported_parameter")
+    chat_shaped = {k: v for k, v in body.items() if k not in ("prompt", "suffix", "echo", "best_of", "logprobs")}
+    chat_shaped["messages"] = [{"role": "user", "content": "-"}]
+    chat_shaped.setdefault("max_tokens", 16)
+    call = parse_chat(chat_shaped, worker, defaults)  # every other field means the same
+    ids = worker.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    request = call.request
+    request.messages, request.system, request.input_ids, request.cache_key = None, None, ids, None
+    limit = worker.context_limit(request)
+    if limit is not None and len(ids) > limit:
+        raise APIError(400, f"the prompt is {len(ids)} tokens; with max_tokens={request.max_new_tokens} at most "
+                            f"{limit} fit the model's context", "prompt", "context_length_exceeded")
+    call.text, call.prompt_tokens = True, len(ids)
+    return call
+
+
 def model_id(worker: Worker) -> str:
     """The id this server answers to: the target of the pair in use (a local folder by its name
     only: the server's paths are nobody's business)."""
@@ -377,11 +409,15 @@ async def complete(worker: Worker, call: ChatCall, job: Job, http: Request | Non
             raise _failure(str(event.data))
         elif event.kind == "cancelled" and not answer.stopped:
             raise _failure("the request was cancelled")
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": call.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text},
-                         "finish_reason": _finish_reason(answer, finished), "logprobs": None}],
+    choice = {"text": answer.text} if call.text else {"message": {"role": "assistant", "content": answer.text}}
+    return {"id": _id(call), "object": "text_completion" if call.text else "chat.completion",
+            "created": int(time.time()), "model": call.model,
+            "choices": [{"index": 0, **choice, "finish_reason": _finish_reason(answer, finished), "logprobs": None}],
             "usage": _usage(call, answer), "sequoia": speculation(answer, started, finished)}
+
+
+def _id(call: ChatCall) -> str:
+    return f"{'cmpl' if call.text else 'chatcmpl'}-{uuid.uuid4().hex}"
 
 
 def _note(event: Event, started: dict | None, finished: dict | None,
@@ -407,16 +443,18 @@ async def stream(worker: Worker, call: ChatCall, job: Job) -> AsyncIterator[str]
     """Server-sent events of ``chat.completion.chunk`` objects, then ``[DONE]``. The job is cancelled
     when the client goes away (the server stops this generator)."""
     answer = Answer(worker.tokenizer, call.stops)
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": call.model}
+    base = {"id": _id(call), "object": "text_completion" if call.text else "chat.completion.chunk",
+            "created": int(time.time()), "model": call.model}
 
     def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-        return "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+        part = {"text": delta.get("content", "")} if call.text else {"delta": delta}
+        return "data: " + json.dumps({**base, "choices": [{"index": 0, **part, "finish_reason": finish,
                                                            "logprobs": None}], **extra}) + "\n\n"
 
     started = finished = None
     try:
-        yield chunk({"role": "assistant", "content": ""})
+        if not call.text:
+            yield chunk({"role": "assistant", "content": ""})
         async for event in events(job):
             started, finished = _note(event, started, finished, answer)
             if event.kind == "step" and event.phase == "main" and not answer.stopped:
@@ -504,13 +542,20 @@ def routes(worker: Worker, defaults: dict | None = None, api_key: str | None = N
 
     @api.post("/chat/completions")
     async def chat_completions(http: Request) -> Response:
+        return await answer(http, parse_chat)
+
+    @api.post("/completions")
+    async def completions(http: Request) -> Response:
+        return await answer(http, parse_completion)
+
+    async def answer(http: Request, parse) -> Response:
         try:
             media_type = http.headers.get("content-type", "").split(";")[0].strip().lower()
             if media_type != "application/json":  # a web page's "simple" cross-site POST cannot send this
                 raise APIError(415, f"the request body must be sent as application/json (got {media_type or 'none'!r})",
                                code="unsupported_media_type")
             body = parse_body(await read_body(http))
-            call = await anyio.to_thread.run_sync(parse_chat, body, worker, defaults, limiter=API_WAITERS)
+            call = await anyio.to_thread.run_sync(parse, body, worker, defaults, limiter=API_WAITERS)
             client = f"api:{http.client.host if http.client else 'unknown'}"
             if call.request.cache_key:  # a 'user' names a conversation of this client's, never another's
                 call.request.cache_key = f"{client}|{call.request.cache_key}"
@@ -534,7 +579,7 @@ def routes(worker: Worker, defaults: dict | None = None, api_key: str | None = N
 
     @api.exception_handler(404)
     async def not_found(_request: Request, _exc) -> JSONResponse:
-        return APIError(404, "unknown endpoint: this server has /v1/models and /v1/chat/completions",
+        return APIError(404, "unknown endpoint: this server has /v1/models, /v1/chat/completions and /v1/completions",
                         code="not_found").response()
 
     @api.exception_handler(405)

@@ -92,6 +92,47 @@ def test_streamed_greedy_answer_equals_the_engine(server):
     assert chunks[-1].usage.completion_tokens == 40
 
 
+def sse_lines(base: str, path: str, body: dict) -> list[str]:
+    """The raw ``data:`` payloads of a streamed answer, in order."""
+    with httpx.stream("POST", f"{base}{path}", json=body | {"stream": True}, timeout=120) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_stream_is_json_chunks_then_one_done_line(server):
+    _, base = server
+    payloads = sse_lines(base, "/chat/completions", {"model": MODEL, "messages": QUESTION, "max_tokens": 6,
+                                                     "temperature": 0})
+    assert payloads[-1] == "[DONE]" and payloads.count("[DONE]") == 1
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert all(ch["object"] == "chat.completion.chunk" for ch in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_text_completions_continue_the_prompt_as_given(server):
+    """/v1/completions: no chat template, the prompt's own tokens; OpenAI's text_completion shape."""
+    worker, base = server
+    prompt = "def fibonacci(n):"
+    ids = worker.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    engine = make_engine(worker.engine.target, worker.engine.draft, worker.tokenizer)
+    expected = worker.tokenizer.decode(engine.generate(ids, max_new_tokens=12, tree=build_tree(8, 4)).tokens,
+                                       skip_special_tokens=True)
+    answer = client(base).completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert answer.object == "text_completion" and answer.choices[0].text == expected
+    assert answer.choices[0].finish_reason == "length" and answer.usage.prompt_tokens == len(ids)
+    payloads = sse_lines(base, "/completions", {"model": MODEL, "prompt": [prompt], "max_tokens": 12,
+                                                "temperature": 0})
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == expected
+    assert all(ch["object"] == "text_completion" for ch in chunks)
+    assert client(base).completions.create(model=MODEL, prompt=prompt, temperature=0).usage.completion_tokens == 16
+    for bad, param in (({"prompt": ""}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
+                       ({"prompt": "x", "suffix": "y"}, "suffix"), ({"prompt": "x", "echo": True}, "echo")):
+        response = httpx.post(f"{base}/completions", json={"model": MODEL, **bad}, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, bad
+
+
 def test_sampling_parameters_and_seed_are_honoured(server):
     worker, base = server
     c = client(base)
@@ -211,7 +252,7 @@ def test_malformed_requests_and_unknown_paths(server):
     bad = httpx.post(f"{base}/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
     assert httpx.post(f"{base}/chat/completions", json=[1, 2]).status_code == 400
-    missing = httpx.get(f"{base}/completions")
+    missing = httpx.get(f"{base}/embeddings")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert httpx.get(f"{base}/chat/completions").status_code == 405
 
@@ -473,3 +514,39 @@ def test_developer_and_system_messages_anywhere(server):
     assert answer.choices[0].message.content == engine_answer(worker, [
         {"role": "system", "content": "Be brief."}, *messages[1:4], {"role": "user", "content": "How are you?"}],
         max_new=4)[0]
+
+
+# ----- real clients' request sequences, replayed -------------------------------------------------
+@pytest.mark.parametrize("recording", ["open_webui", "continue"])
+def test_recorded_client_sequences_pass_unchanged(server, recording):
+    """The requests Open WebUI and the Continue extension send, as recorded in tests/data/clients,
+    each answered with 200 and a well-formed object or stream."""
+    from pathlib import Path
+
+    worker, base = server
+    requests = json.loads((Path(__file__).parent / "data" / "clients" / f"{recording}.json").read_text())["requests"]
+    worker.engine.max_context = 600  # the answers that default to the rest of the context stay short
+    try:
+        replay(base, recording, requests)
+    finally:
+        del worker.engine.max_context
+
+
+def replay(base: str, recording: str, requests: list[dict]) -> None:
+    for i, call in enumerate(requests):
+        body = json.loads(json.dumps(call.get("body", {})).replace('"MODEL"', json.dumps(MODEL)))
+        if call["method"] == "GET":
+            response = httpx.get(base + call["path"], timeout=30)
+            assert response.status_code == 200 and response.json()["data"][0]["id"] == MODEL
+        elif body.get("stream"):
+            payloads = sse_lines(base, call["path"], body)
+            assert payloads[-1] == "[DONE]", (recording, i)
+            chunks = [json.loads(p) for p in payloads[:-1]]
+            assert not any("error" in ch for ch in chunks), (recording, i, chunks[-1])
+            finish = [ch["choices"][0]["finish_reason"] for ch in chunks if ch.get("choices")]
+            assert finish[-1] in ("stop", "length") and all(f is None for f in finish[:-1])
+        else:
+            response = httpx.post(base + call["path"], json=body, timeout=120)
+            assert response.status_code == 200, (recording, i, response.text)
+            choice = response.json()["choices"][0]
+            assert isinstance(choice.get("text", (choice.get("message") or {}).get("content")), str)
