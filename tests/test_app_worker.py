@@ -505,12 +505,9 @@ def test_the_worker_tokenises_a_conversation_when_the_job_runs(pair):
         w.close()
 
 
-def test_one_session_gets_one_job_however_many_threads_submit_at_once(pair):
-    """Eight threads submit for one browser session at the same moment: exactly one job is accepted
-    (checking for a pending or running job and registering the new one is one locked step)."""
+def gated_worker(pair):
+    """``(worker, gate)``: a worker whose model loads wait for ``gate``, so a load holds the queue."""
     import threading
-
-    from app.worker import SessionBusy
 
     target, draft, tokenizer = pair
     gate = threading.Event()
@@ -519,7 +516,17 @@ def test_one_session_gets_one_job_however_many_threads_submit_at_once(pair):
         gate.wait(30)
         return (target if model_id == "org/target" else draft), tokenizer
 
-    w = Worker.from_models(target, draft, tokenizer, "a", "b", loader=loader)
+    return Worker.from_models(target, draft, tokenizer, "a", "b", loader=loader), gate
+
+
+def test_one_session_gets_one_job_however_many_threads_submit_at_once(pair):
+    """Eight threads submit for one browser session at the same moment: exactly one job is accepted
+    (checking for a pending or running job and registering the new one is one locked step)."""
+    import threading
+
+    from app.worker import SessionBusy
+
+    w, gate = gated_worker(pair)
     ids = prompt(pair)
     barrier = threading.Barrier(8)
 
@@ -548,20 +555,11 @@ def test_one_session_gets_one_job_however_many_threads_submit_at_once(pair):
 def test_a_full_queue_and_a_client_past_its_share_are_refused(pair, monkeypatch):
     """MAX_WAITING jobs wait at most (any client, UI sessions included); one client gets
     MAX_PER_CLIENT jobs waiting or running. Refusals say when to come back; others still get in."""
-    import threading
-
     from app import worker as worker_module
     from app.worker import QueueFull
 
     monkeypatch.setattr(worker_module, "MAX_WAITING", 6)
-    target, draft, tokenizer = pair
-    gate = threading.Event()
-
-    def loader(model_id, dtype, device, trust_remote_code, draft_format="none"):
-        gate.wait(30)
-        return (target if model_id == "org/target" else draft), tokenizer
-
-    w = Worker.from_models(target, draft, tokenizer, "a", "b", loader=loader)
+    w, gate = gated_worker(pair)
     request = GenerationRequest(prompt(pair), max_new_tokens=2, tree=TREE)
     try:
         load = w.load_models("org/target", "org/draft")  # runs, holding the queue
