@@ -263,12 +263,11 @@ def parse_completion(body, worker: Worker, defaults: dict) -> ChatCall:
     if not isinstance(prompt, str) or not prompt or len(prompt) > MAX_TOTAL_CHARS:
         raise APIError(400, f"'prompt' must be one non-empty string of at most {MAX_TOTAL_CHARS} characters",
                        "prompt", "invalid_value")
-    for name in ("suffix", "logprobs", "best_of"):
-        if body.get(name) not in (None, 1 if name == "best_of" else None):
+    text_only = {"suffix": None, "logprobs": None, "best_of": 1, "echo": False}  # the one harmless value of each
+    for name, harmless in text_only.items():
+        if body.get(name) not in (None, harmless):
             raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported_parameter")
-    if body.get("echo") not in (None, False):
-        raise APIError(400, "'echo' is not supported by this server", "echo", "unsupported_parameter")
-    chat_shaped = {k: v for k, v in body.items() if k not in ("prompt", "suffix", "echo", "best_of", "logprobs")}
+    chat_shaped = {k: v for k, v in body.items() if k != "prompt" and k not in text_only}
     chat_shaped["messages"] = [{"role": "user", "content": "-"}]
     chat_shaped.setdefault("max_tokens", 16)
     call = parse_chat(chat_shaped, worker, defaults)  # every other field means the same
