@@ -82,8 +82,15 @@ class StepRecord:
     verifier_q: list[float | None] = field(default_factory=list)
     # Every decision of the acceptance walk in order (see VerifierEvent); None unless tracing was on.
     trace: list[VerifierEvent] | None = None
+    # Where each node came from when continuations were copied from the context ("root", "draft",
+    # "copy"; empty: every node but the root is the draft's), and for a copied node the
+    # (document, position) of its token: document 0 is the prompt followed by the answer, 1 an
+    # expected output given with the request, after the prompt's last tokens.
+    sources: list[str] = field(default_factory=list)
+    copy_origins: list[tuple[int, int] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.copy_origins = [tuple(o) if o is not None else None for o in self.copy_origins]
         if self.trace is not None:  # read back from JSON (an exported conversation): plain dicts
             self.trace = [e if isinstance(e, VerifierEvent) else _event_from_dict(e) for e in self.trace]
 
@@ -92,6 +99,13 @@ class StepRecord:
         """Accepted draft tokens that were committed (the bonus token not counted): a stop token
         or the budget can end the answer inside the accepted path."""
         return min(len(self.accepted) - 1, len(self.committed))
+
+    def accepted_by_source(self) -> dict[str, int]:
+        """Committed draft tokens per source: ``{"draft": n, "copy": m}``."""
+        counts = {"draft": 0, "copy": 0}
+        for node in self.accepted[1:self.accepted_draft_tokens + 1]:
+            counts[self.sources[node] if self.sources else "draft"] += 1
+        return counts
 
     @property
     def used_bonus(self) -> bool:

@@ -14,16 +14,22 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.core.copy_policy import CopyStats, plan_step
 from engine.core.prefix_cache import ConversationCache
 from engine.core.records import GenerationResult, StepRecord, StepTimings
 from engine.core.runner import DynamicRunner, StaticRunner, run_model, synchronize
 from engine.core.sampling import choose_level_children, logits_to_probs, top_indices
 from engine.core.verify import verify_greedy, verify_stochastic, verify_topk
 from engine.errors import ContextOverflowError, GenerationCancelled, InvalidParameterError, VocabularyMismatchError
+from engine.trees.copies import SOURCE_COPY, ContextIndex, CopyProposal, MergedTree, merge_copies
 from engine.trees.tree import Tree
 
 ROOT_ONLY = Tree.chain(0)
 METHODS = ("sequoia", "specinfer", "chain", "topk", "autoregressive")
+COPY_METHODS = ("sequoia", "specinfer", "topk")  # verifiers that take copied children (and T = 0)
+MAX_COPY = 32        # copied tokens verified in one step at most
+COPY_BRANCHES = 2    # distinct copied continuations per step at most
+PREDICTION_LEAD = 8  # prompt tokens put before an expected output, so its start matches the prompt's end
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,8 @@ class DecodeParams:
     method: str = "sequoia"
     trace: bool = False  # record every decision of the acceptance walk in StepRecord.trace
     confidence: float = 0.0  # grow the tree below a node only while the draft's q along its path reaches this
+    copies: bool = False  # propose continuations copied from the context beside the draft's tree
+    room: int | None = None  # nodes the context holds beyond prompt + answer + ``tree`` (None: no limit)
 
     @property
     def greedy(self) -> bool:
@@ -84,6 +92,10 @@ class SpeculativeEngine:
         self.cuda_graphs = self.static_cache and (on_cuda if cuda_graphs is None else bool(cuda_graphs))
         self.max_cache_len = int(max_cache_len or min(self.max_context or 8192, 8192))
         self._static_runners: dict[str, StaticRunner] = {}
+        # acceptance of copied continuations and the draft tree's tokens per step, measured while
+        # decoding (kept across generations: a conversation's later turns start from them)
+        self.copy_stats = CopyStats()
+        self.model_tokens: dict[tuple, float] = {}
 
     def runner(self, role: str, owner: object):
         """The runner of ``"target"`` or ``"draft"`` for one generation ``owner``: the engine's
@@ -114,7 +126,8 @@ class SpeculativeEngine:
                stop_token_ids: list[int] | None = None, method: str = "sequoia",
                should_stop: Callable[[], bool] | None = None,
                cache: ConversationCache | None = None, trace: bool = False,
-               confidence: float | None = None) -> Iterator[StepRecord]:
+               confidence: float | None = None, copies: bool = False,
+               prediction: list[int] | None = None) -> Iterator[StepRecord]:
         """Yield one :class:`StepRecord` per draft/verify step until a stop token or the budget.
 
         ``input_ids``: the prompt (non-empty list of token ids). ``tree=None`` decodes with the
@@ -150,9 +163,21 @@ class SpeculativeEngine:
         trees and uncertain ones stop early (the tree in each record is the one drafted). It
         depends on the draft alone, so exactness is kept. ``None``: 0 (the whole tree every step),
         or the optimizer's threshold with ``tree="auto"``.
+
+        ``copies``: each step also proposes continuations of the text copied from the context (the
+        prompt and the answer so far: :mod:`engine.trees.copies`), verified as branches beside the
+        draft's, and skips the draft model while a copy is expected to pay more
+        (:func:`engine.core.copy_policy.plan_step`). ``prediction``: token ids of an expected
+        output, copied from in the same way (it implies ``copies``). Neither changes the law of
+        the output; both are ignored by ``chain`` and ``autoregressive``.
         """
         params = self._validate(input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids, method,
                                 confidence)
+        if prediction is not None and (not isinstance(prediction, (list, tuple)) or any(
+                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prediction)):
+            raise InvalidParameterError(f"prediction must be a list of token ids in [0, {self.vocab_size})")
+        if (copies or prediction) and method in COPY_METHODS:
+            params = dataclasses.replace(params, copies=True)
         if trace:
             params = dataclasses.replace(params, trace=True)
         if params.tree.depth > 0 and self.draft is None:
@@ -160,7 +185,7 @@ class SpeculativeEngine:
         if cache is not None and not (isinstance(cache, ConversationCache) and cache.belongs_to(self.target, self.draft)):
             raise InvalidParameterError("cache must be a ConversationCache built for this engine's target and draft")
         self.last_reused_tokens = 0
-        return self._steps(_DecodeState(self, list(input_ids), params, cache), should_stop)
+        return self._steps(_DecodeState(self, list(input_ids), params, cache, prediction), should_stop)
 
     def _steps(self, state: "_DecodeState", should_stop: Callable[[], bool] | None = None) -> Iterator[StepRecord]:
         self.last_prefill_s = state.prefill(should_stop)
@@ -196,7 +221,7 @@ class SpeculativeEngine:
                 f"exceeds {what} of {limit} tokens: shorten the prompt or lower max_new_tokens")
         stops = _stop_set(stop_token_ids) if stop_token_ids is not None else self.stop_token_ids
         return DecodeParams(max_new_tokens, float(temperature), float(top_p), tree, seed, stops, method,
-                            confidence=threshold)
+                            confidence=threshold, room=limit - needed if limit else None)
 
 
     def _auto_tree(self, temperature: float, top_p: float, method: str) -> Tree:
@@ -218,8 +243,13 @@ class _DecodeState:
     """
 
     def __init__(self, engine: SpeculativeEngine, prompt: list[int], params: DecodeParams,
-                 cache: ConversationCache | None = None) -> None:
+                 cache: ConversationCache | None = None, prediction: list[int] | None = None) -> None:
         self.engine, self.params, self.cache = engine, params, cache
+        self.index = ContextIndex() if params.copies else None
+        if self.index is not None:
+            self.index.sync(prompt)
+            if prediction:
+                self.index.add_document(list(prompt[-PREDICTION_LEAD:]) + list(prediction))
         self.seq = prompt
         self.prompt_len = len(prompt)
         drafting = engine.draft is not None and params.tree.depth > 0
@@ -278,7 +308,12 @@ class _DecodeState:
         prefix = len(self.seq) - 1  # position of the root
         with torch.inference_mode():
             t0 = time.perf_counter()
-            tree, tokens, draft_probs, draft_dists = self._draft_tree(self.params.tree)
+            proposals, drafting = self._plan_copies()
+            model_tree, tokens, draft_probs, draft_dists = self._draft_tree(self.params.tree if drafting else ROOT_ONLY)
+            merged = merge_copies(model_tree, tokens, proposals)
+            tree, tokens = merged.tree, merged.tokens
+            if proposals:
+                draft_probs, draft_dists = _merged_draft_probs(merged, draft_probs, draft_dists)
             t1 = time.perf_counter()
             target_logits = self.target_runner.forward(tokens, start=prefix, tail=tree.ancestor_matrix,
                                                        positions=tree.position_ids(prefix))
@@ -287,9 +322,11 @@ class _DecodeState:
             target_dists = logits_to_probs(target_logits, self.params.temperature, self.params.top_p)
             used: dict[int, tuple[float, float | None]] = {}
             trace = [] if self.params.trace else None
-            accepted, bonus = self._verify(tree, tokens, target_logits, target_dists, draft_dists, used, trace)
+            accepted, bonus = self._verify(tree, tokens, target_logits, target_dists, draft_dists, used, trace,
+                                           merged.copied)
             target_probs = _child_probs(tree, tokens, target_dists)
-            self._compact(tree, prefix, accepted)
+            self._learn(merged, proposals, accepted, drafting)
+            self._compact(model_tree, prefix, accepted, merged)
             committed = self._commit([tokens[a] for a in accepted[1:]] + [bonus])
             self._record()
             t3 = time.perf_counter()
@@ -300,9 +337,55 @@ class _DecodeState:
                             method=self.params.method, greedy=self.params.greedy,
                             verifier_p=[used[n][0] if n in used else None for n in range(len(tokens))],
                             verifier_q=[used[n][1] if n in used else None for n in range(len(tokens))],
-                            trace=trace)
+                            trace=trace, sources=merged.sources if proposals else [],
+                            copy_origins=merged.origin if proposals else [])
         self.steps += 1
         return record
+
+    # ----- copies from the context ---------------------------------------------------------
+    def _plan_copies(self) -> tuple[list[CopyProposal], bool]:
+        """This step's copied continuations (possibly none) and whether the draft model drafts too."""
+        tree = self.params.tree
+        if self.index is None:
+            return [], True
+        self.index.sync(self.seq)
+        room = MAX_COPY if self.params.room is None else min(MAX_COPY, self.params.room // COPY_BRANCHES)
+        proposals = self.index.lookup(room, COPY_BRANCHES, self.params.stop_token_ids) if room > 0 else []
+        if not proposals:
+            return [], True
+        engine = self.engine
+        plan = plan_step(engine.copy_stats, proposals[0].match_len, len(proposals[0].tokens), tree,
+                         self._model_tokens(), getattr(engine.tuner, "profile", None))
+        if plan.copy_len == 0:
+            return [], True
+        return [dataclasses.replace(p, tokens=p.tokens[:plan.copy_len]) for p in proposals], plan.draft
+
+    def _model_tokens(self) -> float:
+        """Expected tokens per step of the draft's tree alone: measured on earlier steps, else the
+        optimizer's prediction, else one per level half the time."""
+        tree = self.params.tree
+        key = (tree.parents, self.params.temperature, self.params.top_p)
+        if key not in self.engine.model_tokens:
+            choice = self.engine.last_tree_choice
+            prior = choice.expected_tokens if choice is not None and choice.tree == tree else 1.0 + 0.5 * tree.depth
+            self.engine.model_tokens[key] = prior
+        return self.engine.model_tokens[key]
+
+    def _learn(self, merged: MergedTree, proposals: list[CopyProposal], accepted: list[int], drafting: bool) -> None:
+        """Count what the copies and the draft's tree gave this step (the verifier tries the
+        copies first, in order, and stops at the first whose first token it keeps)."""
+        kept = set(accepted)
+        if proposals:
+            chains = _copied_chains(merged, len(proposals))
+            for proposal, chain in zip(proposals, chains):
+                taken = sum(1 for node in chain if node in kept)
+                self.engine.copy_stats.observe(proposal.match_len, len(chain), taken)
+                if taken:
+                    break
+        if drafting and self.params.tree.depth > 0 and not any(merged.sources[a] == SOURCE_COPY for a in accepted):
+            key = (self.params.tree.parents, self.params.temperature, self.params.top_p)
+            drafted = sum(1 for a in accepted[1:] if merged.model_node[a] > 0)
+            self.engine.model_tokens[key] = 0.9 * self._model_tokens() + 0.1 * (1 + drafted)
 
     # ----- drafting -----------------------------------------------------------------------
     def _draft_tree(self, tree: Tree) -> tuple[Tree, list[int], list[float], dict[int, torch.Tensor]]:
@@ -363,7 +446,8 @@ class _DecodeState:
         return drafted, tokens, probs, dists
 
     def _verify(self, tree: Tree, tokens: list[int], target_logits: torch.Tensor, target_dists: torch.Tensor,
-                draft_dists: dict[int, torch.Tensor], used: dict, trace: list | None = None) -> tuple[list[int], int]:
+                draft_dists: dict[int, torch.Tensor], used: dict, trace: list | None = None,
+                copied: frozenset[int] = frozenset()) -> tuple[list[int], int]:
         """Accepted path and bonus token; ``used`` gets what each tried child was judged on, ``trace``
         (when a list) every decision of the walk."""
         if self.params.greedy:
@@ -373,15 +457,17 @@ class _DecodeState:
             return verify_topk(tree, tokens, target_dists, self.generator, used, trace, draft_dists)
         return verify_stochastic(tree, tokens, target_dists, draft_dists,
                                  without_replacement=self.params.method != "specinfer", generator=self.generator,
-                                 used=used, trace=trace)
+                                 used=used, trace=trace, copied=copied)
 
     # ----- bookkeeping --------------------------------------------------------------------
-    def _compact(self, tree: Tree, prefix: int, accepted: list[int]) -> None:
-        """Keep prefix + accepted path in the target cache, and the accepted nodes the draft saw."""
+    def _compact(self, model_tree: Tree, prefix: int, accepted: list[int], merged: MergedTree) -> None:
+        """Keep prefix + accepted path in the target cache, and the accepted nodes the draft saw
+        (``model_tree``'s nodes above its last level; copied nodes never went through the draft)."""
         self.target_runner.compact(prefix, accepted)
         self.target_len = prefix + len(accepted)
-        if tree.depth > 0:
-            seen_by_draft = [a - 1 for a in accepted[1:] if tree.depths[a] < tree.depth]
+        if model_tree.depth > 0:
+            drafted = [merged.model_node[a] for a in accepted[1:] if merged.model_node[a] > 0]
+            seen_by_draft = [m - 1 for m in drafted if model_tree.depths[m] < model_tree.depth]
             self.draft_runner.compact(prefix + 1, seen_by_draft)
             self.draft_len = prefix + 1 + len(seen_by_draft)
 
@@ -430,6 +516,30 @@ def forward(model, cache, token_ids: list[int], start: int, mask: torch.Tensor |
 def _tree_of(parents: tuple[int, ...]) -> Tree:
     """The tree of a breadth-first parent array, built once (its masks are cached on it)."""
     return Tree(parents)
+
+
+def _merged_draft_probs(merged: MergedTree, probs: list[float], dists: dict[int, torch.Tensor]
+                        ) -> tuple[list[float], dict[int, torch.Tensor]]:
+    """The draft's q per merged node (1.0 for copied ones: their point-mass q) and its distributions
+    ``[V]`` keyed by merged node."""
+    where = {m: i for i, m in enumerate(merged.model_node) if m >= 0}
+    return ([probs[m] if m >= 0 else 1.0 for m in merged.model_node],
+            {where[m]: d for m, d in dists.items()})
+
+
+def _copied_chains(merged: MergedTree, count: int) -> list[list[int]]:
+    """The merged nodes of each of the ``count`` copied chains, root side first."""
+    chains: list[list[int]] = [[] for _ in range(count)]
+    tips: dict[int, int] = {}  # last node of a chain -> its chain
+    next_chain = 0
+    for node in sorted(merged.copied):
+        parent = merged.tree.parents[node]
+        chain = tips.pop(parent) if parent in tips else next_chain
+        if parent not in merged.copied:
+            next_chain += 1
+        chains[chain].append(node)
+        tips[node] = chain
+    return chains
 
 
 def _child_probs(tree: Tree, tokens: list[int], parent_probs: torch.Tensor) -> list[float]:

@@ -62,7 +62,8 @@ Used = dict[int, tuple[float, float | None]]  # node -> (p, q) it was judged on
 def verify_stochastic(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
                       draft_probs: dict[int, torch.Tensor], without_replacement: bool,
                       generator: torch.Generator | None = None, used: Used | None = None,
-                      trace: list[VerifierEvent] | None = None) -> tuple[list[int], int]:
+                      trace: list[VerifierEvent] | None = None,
+                      copied: frozenset[int] = frozenset()) -> tuple[list[int], int]:
     """Multi-draft speculative sampling over a tree; the committed tokens follow the target exactly.
 
     ``target_probs [size, V]``: the target's distribution after each node (temperature/top-p
@@ -71,16 +72,21 @@ def verify_stochastic(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
     probability ``min(1, p[x] / q[x])``; on rejection ``p <- normalize(relu(p - q))`` and, when the
     children were drawn without replacement (Sequoia), ``q[x] <- 0`` renormalised. If no child is
     accepted (or the node is a leaf) the bonus token is sampled from the residual ``p``.
+
+    ``copied``: nodes copied from the context (:mod:`engine.trees.copies`). They come first among
+    their siblings and are proposals with a point-mass q: kept with probability ``p[x]``, and on
+    rejection ``p <- normalize(p with x removed)`` before the draft's children are tried.
     """
     check_distributions(target_probs)
     node, path = 0, [0]
     while True:
         kids = tree.children[node]
-        q = draft_probs[node] if kids else None
+        point_masses = sum(1 for c in kids if c in copied)
+        q = draft_probs[node] if len(kids) > point_masses else None
         tried: list[tuple[float, float]] = []
         events: list[VerifierEvent] | None = [] if trace is not None else None
         choice, p = accept_child(target_probs[node], q, [tokens[c] for c in kids], without_replacement, generator,
-                                 tried, events)
+                                 tried, events, point_masses)
         if used is not None:
             used.update(zip(kids, tried))
         if trace is not None:
@@ -99,7 +105,7 @@ def verify_stochastic(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
 def accept_child(p: torch.Tensor, q: torch.Tensor | None, child_tokens: list[int], without_replacement: bool,
                  generator: torch.Generator | None = None,
                  tried: list[tuple[float, float]] | None = None,
-                 trace: list[VerifierEvent] | None = None) -> tuple[int | None, torch.Tensor]:
+                 trace: list[VerifierEvent] | None = None, point_masses: int = 0) -> tuple[int | None, torch.Tensor]:
     """One node of :func:`verify_stochastic`: try the children (tokens in rank order) against the
     target distribution ``p [V]`` and the draft distribution ``q [V]`` they were drawn from.
 
@@ -107,12 +113,33 @@ def accept_child(p: torch.Tensor, q: torch.Tensor | None, child_tokens: list[int
     ``tried`` gets ``(p[x], q[x])`` of each child tried, as the acceptance test used them;
     ``trace`` a ``"sample"`` :class:`VerifierEvent` per child tried (``node`` -1, ``child`` = its
     index among ``child_tokens``: :func:`verify_stochastic` renumbers them).
+
+    The first ``point_masses`` children are proposals with q = 1 on their token (copied from the
+    context, independent of the draw): kept when ``u < p[x]``, else ``p[x] <- 0`` renormalised,
+    which is ``normalize(relu(p - q))`` for that q. The draft's children then face the residual.
     """
-    if not child_tokens:
+    for index, x in enumerate(child_tokens[:point_masses]):
+        u = torch.rand((), generator=generator, dtype=torch.float64, device=p.device).item()
+        px = p[x].item()
+        if tried is not None:
+            tried.append((px, 1.0))
+        event = VerifierEvent(-1, index, x, u < px, "sample", u, px, 1.0, top_p=top_tokens(p)) \
+            if trace is not None else None
+        if u < px:
+            if trace is not None:
+                trace.append(event)
+            return index, p
+        p = p.clone()
+        p[x] = 0.0
+        p = p / p.sum()
+        if trace is not None:
+            event.residual = top_tokens(p)
+            trace.append(event)
+    if len(child_tokens) == point_masses:
         return None, p
     check_distributions(q)
     q = q.clone()
-    for index, x in enumerate(child_tokens):
+    for index, x in enumerate(child_tokens[point_masses:], start=point_masses):
         if q[x] <= 0:  # support of q exhausted: the remaining children carry no mass
             break
         u = torch.rand((), generator=generator, dtype=torch.float64, device=p.device).item()

@@ -1,0 +1,109 @@
+"""How much of a copied continuation to verify, and whether to draft with the model beside it.
+
+Acceptance of copied tokens is measured online, during the generation, per match-length bucket
+and per depth in the copied chain (:class:`CopyStats`). Each step :func:`plan_step` weighs three
+trees by expected tokens per second with the hardware profile's costs: the draft model's tree
+alone, the copied chain alone (no draft forward at all: it costs only verification width), or
+both, the copy first. A copy that has not paid recently stops being proposed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.trees.tree import Tree
+
+MATCH_BUCKETS = (3, 6, 12, 24)       # a match of m tokens falls in the last bucket whose bound is <= m
+COPY_LENGTHS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
+FIRST_PRIOR = (0.25, 0.45, 0.65, 0.8, 0.9)  # prior acceptance of a copy's first token, per bucket
+NEXT_PRIOR = 0.85                     # prior acceptance of each later token, given the one before
+PRIOR_WEIGHT = 2.0                    # pseudo-observations behind each prior
+# Without a profile: a step of n target rows costs 1 + 0.02 (n - 1) target steps, a draft level 0.3.
+DEFAULT_ROW_COST, DEFAULT_LEVEL_COST = 0.02, 0.3
+
+
+def bucket_of(match_len: int) -> int:
+    """0 for matches shorter than ``MATCH_BUCKETS[0]``, then one bucket per bound reached."""
+    return sum(1 for bound in MATCH_BUCKETS if match_len >= bound)
+
+
+@dataclass
+class CopyStats:
+    """Online counts of copied tokens tried and kept, per match bucket and depth (1 = first copied token)."""
+
+    tried: dict[tuple[int, int], int] = field(default_factory=dict)
+    kept: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def observe(self, match_len: int, length: int, accepted: int) -> None:
+        """A copied chain of ``length`` tokens whose first ``accepted`` were kept (then one rejected,
+        unless all were kept)."""
+        bucket = bucket_of(match_len)
+        for depth in range(1, min(accepted + 1, length) + 1):
+            self.tried[bucket, depth] = self.tried.get((bucket, depth), 0) + 1
+            if depth <= accepted:
+                self.kept[bucket, depth] = self.kept.get((bucket, depth), 0) + 1
+
+    def acceptance(self, match_len: int, depth: int) -> float:
+        """Estimated P(copied token at ``depth`` kept | the one before kept), prior blended in."""
+        bucket = bucket_of(match_len)
+        prior = FIRST_PRIOR[bucket] if depth == 1 else NEXT_PRIOR
+        tried, kept = self.tried.get((bucket, depth), 0), self.kept.get((bucket, depth), 0)
+        return (kept + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT)
+
+    def expected_tokens(self, match_len: int, length: int) -> float:
+        """Expected copied tokens kept from a chain of ``length``."""
+        total, alive = 0.0, 1.0
+        for depth in range(1, length + 1):
+            alive *= self.acceptance(match_len, min(depth, 8))
+            total += alive
+        return total
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step verifies: ``copy_len`` copied tokens (0: none) and whether the model drafts."""
+
+    copy_len: int
+    draft: bool
+    expected_tokens: float
+    step_cost: float
+
+
+def draft_cost(tree: Tree, profile: object | None) -> float:
+    """The draft model's cost for ``tree``: the profile's seconds (a
+    :class:`engine.tuning.profile.HardwareProfile`: one forward per level with children, the first
+    with the catch-up token), or ``DEFAULT_LEVEL_COST`` target steps per level without one."""
+    if profile is None:
+        return DEFAULT_LEVEL_COST * tree.depth
+    widths = [s.stop - s.start for s in tree.level_slices[:-1]]
+    return sum(profile.draft_time(width + 1 if level == 0 else width) for level, width in enumerate(widths))
+
+
+def plan_step(stats: CopyStats, match_len: int, available: int, model_tree: Tree, model_tokens: float,
+              profile: object | None) -> StepPlan:
+    """The best of model-only, copy-only and both, by expected tokens per unit of step cost.
+
+    ``available``: tokens the copy could give (0: no match). ``model_tree``: the model's tree for
+    this step (root only: no drafting); ``model_tokens``: its expected tokens per step (G).
+    """
+    def cost(rows: int, drafting: float) -> float:
+        if profile is None:
+            return 1.0 + DEFAULT_ROW_COST * (rows - 1) + drafting
+        return profile.target_time(rows) + drafting + profile.step_overhead
+
+    drafting = draft_cost(model_tree, profile)
+    best = StepPlan(0, model_tree.size > 1, model_tokens, cost(model_tree.size, drafting))
+    best_rate = best.expected_tokens / best.step_cost
+    first = stats.acceptance(match_len, 1)
+    for length in COPY_LENGTHS:
+        if length > available:
+            break
+        copied = stats.expected_tokens(match_len, length)
+        plans = [StepPlan(length, False, 1.0 + copied, cost(1 + length, 0.0))]
+        if model_tree.size > 1:
+            plans.append(StepPlan(length, True, 1.0 + copied + (1.0 - first) * (model_tokens - 1.0),
+                                  cost(model_tree.size + length, drafting)))
+        for plan in plans:
+            rate = plan.expected_tokens / plan.step_cost
+            if rate > best_rate:
+                best, best_rate = plan, rate
+    return best
