@@ -16,7 +16,8 @@ def load_tokenizer(path: str | os.PathLike | None = None):
     """
     from transformers import AutoTokenizer
 
-    from engine.models.loading import CACHE_FORMAT, DEFAULT_DRAFT, DEFAULT_TARGET, assemble_gguf, cache_dir
+    from engine.models.loading import CACHE_FORMAT, DEFAULT_DRAFT, DEFAULT_TARGET, assemble_gguf
+    from engine.user_cache import cache_dir
 
     if path is not None:
         return AutoTokenizer.from_pretrained(str(path))

@@ -450,7 +450,7 @@ class Worker:
     def _serve_profile(self, job: Job) -> None:
         import dataclasses
 
-        from engine.models.loading import cache_dir
+        from engine.user_cache import cache_dir
         from engine.tuning.profile import profile_path, quick_profile
 
         tuner = self.tuner

@@ -3,6 +3,7 @@
 The library, by concern:
 
 - :mod:`engine.errors`: the errors every package raises on bad input, one line each;
+- :mod:`engine.user_cache`: where the user cache is, and how a weights file gets there whole;
 - :mod:`engine.core`: one draft-verify step and the loop around it (speculative, verify,
   sampling, runner, kv_cache, prefix_cache, records);
 - :mod:`engine.trees`: token trees and Sequoia's dynamic program (tree, dp);

@@ -36,7 +36,7 @@ def package_of(module: str) -> str | None:
 
 def test_engine_lists_one_folder_per_concern():
     entries = sorted(p.name for p in ENGINE.iterdir() if p.name != "__pycache__")
-    assert entries == sorted(["__init__.py", "errors.py", "cli", *LIBRARY_PACKAGES])
+    assert entries == sorted(["__init__.py", "errors.py", "user_cache.py", "cli", *LIBRARY_PACKAGES])
     for package in [*LIBRARY_PACKAGES, "cli"]:
         assert (ENGINE / package / "__init__.py").read_text().strip(), f"engine/{package} says what it holds"
 
