@@ -14,11 +14,11 @@ import gradio as gr
 
 from engine.trees.tree import Tree
 
-from . import figures
+from . import figures, tree_figures
 from .conversation import display_messages, highlight_html
 from .live_feed import Feed
 from .text import describe_choice, dropped_notice, format_seconds, status_html, step_text_html
-from .worker import Job
+from .jobs import Job
 
 clock = time.perf_counter  # what live updates are paced by (looked up at each use: a test's clock counts steps)
 
@@ -84,7 +84,7 @@ def stream_answer(app, feed: Feed, job: Job, history, message, system, choice, t
 
     yield {c.chatbot: display_messages(history[:-1] + [{"role": "assistant", "content": "…"}]),
            c.msg: "", c.history: history[:-1],
-           c.live_tree: figures.live_placeholder("Waiting for the first step…", feed=feed.token),
+           c.live_tree: tree_figures.live_placeholder("Waiting for the first step…", feed=feed.token),
            c.slider: gr.update(visible=False), c.compare_md: gr.update(value="", visible=False),
            c.stats: "", c.status: status(queued), c.stop_btn: gr.update(interactive=True),
            c.replay_row: gr.update(visible=False), c.step_text: ""}
@@ -147,7 +147,7 @@ def stream_answer(app, feed: Feed, job: Job, history, message, system, choice, t
                 record, fed_text = text_record(text, fed_text), text
                 record["status"] = decoding_status()
                 if dirty_plot and run.steps and now - last_plot >= o["feed_tree_interval"]:
-                    record["tree"] = figures.tree_svg(run.steps[-1], run.texts, scale=1.25 * run.scale)
+                    record["tree"] = tree_figures.tree_svg(run.steps[-1], run.texts, scale=1.25 * run.scale)
                     record["stats"] = figures.markdown_html(figures.stats_line(run.steps, expected_tokens=run.expected))
                     last_plot, dirty_plot = now, False
                 feed.put(**record)
@@ -165,7 +165,7 @@ def stream_answer(app, feed: Feed, job: Job, history, message, system, choice, t
                 update[c.compare_md] = gr.update(value=figures.race_html(run.steps, compare_steps, len(tokens)),
                                                  visible=True)
             if dirty_plot and run.steps and now - last_plot >= o["plot_interval"]:
-                update[c.live_tree] = figures.tree_svg(run.steps[-1], run.texts, scale=1.25 * run.scale)
+                update[c.live_tree] = tree_figures.tree_svg(run.steps[-1], run.texts, scale=1.25 * run.scale)
                 update[c.stats] = figures.stats_line(run.steps, expected_tokens=run.expected)
                 last_plot, dirty_plot = now, False
             last_text, dirty_text = now, False
@@ -233,7 +233,7 @@ def run_views(app, run: Run, index: int | None, highlight: bool, tokenizer=None)
         out[c.steps_plot] = figures.placeholder_figure("No steps yet", 220)
         out[c.stats] = ""
     else:
-        out[c.tree_plot] = figures.tree_figure(run.steps[index], run.texts, scale=run.scale)
+        out[c.tree_plot] = tree_figures.tree_figure(run.steps[index], run.texts, scale=run.scale)
         out[c.slider] = gr.update(visible=len(run.steps) > 1, minimum=1, maximum=max(2, len(run.steps)),
                                   value=index + 1, step=1, interactive=True,
                                   label=f"Replay a step (1–{len(run.steps)})")

@@ -45,7 +45,8 @@ from .text import (
     pair_markdown,
     status_html,
 )
-from .worker import GenerationRequest, Job, QueueFull, SessionBusy, Worker
+from .jobs import GenerationRequest, Job, QueueFull, SessionBusy
+from .worker import Worker
 
 BASELINE_PROMPT = "Write a short paragraph about trees."  # what "Measure the target alone" decodes
 BASELINE_TOKENS = 48

@@ -14,7 +14,8 @@ from test_app_worker import fake_tuner
 from app import answer_stream, controls, handlers, ui
 from app import text as ui_text
 from app.conversation import export_conversation, highlight_html, import_steps
-from app.worker import Worker, make_engine
+from app.pair import make_engine
+from app.worker import Worker
 from engine.core.records import StepRecord, StepTimings
 
 
@@ -188,7 +189,7 @@ def test_a_depth_the_tree_does_not_reach_is_reported(app):
 
 
 def test_a_message_sent_during_an_answer_is_refused_with_a_message(app):
-    from app.worker import GenerationRequest
+    from app.jobs import GenerationRequest
     blocker = app.worker.submit(GenerationRequest(system="", messages=[{"role": "user", "content": "long"}],
                                                   max_new_tokens=2000, tree=None, method="autoregressive"),
                                 session="local")

@@ -10,7 +10,9 @@ import test_app_support as support
 
 from app import explain_figures as xf
 from app import answer_stream, ui
-from app.worker import GenerationRequest, Worker, make_engine
+from app.jobs import GenerationRequest
+from app.pair import make_engine
+from app.worker import Worker
 from engine.core.records import StepRecord, StepTimings, VerifierEvent
 from engine.trees import dp
 from engine.trees.tree import Tree

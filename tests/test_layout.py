@@ -159,7 +159,7 @@ def test_no_module_imports_itself_back():
 
 def test_figures_and_text_are_pure():
     """The app's figures and text are functions of records and plain values: no Gradio, no worker."""
-    for name in ("figures.py", "text.py", "explain_figures.py"):
+    for name in ("figures.py", "tree_figures.py", "text.py", "explain_figures.py"):
         tree = ast.parse((ROOT / "app" / name).read_text())
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
