@@ -22,7 +22,7 @@ from engine.core.records import StepRecord, VerifierEvent
 from engine.tuning.explain import Tables
 from engine.tuning.profile import HardwareProfile
 
-from . import figures
+from . import figures, tree_figures
 from .figures import FONT, MONO, visible_token
 
 PICK_COLOUR = "#f59e0b"   # the optimizer's pick
@@ -33,7 +33,7 @@ TokenTexts = Mapping[int, str] | Callable[[int], str] | None
 
 
 def _text(texts: TokenTexts, token: int) -> str:
-    return figures._text_of(texts, token)
+    return figures.token_text(texts, token)
 
 
 def _quoted(texts: TokenTexts, token: int, limit: int = 24) -> str:
@@ -213,7 +213,8 @@ def event_sentence(step: StepRecord, event: VerifierEvent, texts: TokenTexts) ->
     accept = event.acceptance
     p_name = "p" if event.residual is None and not _earlier_rejections(events, event) else "residual p"
     q_name = "q" if step.method == "specinfer" or not _earlier_rejections(events, event) else "renormalised q"
-    numbers = f"{p_name}({token}) = {figures._fmt_prob(event.p_x)}, {q_name}({token}) = {figures._fmt_prob(event.q_x)}"
+    fmt = tree_figures.format_prob
+    numbers = f"{p_name}({token}) = {fmt(event.p_x)}, {q_name}({token}) = {fmt(event.q_x)}"
     if event.accepted:
         moves = ("the walk moves to its children." if _has_children(step, event.child) else
                  "it is a leaf, so the bonus token comes next.")
@@ -299,9 +300,9 @@ def event_figure(event: VerifierEvent, texts: TokenTexts, top: int = 8, after_re
 
 
 def focus_tree(step: StepRecord, texts: TokenTexts, event: VerifierEvent | None, scale: float = 1.0) -> go.Figure:
-    """The step's tree (:func:`app.figures.tree_figure`) with the chip of the node being judged outlined
+    """The step's tree (:func:`app.tree_figures.tree_figure`) with the chip of the node being judged outlined
     in amber (the bonus chip for a bonus event) and the node the walk stands on outlined in black."""
-    fig = figures.tree_figure(step, texts, scale=scale, max_height=420)
+    fig = tree_figures.tree_figure(step, texts, scale=scale, max_height=420)
     if event is None:
         return fig
     where = {int(node) for trace in fig.data if trace.meta and trace.meta.get("kind") in ("nodes", "bonus")

@@ -11,9 +11,10 @@
 - **Acceptance per position**: per depth, accepted / reached over every answer of the
   conversation since Clear, against the calibration's prediction.
 
-:class:`ExplainView` owns the components; :class:`app.handlers.ChatApp` holds one and
-:func:`app.ui.build` lays it out under its main row
-and wires it to its controls.
+:class:`ExplainView` owns the components and is given the app it serves (its options, worker,
+calibrations and token texts); :class:`app.handlers.ChatApp` holds one and :func:`app.ui.build`
+lays it out under its main row and wires it to its controls. What the controls mean comes from
+:mod:`app.controls`, below both.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from engine.tuning.optimizer import predict
 
 from . import explain_figures as xf
 from . import figures
+from .controls import clamp, resolve_tree
 
 
 def _walk_position(run, step_no, event_no) -> tuple[int, int]:
@@ -63,8 +65,6 @@ class ExplainView:
     # ----- why this tree ----------------------------------------------------------------------------
     def why(self, method, size, depth, auto, temperature, top_p):
         """``(text, G figure, S figure, profile figure)`` for the controls as they are."""
-        from .handlers import clamp, resolve_tree  # here: handlers imports this module
-
         o = self.app.options
         temperature, top_p = clamp(temperature, 0.0, 2.0), clamp(top_p, 0.01, 1.0)
         size, depth = int(clamp(size, 1, o["max_tree_size"], int)), int(clamp(depth, 1, o["max_depth"], int))
@@ -196,8 +196,6 @@ class ExplainView:
     # ----- acceptance per position --------------------------------------------------------------------
     def acceptance(self, conversation, temperature, top_p):
         """``(figure, definitions HTML)`` over every answer of the conversation."""
-        from .handlers import clamp  # here: handlers imports this module
-
         steps = [s for answer in (conversation or []) for s in answer]
         calibration = self.app.calibration(clamp(temperature, 0.0, 2.0), clamp(top_p, 0.01, 1.0))
         vector = None if calibration.borrowed else calibration.vector

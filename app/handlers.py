@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import html
 import os
-import queue
 import shutil
 import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
 import gradio as gr
@@ -20,13 +17,13 @@ import gradio as gr
 from engine.core.speculative import METHODS
 from engine.errors import EngineError
 from engine.models.loading import pair_name
-from engine.trees.tree import Tree
-from engine.tuning.acceptance import EMBEDDED_PAIR, Calibration, calibration_for
+from engine.tuning.acceptance import Calibration
 from engine.tuning.explain import describe_setting
 from engine.tuning.optimizer import predict
-from engine.tuning.tree_store import build_tree
 
 from . import figures
+from .answer_stream import Run, run_views, stream_answer
+from .controls import DEFAULTS, cached_calibration, clamp, resolve_tree
 from .conversation import (
     MAX_IMPORT_BYTES,
     ContextTooLong,
@@ -39,59 +36,18 @@ from .conversation import (
     import_steps,
 )
 from .explain_view import ExplainView
-from .live_feed import Feed, LiveFeeds
+from .live_feed import LiveFeeds
 from .text import (
     describe_choice,
     dropped_notice,
-    format_seconds,
     header_html,
     method_help,
     pair_markdown,
     status_html,
-    step_text_html,
 )
-from .worker import GenerationRequest, Job, QueueFull, SessionBusy, Worker
+from .jobs import GenerationRequest, Job, QueueFull, SessionBusy
+from .worker import Worker
 
-DEFAULTS = {
-    "title": "Sequoia Chat",
-    "system_prompt": "",
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "max_new_tokens": 256,
-    "max_new_tokens_limit": 2048,
-    "seed": 0,
-    "method": "sequoia",
-    "tree_size": 8,
-    "depth": 4,
-    "auto": True,  # the optimizer's pick when the pair has one (tree_size and depth: for a manual tree)
-    "max_tree_size": 64,
-    "max_depth": 16,
-    "compare": False,
-    "highlight": False,
-    # the pair (as calibrations name it) whose acceptance calibrations shape DP trees and predictions
-    "pair": EMBEDDED_PAIR,
-    # show predicted tokens/step; also off whenever the pair in use has no calibration of its own
-    "predict": True,
-}
-
-
-clock = time.perf_counter  # what live updates are paced by (looked up at each use: a test's clock counts steps)
-
-
-def live_update_intervals(cores: int | None = None) -> dict[str, float]:
-    """Seconds between live updates of an answer's text (``text_interval``) and of its tree and
-    step figures (``plot_interval``), by the CPU cores this process may run on. The browser draws
-    on the cores that decode: on 2 cores with headless Chromium, updates at 20 and 5 a second held
-    the pick to 15 tokens/s against 29 with none (the renderer took 10 s of CPU for a 12 s answer,
-    most of it re-rendering the chat), and 4 and 1 a second gave 20. Machines of up to 4 cores get
-    those; larger ones 20 and 5."""
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return ({"text_interval": 0.25, "plot_interval": 1.0} if cores <= 4 else {"text_interval": 0.05, "plot_interval": 0.2}) | {
-        "feed_interval": 0.1, "feed_tree_interval": 0.25}
-
-
-DEFAULTS |= live_update_intervals()
 BASELINE_PROMPT = "Write a short paragraph about trees."  # what "Measure the target alone" decodes
 BASELINE_TOKENS = 48
 
@@ -108,12 +64,6 @@ def _finished_run(job: Job) -> dict | None:
     return run
 
 
-def text_record(text: str, sent: str) -> dict:
-    """A live-feed record that takes the page from ``sent`` to ``text``: the delta when ``text``
-    extends it, else the whole text (a character completed by a later byte token)."""
-    return {"text": text[len(sent):]} if text.startswith(sent) else {"reset": text}
-
-
 class TokenTexts:
     """Decoded text of single tokens, cached per tokenizer."""
 
@@ -128,55 +78,6 @@ class TokenTexts:
                 if t not in cache:
                     cache[t] = tokenizer.decode([t], skip_special_tokens=False)
             return {t: cache[t] for t in tokens}
-
-
-@lru_cache(maxsize=64)
-def _calibration(pair: str, temperature: float, top_p: float) -> Calibration:
-    return calibration_for(pair, temperature, top_p)
-
-
-@lru_cache(maxsize=256)
-def _cached_tree(size: int, depth: int, acceptance: tuple[float, ...]) -> Tree | None:
-    return build_tree(size, depth, list(acceptance))
-
-
-def resolve_tree(method: str, size: int, depth: int, acceptance) -> tuple[Tree | None, str]:
-    """The tree for the controls and a short description. Raises EngineError on bad values."""
-    size = int(max(1, size))
-    depth = int(max(1, depth))
-    if method == "autoregressive" or size == 1 and method != "chain":
-        return None, "autoregressive: the target alone, 1 token per step, no draft"
-    if method == "chain":
-        return Tree.chain(depth), f"chain: {depth} draft tokens in a row ({depth + 1} nodes)"
-    depth = min(depth, size - 1)
-    tree = _cached_tree(size, depth, tuple(acceptance))
-    kind = "a chain" if tree.size == tree.depth + 1 else "a DP-shaped tree"
-    return tree, f"{method} on {kind}: {tree.size} nodes, depth {tree.depth}"
-
-
-def clamp(value, low, high, cast=float):
-    try:
-        value = cast(value)
-    except (TypeError, ValueError):
-        value = low
-    return max(low, min(high, value))
-
-
-@dataclass
-class Run:
-    """What a finished (or running) answer leaves behind for replay."""
-
-    steps: list = field(default_factory=list)
-    texts: dict = field(default_factory=dict)
-    tree_desc: str = ""
-    expected: float | None = None
-    predicted: float | None = None
-    baseline: float | None = None
-    baseline_source: str = "measured"   # of ``baseline``: "measured" or "estimated" (device profile)
-    scale: float = 1.0                  # figure font scale (presentation mode)
-    main: dict | None = None
-    compare: dict | None = None
-    identical: bool | None = None
 
 
 # ----- the app ---------------------------------------------------------------------------------
@@ -282,7 +183,7 @@ class ChatApp:
             info = self.worker.info
             pair = pair_name(str(info.get("target")), str(info.get("draft")), self.worker.engine.draft,
                              self.worker.engine.target)
-        return _calibration(pair, round(float(temperature), 3), round(float(top_p), 3))
+        return cached_calibration(pair, round(float(temperature), 3), round(float(top_p), 3))
 
     # ----- chat ------------------------------------------------------------------------------
     def respond(self, message, history, run, system, temperature, top_p, max_new, seed, method, size, depth,
@@ -374,231 +275,12 @@ class ChatApp:
         the first and last updates), through Gradio's updates otherwise."""
         feed = self.feeds.open()
         try:
-            yield from self._stream_to(feed, job, history, message, system, choice, tree_desc, tree, highlight,
+            yield from stream_answer(self, feed, job, history, message, system, choice, tree_desc, tree, highlight,
                                        notices, settings, scale)
         finally:
             feed.close()
 
-    def _stream_to(self, feed: Feed, job: Job, history, message, system, choice, tree_desc, tree, highlight,
-                   notices, settings, scale=1.0):
-        c, o = self.c, self.options
-        run = Run(tree_desc=tree_desc, scale=scale)
-        method = settings["method"]
-        who = "the target alone" if tree is None or method == "autoregressive" else method
-        history = history + [{"role": "assistant", "content": ""}]
-        answer = history[-1]
-        tokens: list[int] = []
-        compare_tokens: list[int] = []
-        compare_steps: list = []
-        tokenizer = self.worker.tokenizer
-        calibration = self.calibration(settings["temperature"], settings["top_p"])
-        predict = o["predict"] and not calibration.borrowed
-        notice = " ".join(notices)
-        phase = "main"
-        last_text = last_plot = 0.0
-        dirty_text = dirty_plot = False
-        fed_text = ""  # the answer's text as the feed has sent it
-        position = job.position()
-        queued = f"Waiting for the engine: {position} request{'s' if position != 1 else ''} ahead of yours." \
-            if position else "Starting: preparing the prompt for the engine…"
-
-        def status(text, kind="info"):
-            return status_html(html.escape(notice) + ("<br>" if notice and text else "") + text,
-                               "warn" if notice and kind == "info" else kind)
-
-        def decoding_status():
-            last = run.steps[-1] if run.steps else None
-            return status(f"Decoding with {html.escape(who)} · step {len(run.steps)} · {len(tokens)} tokens"
-                          + (f" · last step accepted {last.accepted_draft_tokens} of {last.tree_size - 1} drafts"
-                             if last is not None and last.tree_size > 1 else ""))
-
-        yield {c.chatbot: display_messages(history[:-1] + [{"role": "assistant", "content": "…"}]),
-               c.msg: "", c.history: history[:-1],
-               c.live_tree: figures.live_placeholder("Waiting for the first step…", feed=feed.token),
-               c.slider: gr.update(visible=False), c.compare_md: gr.update(value="", visible=False),
-               c.stats: "", c.status: status(queued), c.stop_btn: gr.update(interactive=True),
-               c.replay_row: gr.update(visible=False), c.step_text: ""}
-        terminal = None
-        while terminal is None:
-            try:
-                events = [job.events.get(timeout=0.25)]
-            except queue.Empty:
-                now_position = job.position()
-                if now_position and now_position != position:
-                    position = now_position
-                    yield {c.status: status(f"Waiting for the engine: {position} request"
-                                            f"{'s' if position != 1 else ''} ahead of yours.")}
-                continue
-            while True:  # drain what is already there: one UI update for a burst of fast steps
-                try:
-                    events.append(job.events.get_nowait())
-                except queue.Empty:
-                    break
-            for event in events:
-                kind, data = event.kind, event.data
-                if kind == "started":
-                    phase = event.phase
-                    tokenizer = data.get("tokenizer") or tokenizer
-                    if event.phase == "main" and data.get("dropped") is not None:  # as the worker fitted it
-                        notice = dropped_notice(data["dropped"], getattr(self.worker.engine, "max_context", 0))
-                    if phase == "main":
-                        n = data.get("prompt_tokens")
-                        readers = "the target reads" if who == "the target alone" else "the target and the draft read"
-                        yield {c.status: status(f"Prefill: {readers} the {n if n is not None else ''}-token prompt "
-                                                f"before the first step ({html.escape(who)})…")}
-                    if phase == "main":
-                        tc = data.get("tree_choice")
-                        if tc is not None:
-                            run.predicted = tc.predicted_speedup
-                            run.expected = tc.expected_tokens
-                            run.tree_desc = f"{method}, auto: " + describe_choice(tc)
-                        elif predict and isinstance(data.get("tree"), Tree):
-                            run.expected = data["tree"].expected_tokens(calibration.vector)
-                elif kind == "step" and event.phase == "main":
-                    run.steps.append(data)
-                    tokens.extend(data.committed)
-                    run.texts.update(self.texts.texts(tokenizer, data.tokens + data.committed))
-                    dirty_text = dirty_plot = True
-                elif kind == "step":
-                    compare_tokens.extend(data.committed)
-                    compare_steps.append(data)
-                    dirty_text = True
-                elif kind == "finished":
-                    if event.phase == "main":
-                        run.main = data
-                    else:
-                        run.compare = data
-                elif kind in ("done", "cancelled", "error"):
-                    terminal = event
-            now = clock()
-            if terminal is None and dirty_text and phase == "main" and feed.subscribed:
-                if now - last_text >= o["feed_interval"]:
-                    text = tokenizer.decode(tokens, skip_special_tokens=True)
-                    record, fed_text = text_record(text, fed_text), text
-                    record["status"] = decoding_status()
-                    if dirty_plot and run.steps and now - last_plot >= o["feed_tree_interval"]:
-                        record["tree"] = figures.tree_svg(run.steps[-1], run.texts, scale=1.25 * run.scale)
-                        record["stats"] = figures.markdown_html(figures.stats_line(run.steps, expected_tokens=run.expected))
-                        last_plot, dirty_plot = now, False
-                    feed.put(**record)
-                    last_text, dirty_text = now, False
-                continue
-            if terminal is None and dirty_text and now - last_text >= o["text_interval"]:
-                update = {}
-                answer["content"] = tokenizer.decode(tokens, skip_special_tokens=True)
-                if phase == "main":
-                    update[c.chatbot] = display_messages(history)
-                    update[c.status] = decoding_status()
-                else:
-                    update[c.status] = status(f"Answer done. Now the target alone, for comparison: "
-                                              f"{len(compare_tokens)} tokens…")
-                    update[c.compare_md] = gr.update(value=figures.race_html(run.steps, compare_steps, len(tokens)),
-                                                     visible=True)
-                if dirty_plot and run.steps and now - last_plot >= o["plot_interval"]:
-                    update[c.live_tree] = figures.tree_svg(run.steps[-1], run.texts, scale=1.25 * run.scale)
-                    update[c.stats] = figures.stats_line(run.steps, expected_tokens=run.expected)
-                    last_plot, dirty_plot = now, False
-                last_text, dirty_text = now, False
-                yield update
-
-        # ----- the end of the answer ------------------------------------------------------------
-        answer["content"] = tokenizer.decode(tokens, skip_special_tokens=True)
-        if feed.subscribed and fed_text and answer["content"] != fed_text:  # the steps since the last record
-            feed.put(**text_record(answer["content"], fed_text))
-        feed.close()
-        update = {}
-        kind = "ok"
-        temperature, top_p = settings["temperature"], settings["top_p"]
-        if terminal.kind == "done":  # a run of the target alone is a measurement of it, for this setting
-            self.record_baseline(temperature, top_p, run.compare)
-            if tree is None or method == "autoregressive":
-                self.record_baseline(temperature, top_p, run.main)
-        run.baseline, run.baseline_source = self.baseline(temperature, top_p)
-        if terminal.kind == "done":
-            if run.compare is not None:
-                run.identical = compare_tokens == tokens
-            reason = (run.main or {}).get("finish_reason")
-            text = f"Done: {len(tokens)} tokens in {len(run.steps)} steps" + (
-                " (reached max new tokens)." if reason == "length" else ".")
-            if run.tree_desc:
-                text += f" {html.escape(run.tree_desc[0].upper() + run.tree_desc[1:])}."
-        elif terminal.kind == "cancelled" and run.main is not None:  # Stop during Compare: the answer was whole
-            text, kind = (f"Done: {len(tokens)} tokens in {len(run.steps)} steps. The comparison with the target "
-                          f"alone was stopped."), "warn"
-        elif terminal.kind == "cancelled":
-            answer["note"] = "stopped"
-            text, kind = f"Stopped after {len(run.steps)} steps ({len(tokens)} tokens).", "warn"
-        else:
-            error = str(terminal.data)
-            gr.Warning(f"The engine failed: {error}")
-            kind = "error"
-            text = f"The engine failed: {html.escape(error)}"
-            if not tokens:
-                history = history[:-2] if message else history[:-1]
-                update[c.msg] = message
-                text += " Your message is back in the box."
-            else:
-                answer["note"] = f"error: {error}"
-        if history and history[-1] is answer and not tokens and terminal.kind == "cancelled":
-            history = history[:-1]  # stopped before the first token: no empty answer left behind
-        update.update({c.chatbot: display_messages(history), c.history: history, c.run: run,
-                       c.status: status(text, kind)})
-        update.update(self._run_views(run, len(run.steps) - 1 if run.steps else None, highlight, tokenizer))
-        update[c.export_btn] = self._export_file(system, history, settings, run)
-        update[c.stop_btn] = gr.update(interactive=False)
-        update[c.baseline_info] = self.baseline_html(temperature, top_p)
-        update[c.live_tree] = ""  # the live SVG gives way to the plotly tree (laid out, under it, all along)
-        yield update
-
-    def _run_views(self, run: Run, index: int | None, highlight: bool, tokenizer=None) -> dict:
-        """Tree, slider, chart, stats, comparison and highlight views of a run."""
-        c = self.c
-        out = {}
-        if index is None or not run.steps:
-            out[c.tree_plot] = figures.placeholder_figure("No steps: the answer was stopped before the first one.")
-            out[c.slider] = gr.update(visible=False)
-            out[c.replay_row] = gr.update(visible=False)
-            out[c.step_text] = ""
-            out[c.steps_plot] = figures.placeholder_figure("No steps yet", 220)
-            out[c.stats] = ""
-        else:
-            out[c.tree_plot] = figures.tree_figure(run.steps[index], run.texts, scale=run.scale)
-            out[c.slider] = gr.update(visible=len(run.steps) > 1, minimum=1, maximum=max(2, len(run.steps)),
-                                      value=index + 1, step=1, interactive=True,
-                                      label=f"Replay a step (1–{len(run.steps)})")
-            out[c.replay_row] = gr.update(visible=len(run.steps) > 1)
-            out[c.step_text] = step_text_html(tokenizer or self.worker.tokenizer, run.steps, index)
-            out[c.steps_plot] = figures.steps_figure(run.steps, run.baseline, run.expected, run.predicted,
-                                                     highlight=run.steps[index].index,
-                                                     baseline_source=run.baseline_source)
-            out[c.stats] = figures.stats_line(run.steps, run.baseline, run.baseline_source, run.expected)
-        out[c.compare_md] = gr.update(value=self._compare_markdown(run), visible=run.compare is not None)
-        tokenizer = tokenizer or self.worker.tokenizer
-        out[c.highlight_view] = gr.update(value=highlight_html(tokenizer, run.steps, current=index),
-                                          visible=bool(highlight))
-        return out
-
-    @staticmethod
-    def _compare_markdown(run: Run) -> str:
-        if run.compare is None or run.main is None:
-            return ""
-        m, a = run.main, run.compare
-
-        def rate(r):
-            return r["tokens"] / r["decode_s"] if r["decode_s"] > 0 else 0.0
-
-        speed = rate(m) / rate(a) if rate(a) > 0 else 0.0
-        same = ("identical tokens ✓" if run.identical else "different tokens (expected when sampling: "
-                "both follow the target's distribution)" if run.identical is False else "")
-        return (f"<div class='sc-compare'><div class='sc-compare-head'>Compare, measured just now: speculative "
-                f"<b>{speed:.2f}×</b> the target alone's decoding speed · {same}</div>"
-                f"<table><tr><th></th><th>speculative</th><th>target alone</th></tr>"
-                f"<tr><td>wall time (prefill included)</td><td>{format_seconds(m['seconds'])}</td><td>{format_seconds(a['seconds'])}</td></tr>"
-                f"<tr><td>decoding</td><td>{rate(m):.1f} tokens/s</td><td>{rate(a):.1f} tokens/s</td></tr>"
-                f"<tr><td>tokens / steps</td><td>{m['tokens']} / {m['steps']}</td><td>{a['tokens']} / {a['steps']}</td></tr>"
-                f"</table></div>")
-
-    def _export_file(self, system, history, settings=None, run: Run | None = None):
+    def export_file(self, system, history, settings=None, run: Run | None = None):
         if not history:
             return gr.update(value=None, interactive=False)
         for old in self.export_dir.glob("*.json"):  # files of earlier turns: served already, prune them
@@ -658,7 +340,7 @@ class ChatApp:
         if not isinstance(run, Run) or not run.steps:
             return {}
         index = int(clamp(step_no, 1, len(run.steps), int)) - 1
-        views = self._run_views(run, index, highlight)
+        views = run_views(self, run, index, highlight)
         c = self.c
         return {k: views[k] for k in (c.tree_plot, c.steps_plot, c.step_text, c.highlight_view)}
 
@@ -736,7 +418,7 @@ class ChatApp:
         index = int(clamp(step_no, 1, len(run.steps), int))  # 1-based shown step -> next 0-based index
         if index >= len(run.steps):
             index = 0  # pressed Play on the last step: start over
-        views = self._run_views(run, index, highlight)
+        views = run_views(self, run, index, highlight)
         out = {k: views[k] for k in (c.tree_plot, c.steps_plot, c.slider, c.step_text, c.highlight_view)}
         if index == len(run.steps) - 1:
             out.update({c.timer: gr.update(active=False), c.play_btn: gr.update(visible=True),
@@ -750,10 +432,10 @@ class ChatApp:
             return {}
         run.scale = 1.4 if on else 1.0
         index = len(run.steps) - 1
-        return {c.tree_plot: self._run_views(run, index, highlight)[c.tree_plot], c.run: run}
+        return {c.tree_plot: run_views(self, run, index, highlight)[c.tree_plot], c.run: run}
 
     def export_settings(self, system, history):
-        return self._export_file(system, history)
+        return self.export_file(system, history)
 
     def import_file(self, file, request: gr.Request | None = None):
         c = self.c
@@ -777,14 +459,14 @@ class ChatApp:
         self.worker.cancel_session(session)
         out = {c.chatbot: display_messages(history), c.history: history, c.system: system, c.run: Run(),
                c.status: status_html(f"Imported {len(history)} messages.", "ok"),
-               c.export_btn: self._export_file(system, history),
+               c.export_btn: self.export_file(system, history),
                **{k: v for k, v in self.clear(request).items()
                   if k in (c.tree_plot, c.slider, c.steps_plot, c.stats, c.compare_md, c.highlight_view)}}
         if steps:  # the export carried the last answer's steps: its trees and chart come back too
             run = Run(steps=steps, texts=texts)
-            out.update(self._run_views(run, len(steps) - 1, True))
+            out.update(run_views(self, run, len(steps) - 1, True))
             out[c.run] = run
-            out[c.export_btn] = self._export_file(system, history, None, run)
+            out[c.export_btn] = self.export_file(system, history, None, run)
             out[c.status] = status_html(f"Imported {len(history)} messages and the last answer's "
                                         f"{len(steps)} steps: replay them with the slider.", "ok")
         return out

@@ -16,9 +16,10 @@ from starlette.middleware import Middleware
 from engine.core.speculative import METHODS
 
 from . import figures, live_feed
+from .answer_stream import Run
 from .conversation import highlight_html
 from .cross_origin import CrossOriginMiddleware
-from .handlers import ChatApp, Run
+from .handlers import ChatApp
 from .host_guard import HostGuardMiddleware, allowed_hosts
 from .page_script import HeadScriptMiddleware
 from .text import header_html, key_html, method_help, pair_markdown

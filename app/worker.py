@@ -34,257 +34,31 @@ store. Engines with preallocated static caches (CUDA) do not keep conversations.
 from __future__ import annotations
 
 import gc
-import itertools
 import logging
-import os
 import queue
 import re
 import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from app.conversation import ContextTooLong, fit_context
-from engine.backends.gguf_embedding import GGUFEmbedding
-from engine.backends.kernels import prepare
+from app.jobs import GenerationRequest, Job, LoadRequest, ProfileRequest, QueueFull, SessionBusy
+from app.pair import default_loader, describe_pair, make_engine, validate_model_id
 from engine.backends.quantize import draft_format
 from engine.core.prefix_cache import DEFAULT_BUDGET_BYTES, CacheStore, ConversationCache
-from engine.core.speculative import SpeculativeEngine
 from engine.errors import EngineError, GenerationCancelled, ModelLoadError
 from engine.models.loading import DTYPES
-from engine.trees.tree import Tree
 
 log = logging.getLogger(__name__)
-
-TERMINAL = ("done", "cancelled", "error")
-
-
-@dataclass
-class Event:
-    kind: str
-    data: Any = None
-    phase: str = "main"
-
-
-@dataclass
-class GenerationRequest:
-    """What to decode. ``tree``: a Tree, None (target alone) or "auto" (needs a tuner).
-
-    The prompt is either ``input_ids`` or a conversation: ``messages`` (role/content turns) and an
-    optional ``system`` prompt, which the worker tokenises with the chat template when the job
-    runs, with the tokenizer of the pair in use then (a load queued before it may have changed
-    the pair), dropping the oldest turns that do not fit the context."""
-
-    input_ids: list[int] | None = None
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    tree: Tree | str | None = None
-    seed: int = 0
-    method: str = "sequoia"
-    compare: bool = False
-    system: str | None = None
-    messages: list[dict] | None = None
-    cache_key: str | None = None  # whose conversation cache to use (default: the job's session)
-    keep_cache: bool = True  # False: decode from a fresh cache and leave the session's as it was
-    trace: bool = False  # the main phase's steps carry the verifier's trace (StepRecord.trace)
-
-
-@dataclass
-class LoadRequest:
-    target: str
-    draft: str
-    dtype: str = "float32"
-    device: str = "cpu"
-    trust_remote_code: bool = False
-
-
-@dataclass
-class ProfileRequest:
-    """Measure this machine's hardware profile of the pair in use, for the optimizer."""
-
-
-_ids = itertools.count(1)
-
-
-class SessionBusy(RuntimeError):
-    """A session asked for another job while one of its jobs is still waiting or running."""
-
-
-class QueueFull(RuntimeError):
-    """Refused: the queue holds ``MAX_WAITING`` jobs, or this client already has ``MAX_PER_CLIENT``
-    jobs waiting or running. ``retry_after``: seconds after which trying again is reasonable."""
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
 
 MAX_WAITING = 32      # jobs waiting behind the running one, all clients together
 MAX_PER_CLIENT = 4    # one running and three waiting per client (an API caller's address)
 RETRY_PER_JOB_S = 15  # what a waiting answer is guessed to take, for Retry-After
-
-
-@dataclass
-class Job:
-    """One queued request: read ``events`` until a terminal event; ``cancel()`` to stop it."""
-
-    request: GenerationRequest | LoadRequest | ProfileRequest
-    session: str | None = None
-    client: str | None = None  # who asked, for the per-client cap (None: not capped)
-    id: int = field(default_factory=lambda: next(_ids))
-    events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
-    worker: "Worker | None" = field(default=None, repr=False)
-    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
-    _done: threading.Event = field(default_factory=threading.Event, repr=False)
-
-    @property
-    def kind(self) -> str:
-        return {LoadRequest: "load", ProfileRequest: "profile"}.get(type(self.request), "generate")
-
-    def cancel(self) -> None:
-        self._cancel.set()
-        if self.worker is not None:
-            self.worker._drop_pending(self)
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    @property
-    def finished(self) -> bool:
-        return self._done.is_set()
-
-    def position(self) -> int | None:
-        """Jobs ahead of this one (0: running now); None once finished."""
-        return self.worker.position(self) if self.worker is not None else None
-
-    def iter_events(self, timeout: float | None = None) -> Iterator[Event]:
-        """Events until the terminal one (inclusive). ``timeout``: seconds to wait for each."""
-        while True:
-            event = self.events.get(timeout=timeout)
-            yield event
-            if event.kind in TERMINAL:
-                return
-
-    def wait(self, timeout: float | None = None) -> list[Event]:
-        """Block until the job ends; all its events."""
-        return list(self.iter_events(timeout))
-
-    def _emit(self, kind: str, data: Any = None, phase: str = "main") -> None:
-        self.events.put(Event(kind, data, phase))
-        if kind in TERMINAL:
-            self._done.set()
-
-
-# ----- engines and pairs -------------------------------------------------------------------
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """The model's own stop tokens plus the tokenizer's end-of-sequence and end-of-turn tokens."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-    if tokenizer is not None:
-        if tokenizer.eos_token_id is not None:
-            ids.add(int(tokenizer.eos_token_id))
-        vocab = tokenizer.get_vocab()
-        for name in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"):
-            if name in vocab:
-                ids.add(int(vocab[name]))
-    return sorted(ids)
-
-
-def make_engine(target, draft, tokenizer, tuner=None) -> SpeculativeEngine:
-    """The engine the app uses for a pair it loaded: the models are prepared for the CPU fast path
-    first (:func:`engine.backends.kernels.prepare`), and the engine stops on the tokenizer's end-of-turn
-    tokens too."""
-    prepare(target, draft)
-    return SpeculativeEngine(target, draft, stop_token_ids=stop_token_ids(target, tokenizer), tuner=tuner)
-
-
-def _count(model) -> int:
-    """Parameters, the weights of quantised linear layers (held as packed buffers) and of an
-    embedding kept in GGUF blocks included."""
-    if model is None:
-        return 0
-    quantised = sum(m.in_features * m.out_features for m in model.modules()
-                    if hasattr(m, "in_features") and not isinstance(m, torch.nn.Linear))
-    blocks = sum(m.num_embeddings * m.embedding_dim for m in model.modules() if isinstance(m, GGUFEmbedding))
-    return sum(p.numel() for p in model.parameters()) + quantised + blocks
-
-
-def describe_pair(target, draft, target_name: str, draft_name: str) -> dict:
-    """What the Models panel shows."""
-    param = next(target.parameters())
-    return {"target": target_name, "draft": draft_name, "device": str(param.device),
-            "dtype": str(param.dtype).removeprefix("torch."), "target_params": _count(target),
-            "draft_params": _count(draft), "draft_format": draft_format(draft) if draft is not None else "none",
-            "target_format": draft_format(target),
-            "max_context": int(getattr(target.config, "max_position_embeddings", 0) or 0)}
-
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
-
-
-def validate_model_id(value: str, role: str, models_dir: Path | None = None) -> str:
-    """An embedded name, a Hugging Face id (``owner/name``) or a folder under ``models_dir``.
-
-    The UI may name local folders only inside the configured models folder (symlinks resolved),
-    never elsewhere on disk; anything else that looks like a path, a URL or ``..`` is refused.
-    Raises :class:`ModelLoadError`.
-    """
-    value = (value or "").strip()
-    if not value:
-        raise ModelLoadError(f"the {role} model is empty: give a Hugging Face id (owner/name) or a local directory")
-    if len(value) > 300:
-        raise ModelLoadError(f"the {role} model id is too long")
-    if value in ("default-target", "default-draft"):
-        return value
-    if models_dir is not None:
-        root = Path(models_dir).expanduser().resolve()
-        candidate = (root / Path(value).expanduser()).resolve()  # an absolute value replaces root here
-        if candidate.is_dir():
-            if root not in candidate.parents:
-                raise ModelLoadError(_outside(value, models_dir))
-            return str(candidate)
-    if value.startswith(("/", "~", ".")) or "\\" in value or re.match(r"[A-Za-z]:", value):
-        raise ModelLoadError(_outside(value))  # whether or not it exists: the answer tells nothing of the disk
-    _refuse_local_path(value, models_dir)
-    if not _HUB_ID.match(value) or ".." in value:
-        where = f"a folder under {models_dir}" if models_dir is not None else "a local folder (none configured)"
-        raise ModelLoadError(f"'{value}' is neither {where} nor a Hugging Face id like Qwen/Qwen2.5-0.5B-Instruct")
-    return value
-
-
-def _outside(value: str, models_dir: Path | None = None) -> str:
-    return (f"'{value}' names a local path that is not a folder in the models folder: the app loads local "
-            f"models only from there (launch.py --models-dir), by their name in it")
-
-
-def _refuse_local_path(value: str, models_dir: Path | None) -> None:
-    """A name that is not a folder under the models folder must never reach ``from_pretrained`` as a
-    path: ``secret/model`` passes the hub-id pattern, yet transformers loads the folder of that name
-    under the server's working directory when there is one. Such names are refused."""
-    if os.path.lexists(value) or os.path.lexists(os.path.expanduser(value)):
-        raise ModelLoadError(_outside(value, models_dir))
-
-
-def _default_loader(model_id: str, dtype: torch.dtype, device: str, trust_remote_code: bool,
-                    draft_format: str = "none"):
-    """:func:`engine.models.loading.load_model` for ids :func:`validate_model_id` passed: an absolute folder
-    under the models folder, an embedded name, or a hub id, which must reach the hub (or its cache)
-    only, so one that names a path here is refused again right before loading."""
-    from engine.models.loading import DEFAULT_IDS, load_model
-    if not os.path.isabs(model_id) and model_id not in DEFAULT_IDS:
-        _refuse_local_path(model_id, None)
-    return load_model(model_id, dtype, device, trust_remote_code, draft_format)
 
 
 # ----- the worker --------------------------------------------------------------------------
@@ -310,7 +84,7 @@ class Worker:
         self.tokenizer = tokenizer
         self.info = dict(info or {})
         self.tuner = tuner if tuner is not None else getattr(engine, "tuner", None)
-        self.loader = loader or _default_loader
+        self.loader = loader or default_loader
         self.baseline_tokens_per_s: float | None = None  # last measured target-alone rate, this pair
         self.pair_version = 0                            # bumped on every successful model swap
         self._orphan: threading.Thread | None = None     # a stopped model load still running
@@ -450,7 +224,7 @@ class Worker:
     def _serve_profile(self, job: Job) -> None:
         import dataclasses
 
-        from engine.models.loading import cache_dir
+        from engine.user_cache import cache_dir
         from engine.tuning.profile import profile_path, quick_profile
 
         tuner = self.tuner
@@ -650,7 +424,7 @@ class Worker:
         self.kv_store.clear()  # caches of the old pair's models: never reused, freed with it
         self.baseline_tokens_per_s = None
         self.pair_version += 1
-        if self.loader is _default_loader:  # the loader's memo now holds this pair, and only it
+        if self.loader is default_loader:  # the loader's memo now holds this pair, and only it
             from engine.models.loading import keep_pair
             keep_pair((loaded["target"], loaded["tokenizer"]), (loaded["draft"], loaded["draft_tokenizer"]))
         job._emit("done", {"info": dict(self.info)})

@@ -3,6 +3,7 @@
 The library, by concern:
 
 - :mod:`engine.errors`: the errors every package raises on bad input, one line each;
+- :mod:`engine.user_cache`: where the user cache is, and how a weights file gets there whole;
 - :mod:`engine.core`: one draft-verify step and the loop around it (speculative, verify,
   sampling, runner, kv_cache, prefix_cache, records);
 - :mod:`engine.trees`: token trees and Sequoia's dynamic program (tree, dp);
@@ -12,17 +13,14 @@ The library, by concern:
   hugepages, offload);
 - :mod:`engine.models`: loading pairs, the bundled prompts, random-weight stand-ins;
 - :mod:`engine.peer`: llama.cpp run on the same files, for benchmarks;
-- :mod:`engine.cli`: the command lines (``python -m engine.cli.<tool>``); nothing in the
-  library imports them.
+- :mod:`engine.cli`: the command lines (``python -m engine.cli.<tool>``, the one way to run
+  each); nothing in the library imports them.
 
 The names below load on first use, so entry points can act before torch is imported
 (:mod:`engine.backends.hugepages`)."""
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
-import sys
 
 _HOMES = {"SpeculativeEngine": "core.speculative", "Tree": "trees.tree", "GenerationResult": "core.records",
           "StepRecord": "core.records", "StepTimings": "core.records", "EngineError": "errors",
@@ -30,12 +28,6 @@ _HOMES = {"SpeculativeEngine": "core.speculative", "Tree": "trees.tree", "Genera
           "ModelLoadError": "errors", "VocabularyMismatchError": "errors",
           "ContextOverflowError": "errors", "prepare": "backends.kernels"}
 __all__ = list(_HOMES)
-
-# The command lines lived at ``engine.<tool>`` before the library was split by concern;
-# ``python -m engine.<tool>`` still runs ``engine.cli.<tool>``.
-MOVED_COMMANDS = {f"engine.{tool}": f"engine.cli.{tool}" for tool in
-                  ("generate", "bench", "bench_gpu", "bench_trees", "bench_multiturn", "step_profile",
-                   "calibrate", "profile")}
 
 
 def compiled_kernels():
@@ -51,17 +43,3 @@ def __getattr__(name: str):
     if name not in _HOMES:
         raise AttributeError(f"module 'engine' has no attribute {name!r}")
     return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
-
-
-class _MovedCommandFinder(importlib.abc.MetaPathFinder):
-    """Finds ``engine.<tool>`` at ``engine/cli/<tool>.py`` (the command lines import absolutely)."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in MOVED_COMMANDS:
-            return None
-        moved = importlib.util.find_spec(MOVED_COMMANDS[fullname])
-        return importlib.util.spec_from_file_location(fullname, moved.origin)
-
-
-if not any(isinstance(finder, _MovedCommandFinder) for finder in sys.meta_path):
-    sys.meta_path.append(_MovedCommandFinder())

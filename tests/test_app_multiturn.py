@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import test_app_support as support
 
-from app.worker import GenerationRequest, Worker, make_engine
+from app.jobs import GenerationRequest
+from app.pair import make_engine
+from app.worker import Worker
 from engine.models.prompts import encode_chat
 from engine.tuning.tree_store import build_tree
 

@@ -12,7 +12,8 @@ import test_app_support as support
 from test_app_server import CHATBOT, STATUS, TREE_PLOT, answer_text, chat_args
 
 from app.conversation import safe_markdown
-from app.worker import Worker, make_engine
+from app.pair import make_engine
+from app.worker import Worker
 from engine.tuning.tree_store import build_tree
 
 pytestmark = pytest.mark.real_pair

@@ -9,7 +9,7 @@ import test_app_support as support
 from gradio_client import Client  # noqa: E402
 
 from app.conversation import safe_markdown
-from app.worker import make_engine
+from app.pair import make_engine
 from engine.tuning.tree_store import build_tree
 
 # outputs of the /chat endpoint (gr.State outputs are not part of the API)

@@ -95,7 +95,8 @@ def start_server(worker, options: dict | None = None):
 def tiny_server(delay: float = 0.0):
     """A generator for module fixtures: yields ``(worker, url)`` of the app serving the tiny pair
     (wrapped in :class:`SlowEngine`), and shuts both down afterwards."""
-    from app.worker import Worker, make_engine
+    from app.pair import make_engine
+    from app.worker import Worker
     tok = tokenizer()
     target, draft = tiny_pair()
     engine = SlowEngine(make_engine(target, draft, tok), delay)

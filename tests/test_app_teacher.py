@@ -11,10 +11,11 @@ import pytest
 import test_app_support as support
 from test_app_worker import fake_tuner
 
-from app import handlers, ui
+from app import answer_stream, controls, handlers, ui
 from app import text as ui_text
 from app.conversation import export_conversation, highlight_html, import_steps
-from app.worker import Worker, make_engine
+from app.pair import make_engine
+from app.worker import Worker
 from engine.core.records import StepRecord, StepTimings
 
 
@@ -56,10 +57,10 @@ def test_the_embedded_pair_is_named_with_its_formats():
 
 def test_each_method_is_named_and_explained():
     vector = [0.6, 0.2, 0.1, 0.05]
-    descriptions = {m: handlers.resolve_tree(m, 8, 4, vector)[1] for m in ("sequoia", "specinfer", "topk")}
+    descriptions = {m: controls.resolve_tree(m, 8, 4, vector)[1] for m in ("sequoia", "specinfer", "topk")}
     assert len(set(descriptions.values())) == 3, descriptions  # no longer all "Sequoia DP tree: ..."
     assert all(d.startswith(m) for m, d in descriptions.items())
-    assert handlers.resolve_tree("autoregressive", 8, 4, vector)[1].startswith("autoregressive")
+    assert controls.resolve_tree("autoregressive", 8, 4, vector)[1].startswith("autoregressive")
     assert "children sampled independently" in ui_text.method_help("specinfer", 0.7)
     assert "At T = 0 every method" in ui_text.method_help("topk", 0.0)
     assert "At T = 0" not in ui_text.method_help("autoregressive", 0.0)
@@ -155,7 +156,7 @@ def test_replayed_step_is_marked_in_the_answer():
 
 
 def test_play_advances_the_replay_and_stops_after_the_last_step(app):
-    run = handlers.Run(steps=[step(i, [20 + i]) for i in range(3)], texts={})
+    run = answer_stream.Run(steps=[step(i, [20 + i]) for i in range(3)], texts={})
     c = app.c
     timer, _, _ = app.play(run, 1, 0.6)
     assert timer["active"] is True and timer["value"] == 0.6
@@ -181,19 +182,19 @@ def test_exported_steps_come_back_on_import():
 def test_a_depth_the_tree_does_not_reach_is_reported(app):
     capped = app.tree_info("sequoia", 4, 8, False, 0.0, 1.0)
     assert "depth capped at size − 1 = 3" in capped
-    tree, _ = handlers.resolve_tree("sequoia", 32, 16, app.calibration(0.0, 1.0).vector)
+    tree, _ = controls.resolve_tree("sequoia", 32, 16, app.calibration(0.0, 1.0).vector)
     assert tree.depth < 16  # the greedy calibration makes 32 nodes wider than 16 deep
     assert f"the DP tree stops at {tree.depth}" in app.tree_info("sequoia", 32, 16, False, 0.0, 1.0)
     assert "stops at" not in app.tree_info("chain", 32, 16, False, 0.0, 1.0)
 
 
 def test_a_message_sent_during_an_answer_is_refused_with_a_message(app):
-    from app.worker import GenerationRequest
+    from app.jobs import GenerationRequest
     blocker = app.worker.submit(GenerationRequest(system="", messages=[{"role": "user", "content": "long"}],
                                                   max_new_tokens=2000, tree=None, method="autoregressive"),
                                 session="local")
     try:
-        updates = list(app.respond("second question", [], handlers.Run(), "", 0.0, 1.0, 8, 0, "sequoia", 8, 4, False,
+        updates = list(app.respond("second question", [], answer_stream.Run(), "", 0.0, 1.0, 8, 0, "sequoia", 8, 4, False,
                                    False, False))
     finally:
         blocker.cancel()
@@ -209,9 +210,9 @@ def test_live_updates_keep_their_intervals_and_few_cores_get_fewer(monkeypatch):
     timed: the updates are paced by a clock that advances 0.05 s with each decoding step, so a
     loaded machine cannot move the counts."""
     feed = {"feed_interval": 0.1, "feed_tree_interval": 0.25}
-    assert handlers.live_update_intervals(2) == {"text_interval": 0.25, "plot_interval": 1.0} | feed
-    assert handlers.live_update_intervals(16) == {"text_interval": 0.05, "plot_interval": 0.2} | feed
-    assert {k: handlers.DEFAULTS[k] for k in handlers.live_update_intervals()} == handlers.live_update_intervals()
+    assert controls.live_update_intervals(2) == {"text_interval": 0.25, "plot_interval": 1.0} | feed
+    assert controls.live_update_intervals(16) == {"text_interval": 0.05, "plot_interval": 0.2} | feed
+    assert {k: controls.DEFAULTS[k] for k in controls.live_update_intervals()} == controls.live_update_intervals()
     tokenizer = support.tokenizer()
     target, draft = support.tiny_pair()
     engine = support.SlowEngine(make_engine(target, draft, tokenizer), delay=0.01)
@@ -221,12 +222,12 @@ def test_live_updates_keep_their_intervals_and_few_cores_get_fewer(monkeypatch):
         readings.append(engine.steps_run * 0.05)
         return readings[-1]
 
-    monkeypatch.setattr(handlers, "clock", paced)
+    monkeypatch.setattr(answer_stream, "clock", paced)
     worker = Worker(engine, tokenizer, {})
     chat = ui.build_demo(worker, tokenizer, {"text_interval": 0.1, "plot_interval": 0.5}).chat_app
     try:
         stamps = [(readings[-1], update) for update in
-                  chat.respond("Hello there", [], handlers.Run(), "", 0.0, 1.0, 120, 0, "chain", 2, 1, False, False, False)]
+                  chat.respond("Hello there", [], answer_stream.Run(), "", 0.0, 1.0, 120, 0, "chain", 2, 1, False, False, False)]
     finally:
         worker.close()
     c = chat.c
@@ -250,7 +251,7 @@ def test_a_page_reading_the_live_feed_gets_the_answer_there_and_gradio_only_the_
     tokenizer = support.tokenizer()
     target, draft = support.tiny_pair()
     engine = support.SlowEngine(make_engine(target, draft, tokenizer), delay=0.01)
-    monkeypatch.setattr(handlers, "clock", lambda: engine.steps_run * 0.05)
+    monkeypatch.setattr(answer_stream, "clock", lambda: engine.steps_run * 0.05)
     worker = Worker(engine, tokenizer, {})
     chat = ui.build_demo(worker, tokenizer, {"feed_interval": 0.1, "feed_tree_interval": 0.5}).chat_app
     opened = []
@@ -264,7 +265,7 @@ def test_a_page_reading_the_live_feed_gets_the_answer_there_and_gradio_only_the_
 
     monkeypatch.setattr(chat.feeds, "open", open_read_feed)
     try:
-        updates = list(chat.respond("Hello there", [], handlers.Run(), "", 0.0, 1.0, 120, 0, "chain", 2, 1, False,
+        updates = list(chat.respond("Hello there", [], answer_stream.Run(), "", 0.0, 1.0, 120, 0, "chain", 2, 1, False,
                                     False, False))
     finally:
         worker.close()
@@ -286,7 +287,7 @@ def test_a_page_reading_the_live_feed_gets_the_answer_there_and_gradio_only_the_
 
 @pytest.mark.parametrize("method", ["sequoia", "autoregressive"])
 def test_the_status_says_what_is_happening_and_names_the_method(app, method):
-    updates = list(app.respond("Hello there", [], handlers.Run(), "", 0.0, 1.0, 6, 0, method, 8, 4, False, False, False))
+    updates = list(app.respond("Hello there", [], answer_stream.Run(), "", 0.0, 1.0, 6, 0, method, 8, 4, False, False, False))
     statuses = [u[app.c.status] for u in updates if app.c.status in u]
     prefill = [s for s in statuses if "Prefill:" in s]
     assert prefill and "-token prompt" in prefill[0]
@@ -331,7 +332,7 @@ def test_exports_in_the_same_second_never_share_a_file_and_the_folder_goes_with_
 def test_clear_or_import_during_an_answer_is_not_undone_by_it(app, replace, tmp_path):
     """The answer's last update carried the old conversation and put it back after Clear/Import."""
     c = app.c
-    answer = app.respond("Write a long story", [], handlers.Run(), "", 0.0, 1.0, 400, 0, "sequoia", 8, 4, False,
+    answer = app.respond("Write a long story", [], answer_stream.Run(), "", 0.0, 1.0, 400, 0, "sequoia", 8, 4, False,
                          False, False)
     next(answer)
     next(answer)  # streaming now
@@ -351,7 +352,7 @@ def test_stop_during_compare_keeps_the_whole_answer_unmarked(app):
     """The answer had ended; only the target-alone run for the comparison was stopped."""
     c = app.c
     app.worker.engine = support.SlowEngine(app.worker.engine, 0.02)  # the comparison lasts seconds
-    updates = app.respond("Write a haiku about trees", [], handlers.Run(), "", 0.0, 1.0, 200, 0, "sequoia", 8, 4,
+    updates = app.respond("Write a haiku about trees", [], answer_stream.Run(), "", 0.0, 1.0, 200, 0, "sequoia", 8, 4,
                           False, True, False)  # Compare on
     stopped = False
     last = None

@@ -24,7 +24,8 @@ def _one_torch_thread():
 
 @pytest.fixture(scope="module")
 def url():
-    from app.worker import Worker, make_engine
+    from app.pair import make_engine
+    from app.worker import Worker
     tokenizer = support.tokenizer()
     target, draft = support.tiny_pair()
     engine = make_engine(target, draft, tokenizer)

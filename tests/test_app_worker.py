@@ -7,7 +7,9 @@ import pytest
 import test_app_support as support
 import torch
 
-from app.worker import GenerationRequest, Worker, make_engine, validate_model_id
+from app.jobs import GenerationRequest
+from app.pair import make_engine, validate_model_id
+from app.worker import Worker
 from engine.errors import ModelLoadError
 from engine.models.prompts import encode_chat
 from engine.trees.tree import Tree
@@ -246,7 +248,7 @@ def test_auto_tree_reports_the_optimizer_choice(worker, pair):
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_models_panel_counts_and_names_a_quantised_draft(fmt):
     from app.text import pair_markdown
-    from app.worker import describe_pair
+    from app.pair import describe_pair
     from engine.backends.quantize import quantize_draft
 
     target, draft = support.tiny_pair()
@@ -278,7 +280,7 @@ def test_a_hub_id_naming_a_folder_in_the_working_directory_is_refused(pair, tmp_
     the server's working directory: outside --models-dir, so it must be refused and never read."""
     import transformers
 
-    from app.worker import _default_loader
+    from app.pair import default_loader
 
     _save_tiny_model(tmp_path / "secret" / "model", 31)
     models = tmp_path / "models"
@@ -300,7 +302,7 @@ def test_a_hub_id_naming_a_folder_in_the_working_directory_is_refused(pair, tmp_
         with pytest.raises(ModelLoadError, match="not a folder in the models folder"):
             validate_model_id(value, "target")
     with pytest.raises(ModelLoadError, match="not a folder in the models folder"):
-        _default_loader("secret/model", torch.float32, "cpu", False)  # the loader refuses it too
+        default_loader("secret/model", torch.float32, "cpu", False)  # the loader refuses it too
     target, draft, tokenizer = pair
     w = Worker.from_models(target, draft, tokenizer, "a", "b", models_dir=models)
     try:
@@ -524,7 +526,7 @@ def test_one_session_gets_one_job_however_many_threads_submit_at_once(pair):
     (checking for a pending or running job and registering the new one is one locked step)."""
     import threading
 
-    from app.worker import SessionBusy
+    from app.jobs import SessionBusy
 
     w, gate = gated_worker(pair)
     ids = prompt(pair)
@@ -556,7 +558,7 @@ def test_a_full_queue_and_a_client_past_its_share_are_refused(pair, monkeypatch)
     """MAX_WAITING jobs wait at most (any client, UI sessions included); one client gets
     MAX_PER_CLIENT jobs waiting or running. Refusals say when to come back; others still get in."""
     from app import worker as worker_module
-    from app.worker import QueueFull
+    from app.jobs import QueueFull
 
     monkeypatch.setattr(worker_module, "MAX_WAITING", 6)
     w, gate = gated_worker(pair)

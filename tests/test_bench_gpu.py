@@ -1,4 +1,4 @@
-"""The GPU benchmark's code path, run small on CPU (the real run needs a GPU; see README)."""
+"""The GPU benchmark's code path, run small on CPU (the real run needs a GPU; see docs/benchmarks.md)."""
 from __future__ import annotations
 
 import json

@@ -9,8 +9,10 @@ import pytest
 import test_app_support as support
 
 from app import explain_figures as xf
-from app import handlers, ui
-from app.worker import GenerationRequest, Worker, make_engine
+from app import answer_stream, ui
+from app.jobs import GenerationRequest
+from app.pair import make_engine
+from app.worker import Worker
 from engine.core.records import StepRecord, StepTimings, VerifierEvent
 from engine.trees import dp
 from engine.trees.tree import Tree
@@ -343,7 +345,7 @@ def test_walking_a_traced_answer_on_tiny_models(app):
     job = app.worker.submit(GenerationRequest(**{**request.__dict__, "trace": True}), session="walk")
     steps = [e.data for e in job.wait(timeout=120) if e.kind == "step"]
     assert steps and all(s.trace for s in steps)
-    run = handlers.Run(steps=steps, texts={})
+    run = answer_stream.Run(steps=steps, texts={})
     step_slider, event_slider, text, tree, bars = app.explain.walk(run, 1, 1)
     assert "Step 1, decision 1 of" in text and ("r = " in text or "bonus" in text)
     seen, position = [], (1, 1)
@@ -353,7 +355,7 @@ def test_walking_a_traced_answer_on_tiny_models(app):
         seen.append(position)
     assert seen[-1] == (len(steps), len(steps[-1].trace))  # walked to the last decision of the last step
     assert app.explain.move(run, *position, -1)[1]["value"] == max(len(steps[-1].trace) - 1, 1)
-    untraced = handlers.Run(steps=[hand_step([-1, 0], [0])], texts={})
+    untraced = answer_stream.Run(steps=[hand_step([-1, 0], [0])], texts={})
     assert "without the verifier's trace" in app.explain.walk(untraced, 1, 1)[2]
     conversation, *rest = app.explain.after_answer(run, [], 0.9, 1.0)
     assert conversation == [steps]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from app import figures
+from app import figures, tree_figures
 from app.conversation import (
     ContextTooLong,
     display_messages,
@@ -65,32 +65,32 @@ def node_points(fig) -> dict[int, str]:
 
 # ----- statuses ------------------------------------------------------------------------------
 def test_statuses_distinguish_rejected_from_never_reached():
-    assert figures.node_statuses(make_step()) == ["root", "accepted", "rejected", "rejected", "accepted",
+    assert tree_figures.node_statuses(make_step()) == ["root", "accepted", "rejected", "rejected", "accepted",
                                                   "unreached", "unreached"]
 
 
 def test_only_root_accepted_makes_its_children_rejected_and_the_rest_unreached():
     step = make_step(accepted=(0,), committed=(107,))
-    assert figures.node_statuses(step) == ["root", "rejected", "rejected", "unreached", "unreached", "unreached",
+    assert tree_figures.node_statuses(step) == ["root", "rejected", "rejected", "unreached", "unreached", "unreached",
                                            "unreached"]
 
 
 def test_bonus_token_present_unless_the_step_was_cut_short():
-    assert figures.bonus_token(make_step()) == 107
-    assert figures.bonus_token(make_step(committed=(101, 104), finish_reason="length")) is None
+    assert tree_figures.bonus_token(make_step()) == 107
+    assert tree_figures.bonus_token(make_step(committed=(101, 104), finish_reason="length")) is None
 
 
 # ----- tree figure ---------------------------------------------------------------------------
 def test_tree_figure_has_one_marker_per_node_and_the_bonus():
-    fig = figures.tree_figure(make_step(), TEXTS)
-    assert node_points(fig) == dict(enumerate(figures.node_statuses(make_step())))
+    fig = tree_figures.tree_figure(make_step(), TEXTS)
+    assert node_points(fig) == dict(enumerate(tree_figures.node_statuses(make_step())))
     bonus = traces(fig, "bonus")
     assert len(bonus) == 1 and len(bonus[0].x) == 1
     assert len(fig.layout.annotations) == len(TOKENS) + 1  # one label per node + the bonus
 
 
 def test_accepted_path_edges_and_labels_are_green():
-    fig = figures.tree_figure(make_step(), TEXTS)
+    fig = tree_figures.tree_figure(make_step(), TEXTS)
     green = figures.COLOURS["accepted"][0]
     accepted_edges = [t for t in traces(fig, "edges") if t.meta["accepted"]]
     assert accepted_edges and all(t.line.color == green for t in accepted_edges)
@@ -98,19 +98,19 @@ def test_accepted_path_edges_and_labels_are_green():
     assert sum(len(t.x) for t in accepted_edges) == 6
     other_edges = [t for t in traces(fig, "edges") if not t.meta["accepted"] and not t.meta.get("bonus")]
     assert all(t.line.color != green for t in other_edges)
-    statuses = figures.node_statuses(make_step())
+    statuses = tree_figures.node_statuses(make_step())
     for node, annotation in enumerate(fig.layout.annotations[:len(TOKENS)]):
         assert annotation.bordercolor == figures.COLOURS[statuses[node]][0]
 
 
 def test_edges_are_styled_by_rank():
-    fig = figures.tree_figure(make_step(), TEXTS)
+    fig = tree_figures.tree_figure(make_step(), TEXTS)
     dashes = {t.meta["dash"] for t in traces(fig, "edges") if not t.meta.get("bonus")}
     assert dashes == {"solid", "dash"}  # ranks 1 and 2 only in this tree
 
 
 def test_labels_are_escaped_and_whitespace_is_visible():
-    fig = figures.tree_figure(make_step(), TEXTS)
+    fig = tree_figures.tree_figure(make_step(), TEXTS)
     labels = [a.text for a in fig.layout.annotations]
     assert "&lt;b&gt;&amp;" in labels
     assert "↵␣␣" in labels and "⇥" in labels and "␣the" in labels
@@ -123,7 +123,7 @@ def test_labels_are_escaped_and_whitespace_is_visible():
 
 
 def hovers(step: StepRecord) -> dict[int, str]:
-    fig = figures.tree_figure(step, TEXTS)
+    fig = tree_figures.tree_figure(step, TEXTS)
     return {int(n): h for t in traces(fig, "nodes") for n, h in zip(t.customdata, t.text)}
 
 
@@ -152,33 +152,33 @@ def test_only_committed_drafts_count_as_accepted():
     """A stop token inside the accepted path: the drafts after it and the bonus are not used."""
     step = make_step(accepted=(0, 1, 3, 6), committed=(101, 103), finish_reason="stop")
     assert step.accepted_draft_tokens == 2 and not step.used_bonus
-    assert figures.bonus_token(step) is None
-    fig = figures.tree_figure(step, TEXTS)
+    assert tree_figures.bonus_token(step) is None
+    fig = tree_figures.tree_figure(step, TEXTS)
     # the verifier accepted 3 drafts; the stop token was the 2nd, so only 2 were used
     assert "accepted 3 of 6" in fig.layout.title.text and "2 used — answer ended" in fig.layout.title.text
     assert node_points(fig)[6] == "unused" and node_points(fig)[3] == "accepted"
     budget = make_step(accepted=(0, 1, 3, 6), committed=(101,), finish_reason="length")
-    assert "1 used — budget reached" in figures.tree_figure(budget, TEXTS).layout.title.text
+    assert "1 used — budget reached" in tree_figures.tree_figure(budget, TEXTS).layout.title.text
     full = make_step(accepted=(0, 1, 3, 6), committed=(101, 103, 106, 107))
     assert full.accepted_draft_tokens == 3 and full.used_bonus
 
 
 def test_layout_puts_depth_on_x_and_parents_between_children():
-    xs, ys = figures.tree_layout(PARENTS)
+    xs, ys = tree_figures.tree_layout(PARENTS)
     assert xs == [0, 1, 1, 2, 2, 2, 3]
     assert len(set(zip(xs, ys))) == len(PARENTS)
     assert ys[3] <= ys[1] <= ys[4] and ys[1] < ys[2]  # rank order top to bottom
 
 
 def test_unknown_token_text_falls_back_to_id():
-    fig = figures.tree_figure(make_step(), {})
+    fig = tree_figures.tree_figure(make_step(), {})
     assert "#104" in [a.text for a in fig.layout.annotations]
 
 
 def test_root_only_step_draws_without_drafts():
     step = StepRecord(index=0, tokens=[5], parents=[-1], ranks=[0], draft_probs=[1.0], target_probs=[1.0],
                       accepted=[0], committed=[6])
-    fig = figures.tree_figure(step, {5: "a", 6: "b"})
+    fig = tree_figures.tree_figure(step, {5: "a", 6: "b"})
     assert node_points(fig) == {0: "root"}
     # autoregressive: no "accepted 0 of 0 drafted tokens", and the token is the target's, not a bonus
     assert "the target alone wrote 1 token" in fig.layout.title.text and "drafted" not in fig.layout.title.text
@@ -189,14 +189,14 @@ def test_root_only_step_draws_without_drafts():
 
 
 def test_presentation_scale_enlarges_fonts_and_large_trees_zoom():
-    small, big = figures.tree_figure(make_step(), TEXTS), figures.tree_figure(make_step(), TEXTS, scale=1.5)
+    small, big = tree_figures.tree_figure(make_step(), TEXTS), tree_figures.tree_figure(make_step(), TEXTS, scale=1.5)
     assert big.layout.annotations[0].font.size == 18 > small.layout.annotations[0].font.size
     assert big.layout.height > small.layout.height
     assert small.layout.xaxis.fixedrange  # a small tree is not zoomable (no accidental drags)
     n = 40
     wide = StepRecord(index=0, tokens=list(range(100, 100 + n)), parents=[-1] + [0] * (n - 1), ranks=[0] + list(range(1, n)),
                       draft_probs=[1.0] * n, target_probs=[1.0] * n, accepted=[0], committed=[7])
-    fig = figures.tree_figure(wide, {})
+    fig = tree_figures.tree_figure(wide, {})
     assert not fig.layout.xaxis.fixedrange and fig.layout.dragmode == "zoom"
     assert 540 < fig.layout.height <= 700  # a large tree gets more height (its rows stay apart)
 
@@ -330,17 +330,17 @@ def test_the_live_tree_is_svg_with_legible_labels_and_the_whole_text_on_hover():
                        draft_probs=[1.0] + [0.9] * 8, target_probs=[1.0] + [0.8] * 8, accepted=[0, 1, 2, 3],
                        committed=[201, 202, 203, 250], timings=StepTimings(0.01, 0.02, 0.001), greedy=True,
                        verifier_p=[None] * 9, verifier_q=[None] * 9)
-    svg = figures.tree_svg(chain, texts)
+    svg = tree_figures.tree_svg(chain, texts)
     assert svg.count("<g class=\"sc-node") == 10 and len(svg) < 20_000  # 9 nodes and the bonus token
     labels = re.findall(r"<text[^>]*>([^<]*)</text>", svg)
     assert all(len(label) >= 14 for label in labels), labels
-    assert figures.tree_geometry(chain, texts).top_down
+    assert tree_figures.tree_geometry(chain, texts).top_down
     assert "␣token_number_201" in svg  # the whole text on hover
     wide = StepRecord(index=0, tokens=[7] + list(range(100, 112)), parents=[-1] + [0] * 4 + [1, 1, 2, 2, 3, 3, 4, 4],
                       ranks=[0, 1, 2, 3, 4, 1, 2, 1, 2, 1, 2, 1, 2], draft_probs=[1.0] * 13, target_probs=[0.5] * 13,
                       accepted=[0, 1], committed=[100, 101], timings=StepTimings(0.01, 0.02, 0.001), greedy=True,
                       verifier_p=[None] * 13, verifier_q=[None] * 13)
-    geometry = figures.tree_geometry(wide, texts)
+    geometry = tree_figures.tree_geometry(wide, texts)
     assert not geometry.top_down and min(len(label) for label in geometry.labels[1:]) >= figures.MIN_LABEL_CHARS
-    svg = figures.tree_svg(wide, texts)
+    svg = tree_figures.tree_svg(wide, texts)
     assert "<b>" not in svg and "&lt;b&gt;&amp;&lt;/b&gt;" in svg

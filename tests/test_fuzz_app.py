@@ -11,9 +11,10 @@ import test_app_support as support
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app import openai_api
+from app import openai_api, openai_requests
 from app.conversation import export_conversation, import_conversation
-from app.worker import Worker, make_engine
+from app.pair import make_engine
+from app.worker import Worker
 
 EXAMPLES = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                             HealthCheck.function_scoped_fixture])
@@ -50,8 +51,8 @@ def worker():
 @given(body=bodies)
 def test_any_request_body_is_a_call_or_an_openai_error(worker, body):
     try:
-        call = openai_api.parse_chat(body, worker, {"tree_size": 8, "depth": 4})
-    except openai_api.APIError as error:
+        call = openai_requests.parse_chat(body, worker, {"tree_size": 8, "depth": 4})
+    except openai_requests.APIError as error:
         assert 400 <= error.status < 500 and error.message and "\n" not in error.message
         assert set(error.body()["error"]) == {"message", "type", "param", "code"}
         return
@@ -59,15 +60,15 @@ def test_any_request_body_is_a_call_or_an_openai_error(worker, body):
     assert request.max_new_tokens >= 1 and 0 <= request.temperature <= 2 and 0 < request.top_p <= 1
     assert request.messages and request.messages[-1]["role"] == "user"
     assert all(isinstance(m["content"], str) for m in request.messages)
-    assert all(0 < len(s) <= openai_api.MAX_STOP_CHARS for s in call.stops)
+    assert all(0 < len(s) <= openai_requests.MAX_STOP_CHARS for s in call.stops)
 
 
 @given(raw=st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
 @EXAMPLES
 def test_any_raw_body_parses_to_an_object_or_a_400(raw):
     try:
-        assert isinstance(openai_api.parse_body(raw), dict)
-    except openai_api.APIError as error:
+        assert isinstance(openai_requests.parse_body(raw), dict)
+    except openai_requests.APIError as error:
         assert error.status == 400
 
 

@@ -20,7 +20,8 @@ from gradio_client import Client  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 
 from app.conversation import clean_text, import_conversation
-from app.worker import GenerationRequest, make_engine
+from app.jobs import GenerationRequest
+from app.pair import make_engine
 from engine.models.prompts import encode_chat
 from engine.tuning.tree_store import build_tree
 

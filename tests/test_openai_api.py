@@ -10,9 +10,10 @@ import openai
 import pytest
 import test_app_support as support
 
-from app import openai_api, ui
+from app import jobs, openai_api, openai_requests, ui
 from app import worker as worker_module
-from app.worker import Worker, make_engine
+from app.pair import make_engine
+from app.worker import Worker
 from engine.models.prompts import encode_chat
 from engine.tuning.tree_store import build_tree
 
@@ -196,7 +197,7 @@ def test_models_never_show_a_local_path():
 
     for target, shown in (("/home/me/models/Qwen2.5-7B", "Qwen2.5-7B"), ("~/models/mine/", "mine"),
                           ("./local", "local"), ("C:\\models\\qwen", "qwen"), ("Qwen/Qwen2.5-1.5B", "Qwen/Qwen2.5-1.5B")):
-        assert openai_api.model_id(SimpleNamespace(info={"target": target})) == shown
+        assert openai_requests.model_id(SimpleNamespace(info={"target": target})) == shown
 
 
 @pytest.mark.parametrize("body, status, param, code", [
@@ -225,14 +226,14 @@ def test_models_never_show_a_local_path():
         "context", "method", "depth", "auto", "model", "penalty", "response_format", "logit_bias"])
 def test_bad_input_gets_an_openai_error(server, body, status, param, code):
     worker, base = server
-    jobs_before = next(worker_module._ids)
+    jobs_before = next(jobs._ids)
     response = httpx.post(f"{base}/chat/completions", json=body, timeout=30)
     assert response.status_code == status
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error")
     assert error["message"] and "\n" not in error["message"]
-    assert next(worker_module._ids) == jobs_before + 1  # no job was made for it
+    assert next(jobs._ids) == jobs_before + 1  # no job was made for it
 
 
 def test_the_official_client_raises_the_matching_errors(server):
@@ -466,38 +467,38 @@ def test_a_listed_origin_may_call_v1_without_credentials(keyed_server):
 # ----- input caps -------------------------------------------------------------------------------
 def test_oversized_and_malformed_bodies_get_openai_errors_and_queue_nothing(server):
     worker, base = server
-    jobs_before = next(worker_module._ids)
+    jobs_before = next(jobs._ids)
     url = f"{base}/chat/completions"
     json_headers = {"content-type": "application/json"}
-    big = httpx.post(url, content=b" " * (openai_api.MAX_BODY_BYTES + 1), headers=json_headers, timeout=60)
+    big = httpx.post(url, content=b" " * (openai_requests.MAX_BODY_BYTES + 1), headers=json_headers, timeout=60)
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
 
     def chunks():  # no Content-Length: the cap holds while reading
-        for _ in range(openai_api.MAX_BODY_BYTES // (1 << 20) + 2):
+        for _ in range(openai_requests.MAX_BODY_BYTES // (1 << 20) + 2):
             yield b" " * (1 << 20)
     assert httpx.post(url, content=chunks(), headers=json_headers, timeout=60).status_code == 413
     deep = httpx.post(url, content=b"[" * 100_000 + b"]" * 100_000, headers=json_headers, timeout=60)
     assert deep.status_code == 400 and deep.json()["error"]["message"].startswith("the request body is not valid")
-    for stop in ("x" * (openai_api.MAX_STOP_CHARS + 1), ["a", "b", "c", "d", "e"], [""]):
+    for stop in ("x" * (openai_requests.MAX_STOP_CHARS + 1), ["a", "b", "c", "d", "e"], [""]):
         response = httpx.post(url, json={"model": MODEL, "messages": QUESTION, "stop": stop}, timeout=30)
         assert response.status_code == 400 and response.json()["error"]["param"] == "stop", stop
     many = [{"role": "user", "content": "x" * 150_000}] * 15  # 2.25 M characters
     response = httpx.post(url, json={"model": MODEL, "messages": many}, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
-    assert next(worker_module._ids) == jobs_before + 1  # nothing reached the queue
+    assert next(jobs._ids) == jobs_before + 1  # nothing reached the queue
 
 
 # ----- conformance ------------------------------------------------------------------------------
 def test_defaults_the_rest_of_the_context_and_a_fresh_seed(server):
     worker, _ = server
     body = {"model": MODEL, "messages": QUESTION, "temperature": 0.8}
-    call = openai_api.parse_chat(body, worker, {"tree_size": 8, "depth": 4})
+    call = openai_requests.parse_chat(body, worker, {"tree_size": 8, "depth": 4})
     assert call.request.max_new_tokens == worker.engine.max_context - call.prompt_tokens - 8  # not 256
-    seeds = {openai_api.parse_chat(body, worker, {}).request.seed for _ in range(5)}
+    seeds = {openai_requests.parse_chat(body, worker, {}).request.seed for _ in range(5)}
     assert len(seeds) > 1  # seed 0 every time made sampled answers repeat
-    assert openai_api.parse_chat(body | {"seed": 7}, worker, {}).request.seed == 7
+    assert openai_requests.parse_chat(body | {"seed": 7}, worker, {}).request.seed == 7
     # harmless values of the refused parameters pass
-    assert openai_api.parse_chat(body | {"frequency_penalty": 0, "response_format": {"type": "text"}}, worker, {})
+    assert openai_requests.parse_chat(body | {"frequency_penalty": 0, "response_format": {"type": "text"}}, worker, {})
 
 
 def test_developer_and_system_messages_anywhere(server):
@@ -505,7 +506,7 @@ def test_developer_and_system_messages_anywhere(server):
     messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"},
                 {"role": "assistant", "content": "hello"}, {"role": "system", "content": "Now answer in French."},
                 {"role": "user", "content": [{"type": "text", "text": "How are "}, {"type": "text", "text": "you?"}]}]
-    call = openai_api.parse_chat({"model": MODEL, "messages": messages}, worker, {})
+    call = openai_requests.parse_chat({"model": MODEL, "messages": messages}, worker, {})
     assert call.request.system == "Be brief."
     assert call.request.messages[2] == {"role": "system", "content": "Now answer in French."}
     assert call.request.messages[3]["content"] == "How are you?"

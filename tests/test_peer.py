@@ -337,7 +337,8 @@ def test_real_target_only_decodes(tmp_path):
     binaries, reason = peer.peer_binaries()
     if binaries is None:
         pytest.skip(reason)
-    from engine.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, cache_dir
+    from engine.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET
+    from engine.user_cache import cache_dir
     ggufs = tuple(cache_dir() / "gguf" / s.filename for s in (DEFAULT_TARGET, DEFAULT_DRAFT))
     if not ggufs[0].exists():
         pytest.skip(f"{ggufs[0]} not assembled yet (any `make run` or `make test` assembles it)")

@@ -79,7 +79,7 @@ def compile_kernels(march: str = "native"):
     integer path computes the same numbers. Raises what the compiler or the import raise."""
     from torch.utils.cpp_extension import load
 
-    from engine.models.loading import cache_dir
+    from engine.user_cache import cache_dir
 
     digest = build_key(march)
     tag = "" if march == "native" else "_" + march.replace("-", "_")  # a module name of its own per path
@@ -575,7 +575,7 @@ def write_cache(path: Path, layers: dict[str, KQuantLinear]) -> None:
     """Write the packed layers atomically; a failure only costs packing again at the next start."""
     import json
 
-    from engine.backends.quantize import save_cache_atomically
+    from engine.user_cache import save_cache_atomically
 
     tensors = {f"{name}.{key}": t for name, layer in layers.items() for key, t in layer.packed().items()}
     save_cache_atomically(path, tensors, "the int4 target",

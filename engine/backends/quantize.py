@@ -24,9 +24,6 @@ the batch width (up to 0.16 in a logit on the real pair), which breaks greedy id
 from __future__ import annotations
 
 import copy
-import logging
-import os
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -34,6 +31,7 @@ import torch
 
 from engine.backends.kernels import cpu_flags, on_cpu_fp32, own_memory, unpack_linears
 from engine.backends.mapped import FileMapping, file_mappings, own_copy
+from engine.user_cache import save_cache_atomically
 
 DRAFT_FORMATS = ("auto", "int4", "int8", "q4k", "none")
 TARGET_FORMATS = ("float32", "int4", "auto")
@@ -136,26 +134,6 @@ def _write_int4_cache(path: Path, layers: dict[str, Int4Linear]) -> None:
     tensors = {f"{name}.{key}": getattr(layer, key) for name, layer in layers.items()
                for key in ("packed", "scales_zeros")}
     save_cache_atomically(path, tensors, "the int4 draft")
-
-
-def save_cache_atomically(path: Path, tensors: dict[str, torch.Tensor], what: str,
-                          metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` as safetensors at ``path`` atomically: a half-written cache is never read,
-    nor left behind. A failure is only a warning: ``what`` is quantised again at the next start."""
-    from safetensors.torch import save_file
-
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".partial")
-        os.close(fd)
-        save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except OSError as exc:
-        logging.getLogger(__name__).warning("could not cache %s (%s); it is quantised at every start", what, exc)
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def int8_draft(model: torch.nn.Module, embedding: torch.nn.Module | None = None) -> torch.nn.Module:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from engine.cli.arguments import add_format_arguments
 from engine.core.speculative import SpeculativeEngine
-from engine.models.loading import cache_dir, load_pair, pair_name
+from engine.models.loading import load_pair, pair_name
 from engine.models.prompts import encode_chat, load_prompt_set
+from engine.user_cache import cache_dir
 from engine.tuning.calibrate import acceptance_path, calibrate
 
 

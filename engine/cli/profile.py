@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 from engine.cli.arguments import add_format_arguments
-from engine.models.loading import DTYPES, cache_dir, load_pair, pair_name
+from engine.models.loading import DTYPES, load_pair, pair_name
+from engine.user_cache import cache_dir
 from engine.tuning.profile import (measure_profile, measure_step_overhead, powers_of_two, profile_path,
                                    profile_prompts)
 

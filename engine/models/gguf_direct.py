@@ -57,7 +57,7 @@ NOT_TOKENIZER_FILES = ("config.json", "chat_template.jinja")
 
 def kquant_dir(name: str) -> Path:
     """Where the packed weights, config and tokenizer of embedded model ``name`` are kept."""
-    from engine.models.loading import cache_dir
+    from engine.user_cache import cache_dir
 
     return cache_dir() / "kquant" / f"{name}-v{METADATA_FORMAT}"
 

@@ -29,10 +29,10 @@ from engine.backends.kernels import on_cpu_fp32
 from engine.backends.mapped import returning_freed_memory
 from engine.backends.quantize import quantize_draft
 from engine.errors import InvalidParameterError, ModelLoadError, VocabularyMismatchError
+from engine.user_cache import cache_dir
 
 log = logging.getLogger(__name__)
 
-PROJECT = "sequoia-chat"
 CACHE_FORMAT = 1  # bump when the layout of the dequantised cache changes
 
 
@@ -66,14 +66,6 @@ DEFAULT_TARGET = GGUFSource(
 DEFAULT_IDS = {"default-target": DEFAULT_TARGET, "default-draft": DEFAULT_DRAFT}
 # dtype names the command lines and the app accept.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cache_dir() -> Path:
-    """``$SEQUOIA_CACHE`` or ``$XDG_CACHE_HOME/sequoia-chat`` (default ``~/.cache/sequoia-chat``)."""
-    if os.environ.get("SEQUOIA_CACHE"):
-        return Path(os.environ["SEQUOIA_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / PROJECT
 
 
 # ----- GGUF reassembly ----------------------------------------------------------------------

@@ -2,7 +2,7 @@
 # Build llama.cpp (the peer for `python -m engine.cli.bench --peer llama.cpp`) from the source vendored
 # in the llama-cpp-python sdist on PyPI, pinned by version and SHA-256. Nothing else is downloaded:
 # the web UI, TLS and tests are switched off. The build lives in the user cache, next to the model
-# cache (see engine/models/loading.py: cache_dir), and a stamp makes a second run instant.
+# cache (see engine/user_cache.py: cache_dir), and a stamp makes a second run instant.
 #
 #   sh engine/peer/build.sh            # PEER_PYTHON=python3 by default (only used for `pip download`)
 #

@@ -59,7 +59,7 @@ class PeerBinaries:
 
 def peer_dir() -> Path:
     """Where ``make peer`` builds: ``<cache>/peer/llama.cpp-<version>`` (sources, build, stamp)."""
-    from engine.models.loading import cache_dir
+    from engine.user_cache import cache_dir
     return cache_dir() / "peer" / f"llama.cpp-{PEER_VERSION}"
 
 

@@ -156,7 +156,7 @@ def acceptance_vectors(calibrations: dict[tuple[float, float], Acceptance]) -> d
 def find_calibrations(pair: str, directories: list[Path] | None = None) -> dict[tuple[float, float], Acceptance]:
     """Every readable calibration of ``pair`` keyed by (temperature, top_p), earlier directories first."""
     if directories is None:
-        from engine.models.loading import cache_dir
+        from engine.user_cache import cache_dir
         from engine.models.prompts import ASSETS
         directories = [cache_dir() / "acceptance", ASSETS / "acceptance"]
     found: dict[tuple[float, float], Acceptance] = {}

@@ -117,7 +117,7 @@ def profile_source(profile: HardwareProfile, directories: list[tuple[str, Path]]
     from engine.tuning.profile import profile_path
 
     if directories is None:
-        from engine.models.loading import cache_dir
+        from engine.user_cache import cache_dir
         from engine.models.prompts import ASSETS
 
         directories = [("bundled with the app", ASSETS), ("from the user cache", cache_dir())]

@@ -202,7 +202,7 @@ def load_tuner(pair: str, target, cache: Path | None = None, nearest: bool = Tru
     profile names exactly (another thread count, another ISA) gets the nearest profile of the pair,
     its ``origin`` saying whose it is, until this machine is measured
     (:func:`engine.tuning.profile.quick_profile`). None without an acceptance vector or any profile."""
-    from engine.models.loading import cache_dir
+    from engine.user_cache import cache_dir
     from engine.models.prompts import ASSETS
 
     directories = (cache or cache_dir(), ASSETS)

@@ -21,7 +21,7 @@ def tree_key(acceptance, size: int, depth: int) -> str:
 
 
 def default_directories() -> list[Path]:
-    from engine.models.loading import cache_dir
+    from engine.user_cache import cache_dir
     from engine.models.prompts import ASSETS
 
     return [cache_dir() / "trees", ASSETS / "trees"]

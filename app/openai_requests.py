@@ -1,0 +1,290 @@
+"""The OpenAI-shaped requests the API (:mod:`app.openai_api`) accepts, checked before anything
+runs: a JSON body within its size, then the chat or text completion it asks for as a
+:class:`ChatCall` (a worker request, the model, stream options, stop strings), or an
+:class:`APIError` in OpenAI's error shape that names the field at fault."""
+from __future__ import annotations
+
+import json
+import math
+import secrets
+from dataclasses import dataclass, field
+from pathlib import PurePath
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from jinja2 import TemplateError
+
+from app.conversation import MAX_IMPORT_MESSAGES, MAX_MESSAGE_CHARS, ContextTooLong, fit_context
+from app.jobs import GenerationRequest
+from app.worker import Worker
+from engine.core.speculative import METHODS
+from engine.trees.tree import Tree
+from engine.tuning.tree_store import build_tree
+
+DEFAULT_MAX_TOKENS = 256
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256           # each stop string; the hold-back check is quadratic in its length
+MAX_BODY_BYTES = 8 << 20       # a request body
+MAX_TOTAL_CHARS = 2_000_000    # all messages together (the longest context is far shorter)
+MAX_TREE_SIZE = 128
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+@dataclass
+class ChatCall:
+    """A validated chat completion request (or, with ``text``, a legacy text completion)."""
+
+    request: GenerationRequest
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    stops: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    text: bool = False  # /v1/completions: the prompt as given, answers as "text_completion" objects
+
+
+# ----- validation ----------------------------------------------------------------------------
+def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value > high or value < low or (low_open and value == low):
+        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise APIError(400, f"'{name}' must be a number in {bound}, got {value!r}", name, "invalid_value")
+    return float(value)
+
+
+def _integer(value, name: str, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise APIError(400, f"'{name}' must be an integer {bound}, got {value!r}", name, "invalid_value")
+    return value
+
+
+def _text(content, index: int) -> str:
+    """A message's text: a string, or a list of ``{"type": "text", "text"}`` parts."""
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                           and isinstance(p.get("text"), str) for p in content):
+        text = "".join(p["text"] for p in content)
+    else:
+        raise APIError(400, f"messages[{index}].content must be text (a string or a list of text parts)",
+                       f"messages[{index}].content", "invalid_value")
+    if len(text) > MAX_MESSAGE_CHARS:
+        raise APIError(400, f"messages[{index}] is longer than {MAX_MESSAGE_CHARS} characters",
+                       f"messages[{index}].content", "invalid_value")
+    return text
+
+
+def parse_messages(messages) -> tuple[str | None, list[dict]]:
+    """``(system prompt, history)``: the system (or developer) messages before the first turn make
+    the system prompt; later ones stay in the history as ``system`` turns, where the chat template
+    places them."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", "messages",
+                       "invalid_value")
+    if len(messages) > MAX_IMPORT_MESSAGES:
+        raise APIError(400, f"{len(messages)} messages; at most {MAX_IMPORT_MESSAGES} are accepted", "messages",
+                       "invalid_value")
+    system, history = [], []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise APIError(400, f"messages[{i}] must be an object with 'role' and 'content'", f"messages[{i}]",
+                           "invalid_value")
+        role = message["role"]
+        if role in ("system", "developer") and not history:
+            system.append(_text(message["content"], i))
+        elif role in ("system", "developer"):  # later instructions stay where they were given
+            history.append({"role": "system", "content": _text(message["content"], i)})
+        elif role in ("user", "assistant"):
+            history.append({"role": role, "content": _text(message["content"], i)})
+        else:
+            raise APIError(400, f"messages[{i}] has role {role!r}; accepted: system, developer, user, assistant",
+                           f"messages[{i}].role", "invalid_value")
+    if not history or history[-1]["role"] != "user":
+        raise APIError(400, "the last message must come from the user", "messages", "invalid_value")
+    total = sum(len(m["content"]) for m in history) + sum(len(s) for s in system)
+    if total > MAX_TOTAL_CHARS:
+        raise APIError(400, f"the messages hold {total} characters; at most {MAX_TOTAL_CHARS} are accepted",
+                       "messages", "context_length_exceeded")
+    return ("\n\n".join(system) or None), history
+
+
+def parse_stops(value) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or \
+            not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise APIError(400, f"'stop' must be a string of 1 to {MAX_STOP_CHARS} characters or a list of up to "
+                            f"{MAX_STOPS} of them", "stop", "invalid_value")
+    return stops
+
+
+def parse_tree(options, worker: Worker, defaults: dict) -> tuple[Tree | str | None, str]:
+    """``(tree, method)`` from the ``sequoia`` extension field (the UI's initial tree by default)."""
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise APIError(400, "'sequoia' must be an object: {tree_size, depth, method, auto}", "sequoia",
+                       "invalid_value")
+    unknown = set(options) - {"tree_size", "depth", "method", "auto"}
+    if unknown:
+        raise APIError(400, f"unknown 'sequoia' option(s): {', '.join(sorted(unknown))}", "sequoia",
+                       "invalid_value")
+    method = options.get("method", "sequoia")
+    if method not in METHODS:
+        raise APIError(400, f"'sequoia.method' must be one of {', '.join(METHODS)}, got {method!r}",
+                       "sequoia.method", "invalid_value")
+    if not isinstance(options.get("auto", False), bool):
+        raise APIError(400, "'sequoia.auto' must be true or false", "sequoia.auto", "invalid_value")
+    if options.get("auto", False):
+        if worker.tuner is None:
+            raise APIError(400, "'sequoia.auto' needs a calibration and hardware profile for this pair",
+                           "sequoia.auto", "invalid_value")
+        return "auto", method
+    size = _integer(options.get("tree_size", defaults.get("tree_size", 8)), "sequoia.tree_size", 1, MAX_TREE_SIZE)
+    depth = _integer(options.get("depth", min(defaults.get("depth", 4), max(1, size - 1))), "sequoia.depth", 1,
+                     max(1, size - 1))
+    if method == "autoregressive" or size == 1:
+        return None, method
+    return (Tree.chain(depth) if method == "chain" else build_tree(size, depth)), method
+
+
+def parse_chat(body, worker: Worker, defaults: dict) -> ChatCall:
+    """Validate a ``/v1/chat/completions`` body against the pair in use; raises :class:`APIError`."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    served = model_id(worker)
+    if model is not None and model != served:
+        raise APIError(404, f"the model {model!r} does not exist: this server serves {served!r} (GET /v1/models)",
+                       "model", "model_not_found")
+    for name, allowed in (("tools", None), ("functions", None), ("tool_choice", "none"), ("logprobs", False),
+                          ("top_logprobs", None), ("frequency_penalty", 0), ("presence_penalty", 0),
+                          ("logit_bias", {}), ("response_format", {"type": "text"})):
+        if body.get(name) not in (allowed, None):  # refused, never silently ignored
+            raise APIError(400, f"'{name}' is not supported by this server (the answer would not honour it)",
+                           name, "unsupported_parameter")
+    if body.get("n") not in (None, 1):
+        raise APIError(400, "'n' must be 1: one answer per request", "n", "unsupported_parameter")
+    system, history = parse_messages(body.get("messages"))
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise APIError(400, "'stream' must be true or false", "stream", "invalid_value")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise APIError(400, "'stream_options' must be an object", "stream_options", "invalid_value")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = None if max_tokens is None else _integer(max_tokens, "max_tokens", 1)
+    seed = body.get("seed")  # none given: a fresh one, so sampled answers differ from call to call
+    seed = secrets.randbelow(2 ** 31) if seed is None else _integer(seed, "seed", -(2 ** 63), 2 ** 63 - 1)
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > 256):
+        raise APIError(400, "'user' must be a string of at most 256 characters", "user", "invalid_value")
+    tree, method = parse_tree(body.get("sequoia"), worker, defaults)
+    request = GenerationRequest(max_new_tokens=max_tokens or 0, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                                top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), tree=tree, seed=seed,
+                                method=method, system=system, messages=history,
+                                cache_key=f"api-user:{user}" if user else None)
+    call = ChatCall(request, served, bool(stream), bool(stream_options.get("include_usage")),
+                    parse_stops(body.get("stop")))
+    try:  # refuse what does not fit now, rather than dropping turns as the UI does
+        ids, dropped = fit_context(worker.tokenizer, system, history, worker.context_limit(request))
+        if max_tokens is None:  # the rest of the context, as llama-server does (a model with none stated: 256)
+            room = worker.context_limit(request)
+            request.max_new_tokens = DEFAULT_MAX_TOKENS if room is None else room - len(ids)
+            if request.max_new_tokens < 1:
+                raise ContextTooLong(f"the messages fill the model's context ({len(ids)} tokens): nothing is left "
+                                     f"to answer with")
+    except ContextTooLong as exc:
+        raise APIError(400, str(exc), "messages", "context_length_exceeded") from None
+    except TemplateError as exc:
+        raise APIError(400, f"the model's chat template refused these messages: {exc}", "messages",
+                       "invalid_value") from None
+    if dropped:
+        raise APIError(400, f"the conversation does not fit the model's context with max_tokens={request.max_new_tokens}: "
+                            f"shorten it or lower max_tokens", "messages", "context_length_exceeded")
+    call.prompt_tokens = len(ids)
+    return call
+
+
+def parse_completion(body, worker: Worker, defaults: dict) -> ChatCall:
+    """Validate a ``/v1/completions`` body: ``prompt`` (a string, or a list of one) is continued as
+    given, no chat template; ``max_tokens`` defaults to 16 as in OpenAI's API."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt or len(prompt) > MAX_TOTAL_CHARS:
+        raise APIError(400, f"'prompt' must be one non-empty string of at most {MAX_TOTAL_CHARS} characters",
+                       "prompt", "invalid_value")
+    text_only = {"suffix": None, "logprobs": None, "best_of": 1, "echo": False}  # the one harmless value of each
+    for name, harmless in text_only.items():
+        if body.get(name) not in (None, harmless):
+            raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported_parameter")
+    chat_shaped = {k: v for k, v in body.items() if k != "prompt" and k not in text_only}
+    chat_shaped["messages"] = [{"role": "user", "content": "-"}]
+    chat_shaped.setdefault("max_tokens", 16)
+    call = parse_chat(chat_shaped, worker, defaults)  # every other field means the same
+    ids = worker.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    request = call.request
+    request.messages, request.system, request.input_ids, request.cache_key = None, None, ids, None
+    limit = worker.context_limit(request)
+    if limit is not None and len(ids) > limit:
+        raise APIError(400, f"the prompt is {len(ids)} tokens; with max_tokens={request.max_new_tokens} at most "
+                            f"{limit} fit the model's context", "prompt", "context_length_exceeded")
+    call.text, call.prompt_tokens = True, len(ids)
+    return call
+
+
+def model_id(worker: Worker) -> str:
+    """The id this server answers to: the target of the pair in use (a local folder by its name
+    only: the server's paths are nobody's business)."""
+    target = str(worker.info.get("target") or "sequoia")
+    if target.startswith(("/", "~", ".")) or "\\" in target or target.count("/") > 1:
+        return PurePath(target.replace("\\", "/")).name or "sequoia"
+    return target
+
+
+async def read_body(http: Request) -> bytes:
+    """The request body, refused (413) past ``MAX_BODY_BYTES`` whether or not it says its length."""
+    too_big = APIError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB", code="request_too_large")
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_big
+    body = bytearray()
+    async for part in http.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise too_big
+    return bytes(body)
+
+
+def parse_body(body: bytes) -> dict:
+    """The JSON object of a request body (400 for anything else, deep nesting included)."""
+    try:
+        value = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise APIError(400, "the request body is not valid JSON (or nests too deeply)") from None
+    if not isinstance(value, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return value
