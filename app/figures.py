@@ -174,6 +174,7 @@ def summarise(steps: Sequence[StepRecord]) -> dict:
     tokens = sum(len(s.committed) for s in steps)
     drafted = sum(s.tree_size - 1 for s in steps)
     accepted = sum(s.accepted_draft_tokens for s in steps)
+    copied = sum(s.accepted_by_source()["copy"] for s in steps)
     draft_s = sum(s.timings.draft_s for s in steps)
     verify_s = sum(s.timings.verify_s for s in steps)
     total_s = sum(s.timings.total_s for s in steps)
@@ -182,7 +183,7 @@ def summarise(steps: Sequence[StepRecord]) -> dict:
         "tokens_per_s": tokens / total_s if total_s > 0 else 0.0,
         "tokens_per_step": tokens / len(steps) if steps else 0.0,
         "accepted_per_step": accepted / len(steps) if steps else 0.0,
-        "drafted": drafted, "accepted": accepted,
+        "drafted": drafted, "accepted": accepted, "accepted_copies": copied,
         "acceptance_rate": accepted / drafted if drafted else None,
         "draft_share": draft_s / total_s if total_s > 0 else 0.0,
         "verify_share": verify_s / total_s if total_s > 0 else 0.0,
@@ -203,8 +204,9 @@ def stats_line(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None 
              f"{s['tokens']} tokens in {s['steps']} step{'s' if s['steps'] != 1 else ''}",
              f"**{s['tokens_per_step']:.2f} tokens/step**"]
     if s["acceptance_rate"] is not None:
+        copies = f", {s['accepted_copies']} of them copied from the context" if s["accepted_copies"] else ""
         parts.append(f"accepted {s['accepted_per_step']:.2f} drafts/step "
-                     f"({_percent(s['acceptance_rate'])} of {s['drafted']} drafted)")
+                     f"({_percent(s['acceptance_rate'])} of {s['drafted']} drafted{copies})")
     else:
         parts.append("no drafts (target alone)")
     if expected_tokens is not None and s["acceptance_rate"] is not None:

@@ -50,6 +50,7 @@ from .worker import Worker
 
 BASELINE_PROMPT = "Write a short paragraph about trees."  # what "Measure the target alone" decodes
 BASELINE_TOKENS = 48
+MAX_EXPECTED_CHARS = 400_000  # the edit mode's expected output
 
 
 # ----- small pieces ------------------------------------------------------------------------------
@@ -95,8 +96,22 @@ class ChatApp:
         self.baselines: dict[tuple, float] = {}
         self._baselines_lock = threading.Lock()
         self._epochs: dict[str, int] = {}  # per session: conversations replaced by Clear or Import
+        self._free_drafts: dict[str, tuple[bool, str]] = {}  # per session: copy from the chat, expected output
         self.explain = ExplainView(self)  # the teaching tabs under the chat
         self.feeds = LiveFeeds()  # served by launch (app.live_feed.mount): streaming answers' live records
+
+    # ----- free drafts: copies from the conversation and an expected output --------------------------
+    def set_free_drafts(self, copies, expected, request: gr.Request | None = None) -> None:
+        """This session's free-draft settings for its next answers: whether continuations already in the
+        conversation are proposed, and an expected output (edit mode) to copy from."""
+        session = getattr(request, "session_hash", None) or "local"
+        with self._baselines_lock:
+            self._free_drafts[session] = (bool(copies), str(expected or "")[:MAX_EXPECTED_CHARS])
+
+    def free_drafts(self, session: str) -> tuple[bool, str | None]:
+        with self._baselines_lock:
+            copies, expected = self._free_drafts.get(session, (True, ""))
+        return copies, expected.strip() and expected or None
 
     # ----- the target alone, measured once per pair and settings -----------------------------------
     def _baseline_key(self, temperature: float, top_p: float) -> tuple:
@@ -241,9 +256,11 @@ class ChatApp:
             yield {c.status: status_html(html.escape(f"Not sent: {exc}"), "error")}
             return
         notices = [dropped_notice(dropped, engine.max_context)] if dropped else []
+        copies, expected = self.free_drafts(session)
         request_ = GenerationRequest(system=system, messages=list(history), max_new_tokens=max_new,
                                      temperature=temperature, top_p=top_p, tree=tree, seed=seed, method=method,
-                                     compare=bool(compare), trace=self.explain.wants_trace(session))
+                                     compare=bool(compare), trace=self.explain.wants_trace(session),
+                                     copies=copies, prediction=expected)
         try:
             job = worker.submit(request_, session=session)  # refused while this session has a job
         except SessionBusy:

@@ -45,6 +45,8 @@ class GenerationRequest:
     cache_key: str | None = None  # whose conversation cache to use (default: the job's session)
     keep_cache: bool = True  # False: decode from a fresh cache and leave the session's as it was
     trace: bool = False  # the main phase's steps carry the verifier's trace (StepRecord.trace)
+    copies: bool = True  # the main phase proposes continuations copied from the context beside the draft's tree
+    prediction: str | None = None  # an expected answer (tokenised when the job runs) to copy from
 
 
 @dataclass

@@ -11,8 +11,10 @@ Honoured: ``model`` (the pair's target id), ``messages`` (system/developer anywh
 text content), ``temperature`` (default 1, as OpenAI's; 0 is greedy and exact), ``top_p``,
 ``max_tokens`` / ``max_completion_tokens`` (default: the rest of the context), ``seed`` (default: a
 fresh one), ``stop`` (up to 4 strings, cut from the text),
-``stream`` and ``stream_options.include_usage``, ``n`` (1 only) and ``user`` (a conversation key:
-requests with the same ``user`` reuse one conversation KV cache, like a browser session).
+``stream`` and ``stream_options.include_usage``, ``n`` (1 only), ``user`` (a conversation key:
+requests with the same ``user`` reuse one conversation KV cache, like a browser session) and
+``prediction`` (Predicted Outputs: the expected answer is copied from as a free branch of every
+step's tree; ``usage.completion_tokens_details`` counts its accepted and rejected tokens).
 An extension field ``sequoia`` picks the tree: ``{"tree_size", "depth", "method", "auto"}``.
 
 Every answer carries ``sequoia``: the tree (size, depth, parents), method, steps, tokens/step,
@@ -84,7 +86,8 @@ class Answer:
 def speculation(answer: Answer, started: dict | None, finished: dict | None) -> dict:
     """The ``sequoia`` field: the tree, method and how speculation went."""
     steps = answer.records
-    drafted = sum(len(s.tokens) - 1 for s in steps)
+    copied = sum(s.sources.count("copy") for s in steps)
+    drafted = sum(len(s.tokens) - 1 for s in steps) - copied
     accepted = sum(s.accepted_draft_tokens for s in steps)
     tokens = sum(len(s.committed) for s in steps)
     tree = (started or {}).get("tree")
@@ -97,8 +100,10 @@ def speculation(answer: Answer, started: dict | None, finished: dict | None) -> 
         "steps": len(steps),
         "tokens_per_step": tokens / len(steps) if steps else 0.0,
         "accepted_draft_tokens": accepted,
+        "accepted_by_source": {source: sum(s.accepted_by_source()[source] for s in steps) for source in ("draft", "copy")},
         "drafted_tokens": drafted,
-        "acceptance_rate": accepted / drafted if drafted else None,
+        "copied_tokens": copied,
+        "acceptance_rate": accepted / (drafted + copied) if drafted + copied else None,
         "prefill_s": finished.get("prefill_s"),
         "decode_s": finished.get("decode_s"),
         "first_token_s": finished.get("first_token_s"),
@@ -108,8 +113,25 @@ def speculation(answer: Answer, started: dict | None, finished: dict | None) -> 
 
 def _usage(call: ChatCall, answer: Answer) -> dict:
     completion = len(answer.tokens)
-    return {"prompt_tokens": call.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": call.prompt_tokens + completion}
+    usage = {"prompt_tokens": call.prompt_tokens, "completion_tokens": completion,
+             "total_tokens": call.prompt_tokens + completion}
+    if call.prediction_tokens:  # as OpenAI reports Predicted Outputs
+        accepted = min(call.prediction_tokens, sum(_accepted_from(record, PREDICTION_DOCUMENT)
+                                                   for record in answer.records))
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                              "rejected_prediction_tokens": call.prediction_tokens - accepted}
+    return usage
+
+
+PREDICTION_DOCUMENT = 1  # the engine's copy index: 0 is the prompt and answer, 1 the prediction
+
+
+def _accepted_from(record, document: int) -> int:
+    """Committed tokens of one step copied from ``document`` of the engine's context index."""
+    if not record.copy_origins:
+        return 0
+    path = record.accepted[1:record.accepted_draft_tokens + 1]
+    return sum(1 for node in path if record.copy_origins[node] is not None and record.copy_origins[node][0] == document)
 
 
 def _finish_reason(answer: Answer, finished: dict | None) -> str:

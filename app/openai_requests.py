@@ -27,6 +27,7 @@ MAX_STOP_CHARS = 256           # each stop string; the hold-back check is quadra
 MAX_BODY_BYTES = 8 << 20       # a request body
 MAX_TOTAL_CHARS = 2_000_000    # all messages together (the longest context is far shorter)
 MAX_TREE_SIZE = 128
+MAX_PREDICTION_CHARS = 400_000  # an expected answer (Predicted Outputs)
 
 
 class APIError(Exception):
@@ -56,6 +57,7 @@ class ChatCall:
     stops: list[str] = field(default_factory=list)
     prompt_tokens: int = 0
     text: bool = False  # /v1/completions: the prompt as given, answers as "text_completion" objects
+    prediction_tokens: int = 0  # tokens of the request's ``prediction`` (OpenAI's Predicted Outputs)
 
 
 # ----- validation ----------------------------------------------------------------------------
@@ -200,7 +202,8 @@ def parse_chat(body, worker: Worker, defaults: dict) -> ChatCall:
     if user is not None and (not isinstance(user, str) or len(user) > 256):
         raise APIError(400, "'user' must be a string of at most 256 characters", "user", "invalid_value")
     tree, method = parse_tree(body.get("sequoia"), worker, defaults)
-    request = GenerationRequest(max_new_tokens=max_tokens or 0, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+    prediction = parse_prediction(body.get("prediction"))
+    request = GenerationRequest(prediction=prediction, max_new_tokens=max_tokens or 0, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                                 top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), tree=tree, seed=seed,
                                 method=method, system=system, messages=history,
                                 cache_key=f"api-user:{user}" if user else None)
@@ -223,7 +226,32 @@ def parse_chat(body, worker: Worker, defaults: dict) -> ChatCall:
         raise APIError(400, f"the conversation does not fit the model's context with max_tokens={request.max_new_tokens}: "
                             f"shorten it or lower max_tokens", "messages", "context_length_exceeded")
     call.prompt_tokens = len(ids)
+    if prediction:
+        call.prediction_tokens = len(worker.tokenizer.encode(prediction, add_special_tokens=False))
     return call
+
+
+def parse_prediction(value) -> str | None:
+    """OpenAI's Predicted Outputs: ``{"type": "content", "content": str | [text parts]}``, the text
+    the answer is expected to repeat (a file given back with a change). It is copied from as a free
+    branch of each step's tree; the answer stays exactly the target's."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "content" or "content" not in value:
+        raise APIError(400, "'prediction' must be {\"type\": \"content\", \"content\": ...}", "prediction",
+                       "invalid_value")
+    content = value["content"]
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    text = content if isinstance(content, str) else None
+    if text is None:
+        raise APIError(400, "'prediction.content' must be a string or a list of text parts", "prediction",
+                       "invalid_value")
+    if len(text) > MAX_PREDICTION_CHARS:
+        raise APIError(400, f"'prediction.content' is longer than {MAX_PREDICTION_CHARS:,} characters", "prediction",
+                       "invalid_value")
+    return text or None
 
 
 def parse_completion(body, worker: Worker, defaults: dict) -> ChatCall:

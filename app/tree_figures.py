@@ -120,12 +120,30 @@ def verifier_rule(step: StepRecord, node: int, status: str) -> str:
             f"<br>accept prob min(1, p/q) = {acceptance_probability(p, q):.2f}")
 
 
+COPY_COLOUR = "#0891b2"  # the border of a node copied from the context (a free draft)
+
+
+def copied(step: StepRecord, node: int) -> bool:
+    """Whether ``node`` was copied from the context rather than drafted by the draft model."""
+    return bool(step.sources) and step.sources[node] == "copy"
+
+
+def copy_origin(step: StepRecord, node: int) -> str:
+    """Where a copied node's token was copied from, in words."""
+    document, position = step.copy_origins[node]
+    where = "the conversation (prompt and answer)" if document == 0 else "the expected output given with the request"
+    return f"copied from {where}, token {position}: a free draft, no draft-model cost"
+
+
 def _node_hover(step: StepRecord, node: int, status: str, text: str) -> str:
     shown = html.escape(visible_token(text, 40), quote=False)
     token = step.tokens[node]
     if node == 0:
         return f"<b>{shown}</b>  (id {token})<br>root: the last committed token"
     p, q = step.target_probs[node], step.draft_probs[node]
+    if copied(step, node):
+        return (f"<b>{shown}</b>  (id {token})<br>{STATUS_NAMES[status]} · {copy_origin(step, node)}"
+                f"<br>target p = {format_prob(p)} · a copy is kept with probability p (T = 0: if it is the argmax)")
     depth = 0
     parent = step.parents[node]
     while parent != -1:
@@ -153,7 +171,9 @@ def step_title(step: StepRecord) -> str:
         return f"Step {step.index + 1}: the target alone wrote {committed} token{'' if committed == 1 else 's'} (no draft)"
     accepted = len(step.accepted) - 1
     used = step.accepted_draft_tokens
-    head = f"Step {step.index + 1}: accepted {accepted} of {drafted} drafted token{'' if drafted == 1 else 's'}"
+    copies = step.sources.count("copy") if step.sources else 0
+    source = f" ({copies} copied from the context)" if copies else ""
+    head = f"Step {step.index + 1}: accepted {accepted} of {drafted} drafted token{'' if drafted == 1 else 's'}{source}"
     if used < accepted or not step.used_bonus:
         why = "answer ended" if step.finish_reason == "stop" else "budget reached"
         return f"{head}, {used} used — {why}"
@@ -244,9 +264,11 @@ def tree_svg(step: StepRecord, token_texts, title: str | None = None, scale: flo
         hover = (f"{visible_token(token_text(token_texts, token), 60)} (id {token}): the target's own token"
                  if i == g.n else re.sub(r"<[^>]+>", " ", _node_hover(step, i, status, token_text(token_texts, token))))
         emphasised = status in (ROOT, ACCEPTED, BONUS)
-        parts.append(f'<g class="sc-node sc-{status}"><title>{html.escape(hover)}</title>'
+        is_copy = i < g.n and copied(step, i)
+        parts.append(f'<g class="sc-node sc-{status}{" sc-copy" if is_copy else ""}"><title>{html.escape(hover)}</title>'
                      f'<rect x="{x - w / 2:.1f}" y="{y - h / 2:.1f}" width="{w:.1f}" height="{h:.1f}" rx="4" '
-                     f'fill="{pale}" stroke="{strong}" stroke-width="{2 if emphasised else 1}"/>'
+                     f'fill="{pale}" stroke="{COPY_COLOUR if is_copy else strong}" '
+                     f'stroke-width="{2.5 if is_copy else 2 if emphasised else 1}"/>'
                      f'<text x="{x:.1f}" y="{y + 4 * scale:.1f}" text-anchor="middle" font-family="{html.escape(MONO)}" '
                      f'font-size="{12 * scale:.0f}" fill="{"#0f172a" if emphasised else "#475569"}">'
                      f'{html.escape(label)}</text></g>')
@@ -333,16 +355,22 @@ def tree_figure(step: StepRecord, token_texts: Mapping[int, str] | Callable[[int
             traces.append(dict(type="scatter", x=[None], y=[None], mode="markers", name=trace["name"],
                                hoverinfo="skip", meta={"kind": "legend"},
                                marker=dict(symbol="square", size=11, color=pale, line=dict(color=strong, width=2))))
+    if step.sources and "copy" in step.sources:
+        traces.append(dict(type="scatter", x=[None], y=[None], mode="markers", name="copied from the context",
+                           hoverinfo="skip", meta={"kind": "legend"},
+                           marker=dict(symbol="square", size=11, color="white", line=dict(color=COPY_COLOUR, width=3))))
 
     chips = [(i, statuses[i]) for i in range(n)] + ([(n, BONUS)] if bonus is not None else [])
     annotations = []
     for i, status in chips:
         strong, pale = COLOURS[status]
         emphasised = status in (ROOT, ACCEPTED, BONUS)
+        is_copy = i < n and copied(step, i)
         annotations.append(dict(
             x=xs[i], y=ys[i], text=labels[i], showarrow=False,
             font=dict(family=MONO, size=round(12 * scale), color="#0f172a" if emphasised else "#475569"),
-            bgcolor=pale, bordercolor=strong, borderwidth=2 if emphasised else 1, borderpad=3,
+            bgcolor=pale, bordercolor=COPY_COLOUR if is_copy else strong,
+            borderwidth=3 if is_copy else 2 if emphasised else 1, borderpad=3,
             opacity=1.0 if status != UNREACHED else 0.75, captureevents=False))
 
     heading = title if title is not None else step_title(step)

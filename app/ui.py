@@ -89,6 +89,14 @@ def build(app: ChatApp) -> gr.Blocks:
                                      visible=worker.tuner is not None, elem_id="sc-auto")
                 c.tree_info = gr.HTML(app.tree_info(o["method"], o["tree_size"], o["depth"], c.auto.value,
                                                      o["temperature"], o["top_p"]), elem_id="sc-tree-info")
+            with gr.Accordion("Free drafts", open=False):
+                c.copies = gr.Checkbox(True, label="Copy from the conversation", elem_id="sc-copies",
+                                       info="Text the answer repeats from the chat is proposed as free branches "
+                                            "beside the draft's (no draft-model cost); the answer stays the target's")
+                c.expected = gr.Textbox("", label="Expected output (edit mode)", lines=3, max_lines=12,
+                                        elem_id="sc-expected",
+                                        placeholder="Paste what you expect the answer to be (the file you asked to "
+                                                    "change): it is copied from as a free branch")
             with gr.Accordion("Display", open=True):
                 c.compare = gr.Checkbox(o["compare"], label="Compare with the target alone",
                                         info="After each answer, decode the same prompt without the draft "
@@ -162,6 +170,9 @@ def build(app: ChatApp) -> gr.Blocks:
         app.explain.build()
         c.timer = gr.Timer(1.5, active=False)
 
+        for box in (c.copies, c.expected):
+            box.change(app.set_free_drafts, [c.copies, c.expected], None, api_visibility="private",
+                       show_progress="hidden")
         settings = [c.system, c.temperature, c.top_p, c.max_new, c.seed, c.method, c.size, c.depth, c.auto,
                     c.compare, c.highlight, c.present_box]
         outputs = [c.chatbot, c.msg, c.history, c.run, c.tree_plot, c.slider, c.steps_plot, c.stats, c.status,

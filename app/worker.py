@@ -315,8 +315,10 @@ class Worker:
         start = time.perf_counter()
         first_token_s = None
         extra = {"cache": cache} if cache is not None else {}
-        if phase == "main" and request.trace:
-            extra["trace"] = True
+        if phase == "main":  # the target alone, in Compare or Measure, never copies
+            extra.update(trace=request.trace, copies=request.copies)
+            if request.prediction:
+                extra["prediction"] = self.tokenizer.encode(request.prediction, add_special_tokens=False)
         try:
             stream = engine.stream(input_ids, max_new_tokens=request.max_new_tokens,
                                    temperature=request.temperature, top_p=request.top_p, tree=tree,

@@ -635,3 +635,38 @@ def test_measuring_the_machine_replaces_a_borrowed_profile_and_keeps_it(worker, 
     finally:
         worker.set_tuner(None)
 
+
+
+def test_an_expected_output_is_copied_from_in_the_main_phase_only(worker, pair):
+    """The edit mode's expected output (and copies from the chat) reach the engine for the answer,
+    never for the target alone of Compare; the answer is the engine's own greedy one."""
+    ids = prompt(pair)
+    expected = reference(pair, ids, max_new_tokens=30, tree=TREE)
+    text = pair[2].decode(expected, skip_special_tokens=True)
+    events = worker.submit(GenerationRequest(ids, max_new_tokens=30, tree=TREE, compare=True,
+                                             prediction=text)).wait(120)
+    assert events[-1].kind == "done"
+    assert tokens_of(events) == expected == tokens_of(events, "compare")
+    main = [e.data for e in events if e.kind == "step" and e.phase == "main"]
+    baseline = [e.data for e in events if e.kind == "step" and e.phase == "compare"]
+    assert sum(s.accepted_by_source()["copy"] for s in main) >= 5
+    assert all(not s.sources for s in baseline)
+    off = worker.submit(GenerationRequest(ids, max_new_tokens=30, tree=TREE, copies=False)).wait(120)
+    assert all(not e.data.sources for e in off if e.kind == "step")
+
+
+def test_the_free_draft_settings_are_per_session(pair):
+    from app.handlers import ChatApp
+
+    target, draft, tokenizer = pair
+    w = Worker(make_engine(target, draft, tokenizer), tokenizer, {"target": "tiny-target", "draft": "tiny-draft"})
+    try:
+        chat = ChatApp(w, tokenizer)
+        assert chat.free_drafts("local") == (True, None)
+        chat.set_free_drafts(False, "  def f():\n    return 1\n")
+        assert chat.free_drafts("local") == (False, "  def f():\n    return 1\n")
+        chat.set_free_drafts(True, "   ")
+        assert chat.free_drafts("local") == (True, None)
+        assert chat.free_drafts("other") == (True, None)
+    finally:
+        w.close()

@@ -344,3 +344,27 @@ def test_the_live_tree_is_svg_with_legible_labels_and_the_whole_text_on_hover():
     assert not geometry.top_down and min(len(label) for label in geometry.labels[1:]) >= figures.MIN_LABEL_CHARS
     svg = tree_figures.tree_svg(wide, texts)
     assert "<b>" not in svg and "&lt;b&gt;&amp;&lt;/b&gt;" in svg
+
+
+def test_copied_nodes_have_their_own_colour_hover_and_count():
+    """A step whose tree holds a chain copied from the context: violet borders in the live SVG and
+    the plotly tree, a hover that says where the copy came from, and the count in title and stats."""
+    from app.tree_figures import COPY_COLOUR, step_title, tree_figure, tree_svg
+    from engine.core.records import StepRecord
+
+    step = StepRecord(index=0, tokens=[1, 20, 21, 30], parents=[-1, 0, 1, 0], ranks=[0, 1, 1, 2],
+                      draft_probs=[1.0, 1.0, 1.0, 0.4], target_probs=[1.0, 0.9, 0.8, 0.05], accepted=[0, 1, 2],
+                      committed=[20, 21, 7], greedy=True, sources=["root", "copy", "copy", "draft"],
+                      copy_origins=[None, (1, 5), (1, 6), None])
+    assert step.accepted_by_source() == {"draft": 0, "copy": 2}
+    svg = tree_svg(step, {})
+    assert svg.count("sc-copy") == 2 and COPY_COLOUR in svg
+    assert "copied from the expected output given with the request, token 5" in svg
+    assert "(2 copied from the context)" in step_title(step)
+    figure = tree_figure(step, {})
+    assert sum(a.bordercolor == COPY_COLOUR for a in figure.layout.annotations) == 2
+    assert any(t.name == "copied from the context" for t in figure.data)
+    assert "2 of them copied from the context" in figures.stats_line([step])
+    plain = StepRecord(index=0, tokens=[1, 30], parents=[-1, 0], ranks=[0, 1], draft_probs=[1.0, 0.4],
+                       target_probs=[1.0, 0.5], accepted=[0, 1], committed=[30, 2], greedy=True)
+    assert "sc-copy" not in tree_svg(plain, {}) and "copied" not in figures.stats_line([plain])

@@ -76,7 +76,9 @@ def test_non_streamed_greedy_answer_equals_the_engine(server):
     spec = out.model_extra["sequoia"]
     assert spec["tree"]["size"] == 8 and spec["tree"]["depth"] == 4 and spec["method"] == "sequoia"
     assert spec["steps"] >= 1 and spec["tokens_per_step"] == pytest.approx(24 / spec["steps"])
-    assert 0 <= spec["accepted_draft_tokens"] <= spec["drafted_tokens"] == 7 * spec["steps"]
+    assert 0 <= spec["accepted_draft_tokens"] <= spec["drafted_tokens"] + spec["copied_tokens"]
+    assert spec["drafted_tokens"] <= 7 * spec["steps"] and spec["drafted_tokens"] % 7 == 0  # whole trees, or none
+    assert sum(spec["accepted_by_source"].values()) == spec["accepted_draft_tokens"]
     assert spec["first_token_s"] > 0 and spec["prefill_s"] >= 0
 
 
@@ -551,3 +553,31 @@ def replay(base: str, recording: str, requests: list[dict]) -> None:
             assert response.status_code == 200, (recording, i, response.text)
             choice = response.json()["choices"][0]
             assert isinstance(choice.get("text", (choice.get("message") or {}).get("content")), str)
+
+
+def test_predicted_outputs_keep_the_answer_and_count_the_accepted_prediction(server):
+    """OpenAI's Predicted Outputs through the official client: the expected answer is copied from,
+    the answer is still exactly the engine's greedy one, and usage says how much of it was kept."""
+    worker, base = server
+    text, tokens = engine_answer(worker, QUESTION, max_new=32)
+    expected = text[:len(text) // 2] + " something else entirely " + text[len(text) // 2:]
+    out = client(base).chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32,
+                                               prediction={"type": "content", "content": expected})
+    assert out.choices[0].message.content == text
+    details = out.usage.completion_tokens_details
+    predicted = len(worker.tokenizer.encode(expected, add_special_tokens=False))
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == predicted
+    assert details.accepted_prediction_tokens >= 4, details
+    assert out.model_extra["sequoia"]["accepted_by_source"]["copy"] >= details.accepted_prediction_tokens
+    plain = client(base).chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=8)
+    assert plain.usage.completion_tokens_details is None  # no prediction, no details
+
+
+@pytest.mark.parametrize("prediction", [{"type": "text", "content": "x"}, {"content": "x"}, "just a string",
+                                        {"type": "content", "content": 5},
+                                        {"type": "content", "content": [{"type": "image_url"}]}])
+def test_a_malformed_prediction_is_refused(server, prediction):
+    _, base = server
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(base).chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, prediction=prediction)
+    assert caught.value.body["param"] == "prediction"

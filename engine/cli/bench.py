@@ -52,6 +52,8 @@ class ConfigRuns:
     predicted_step_ms: float | None = None
     chosen: Tree | None = None               # the tree "auto" resolved to
     confidence: float = 0.0                  # its growth threshold (0: the whole tree every step)
+    copies: bool = False                     # continuations copied from the context beside the tree
+    copied_per_step: list[float] = field(default_factory=list)  # per run: accepted copied tokens per step
 
     def summary(self, baseline_tps: float) -> dict:
         tps = statistics.median(self.tokens_per_s)
@@ -68,6 +70,8 @@ class ConfigRuns:
                 "predicted_step_ms": self.predicted_step_ms,
                 "step_ms_total": sum(step_ms.values()) if step_ms else None,
                 "tokens_per_step": statistics.median(self.tokens_per_step) if self.tokens_per_step else None,
+                "copies": self.copies,
+                "copied_per_step": statistics.median(self.copied_per_step) if self.copied_per_step else None,
                 "draft_share": statistics.median(self.draft_share) if self.draft_share else None,
                 "step_ms": step_ms, "runs_tokens_per_s": self.tokens_per_s,
                 "runs_tokens_generated": self.tokens_generated,
@@ -83,10 +87,12 @@ def all_answers_rate(tokens: list[int], tokens_per_s: list[float]) -> float | No
 
 
 def configurations(quick: bool, draft=None, acceptance: list[float] | None = None, auto: bool = False,
-                   greedy: bool = True, hf: bool = True) -> list[ConfigRuns]:
+                   greedy: bool = True, hf: bool = True, copies: bool = False) -> list[ConfigRuns]:
     """Baselines first (target-only is the reference of every ratio), then ours. ``acceptance``
     shapes the fixed-size Sequoia trees (default: the embedded pair's greedy calibration);
-    ``hf=False`` leaves out Hugging Face's generate and assisted generation."""
+    ``hf=False`` leaves out Hugging Face's generate and assisted generation; ``copies`` adds the
+    target alone and the optimizer's tree with continuations copied from the context, and leaves
+    out the fixed-size trees."""
     if acceptance is None:
         from engine.tuning.acceptance import default_acceptance
 
@@ -97,6 +103,12 @@ def configurations(quick: bool, draft=None, acceptance: list[float] | None = Non
         configs += [ConfigRuns(f"HF assisted generation, {k} draft tokens", None,
                                hf={"assistant_model": draft, "num_assistant_tokens": k,
                                    "num_assistant_tokens_schedule": "constant"}) for k in ((4,) if quick else (2, 4, 6))]
+    if copies:
+        configs.append(ConfigRuns("target + copies", None, copies=True))
+        if draft is not None and auto:
+            configs += [ConfigRuns("sequoia, optimizer's tree", "auto"),
+                        ConfigRuns("sequoia, optimizer's tree + copies", "auto", copies=True)]
+        return configs
     if draft is not None:
         if auto:
             configs.append(ConfigRuns("sequoia, optimizer's tree", "auto"))
@@ -114,14 +126,16 @@ def configurations(quick: bool, draft=None, acceptance: list[float] | None = Non
 
 def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple | None = None,
         temperature: float = 0.0, top_p: float = 1.0, repeats: int = 1, peer: str | None = None,
-        peer_ggufs: tuple[Path, Path] | None = None, target_format: str = "auto", hf: bool = True) -> dict:
+        peer_ggufs: tuple[Path, Path] | None = None, target_format: str = "auto", hf: bool = True,
+        prompt_set: str = "chat", copies: bool = False) -> dict:
     """The benchmark on ``pair`` = (target, draft, tokenizer), by default the embedded pair (its
     target in ``target_format``): ``repeats`` rounds over the prompts (each round runs every
     configuration on a prompt before the next prompt); medians over all runs. Outputs are compared
     with target-only decoding at temperature 0 only. ``peer="llama.cpp"`` also runs llama.cpp's
     configurations on the pair's GGUF files (``peer_ggufs``, by default the embedded pair's), on
     each prompt right after ours (:class:`PeerSide`); when it is not built, one line says so and
-    the benchmark goes on without it."""
+    the benchmark goes on without it. ``prompt_set``: ``chat`` or ``code-edit`` (assets/prompts);
+    ``copies`` adds our configurations with copies from the context and llama.cpp's n-gram modes."""
     from engine.core.speculative import SpeculativeEngine
     from engine.models.loading import load_default_pair, pair_name
     from engine.models.prompts import encode_chat, load_prompt_set
@@ -132,13 +146,13 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     name = pair_name("default-target", "default-draft", draft, target) if pair is None else None
     tuner = load_tuner(name, target) if name else None
     engine = SpeculativeEngine(target, draft, tuner=tuner)
-    prompt_ids = [encode_chat(tokenizer, p["messages"]) for p in load_prompt_set("chat")[:prompts]]
+    prompt_ids = [encode_chat(tokenizer, p["messages"]) for p in load_prompt_set(prompt_set)[:prompts]]
     configs = configurations(quick, draft, acceptance_for(name, temperature, top_p) if name else None,
-                             auto=tuner is not None, greedy=temperature == 0, hf=hf)
+                             auto=tuner is not None, greedy=temperature == 0, hf=hf, copies=copies)
     engine.generate(prompt_ids[0], max_new_tokens=4, tree=Tree.chain(2))  # warm-up
     ours, theirs = [c for c in configs if c.hf is None], [c for c in configs if c.hf is not None]
     peer_side = PeerSide(peer, prompt_ids, tokenizer, new_tokens, temperature, top_p,
-                         peer_ggufs if peer_ggufs or pair is not None else "default") if peer else None
+                         peer_ggufs if peer_ggufs or pair is not None else "default", ngram=copies) if peer else None
     runs = [(round_, i, ids) for round_ in range(repeats) for i, ids in enumerate(prompt_ids)]
     for config in ours:
         if config.tree == "auto-fixed":  # the best tree without growth by confidence, for comparison
@@ -148,7 +162,8 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
             choice = config.tree if isinstance(config.tree, TreeChoice) else None
             result = engine.generate(ids, max_new_tokens=new_tokens, tree=choice.tree if choice else config.tree,
                                      temperature=temperature, top_p=top_p, seed=i + 1000 * round_,
-                                     method=config.method, confidence=choice.confidence if choice else None)
+                                     method=config.method, confidence=choice.confidence if choice else None,
+                                     copies=config.copies)
             if config.tree == "auto":
                 choice = engine.last_tree_choice
             if choice is not None:
@@ -157,6 +172,7 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
                 config.predicted_tokens_per_step, config.predicted_step_ms = choice.expected_tokens, 1e3 * choice.step_time_s
             config.tokens_per_s.append(result.tokens_per_second)
             config.tokens_per_step.append(result.tokens_per_step)
+            config.copied_per_step.append(sum(s.accepted_by_source()["copy"] for s in result.steps) / len(result.steps))
             config.draft_share.append(sum(s.timings.draft_s for s in result.steps) / result.decode_s)
             config.step_ms.append({phase: 1e3 * statistics.fmean(getattr(s.timings, f"{phase}_s") for s in result.steps)
                                    for phase in ("draft", "verify", "bookkeeping")})
@@ -182,7 +198,7 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "prompts": prompts, "repeats": repeats,
-        "new_tokens": new_tokens, "temperature": temperature, "top_p": top_p, "pair": name,
+        "new_tokens": new_tokens, "temperature": temperature, "top_p": top_p, "pair": name, "prompt_set": prompt_set,
         "outputs_identical_to_target_only": identical,
         "hf_outputs_identical_to_target_only": hf_identical,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -219,12 +235,12 @@ class PeerSide:
     configuration that fails is left out from then on; the peer never costs us our own figures."""
 
     def __init__(self, peer: str, prompt_ids: list[list[int]], tokenizer, new_tokens: int, temperature: float,
-                 top_p: float, ggufs) -> None:
+                 top_p: float, ggufs, ngram: bool = False) -> None:
         from engine.peer import llama_cpp as peer_mod
         if peer != "llama.cpp":
             raise ValueError(f"unknown peer {peer!r} (only llama.cpp)")
         self.peer_mod, self.prompt_ids, self.new_tokens = peer_mod, prompt_ids, new_tokens
-        self.temperature, self.top_p = temperature, top_p
+        self.temperature, self.top_p, self.ngram = temperature, top_p, ngram
         self.runs: dict[str, object] = {}   # configuration name -> PeerRuns over the prompts run so far
         self.failed: dict[str, str] = {}    # configuration name -> why it stopped
         self.skipped: str | None = None
@@ -248,7 +264,7 @@ class PeerSide:
         """Every configuration still standing on prompt ``index`` of round ``round_``."""
         if self.skipped:
             return
-        configs = [c for c in self.peer_mod.peer_configurations() if c.name not in self.failed]
+        configs = [c for c in self.peer_mod.peer_configurations(self.ngram) if c.name not in self.failed]
         try:
             runs = self.peer_mod.run_peer(self.prompt_ids, self.new_tokens, self.temperature, self.top_p,
                                           prompt_texts=self.texts, configs=configs, order=[(round_, index)],
@@ -379,6 +395,8 @@ def markdown_table(report: dict) -> str:
             tree += f", grown at ≥ {r['confidence']:g}"
         predicted = "" if r.get("predicted_speedup") is None else f"{r['predicted_speedup']:.2f}×"
         per_step = "" if r["tokens_per_step"] is None else f"{r['tokens_per_step']:.2f}"
+        if r.get("copied_per_step"):
+            per_step += f" ({r['copied_per_step']:.2f} copied)"
         share = "" if r["draft_share"] is None else f"{r['draft_share']:.0%}"
         peer_ratio = f"{r['vs_llamacpp_target_only']:.2f}× | " if with_peer else ""
         everything = "" if r.get("all_answers_tokens_per_s") is None else f"{r['all_answers_tokens_per_s']:.2f}"
@@ -396,6 +414,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are then compared)")
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--prompt-set", choices=("chat", "code-edit"), default="chat",
+                        help="chat questions, or code pasted with a request to give it back changed")
+    parser.add_argument("--copies", action="store_true",
+                        help="ours with continuations copied from the context (and llama.cpp's n-gram modes with --peer)")
     parser.add_argument("--target-format", choices=("float32", "int4", "auto"), default="auto",
                         help="the target's weights on CPU (see python -m engine.cli.generate --help)")
     parser.add_argument("--no-hf", action="store_true", help="leave out Hugging Face's generate and assisted generation")
@@ -417,7 +439,8 @@ def main(argv: list[str] | None = None) -> None:
     if min(prompts, new_tokens, repeats) < 1:
         parser.error("--prompts, --new-tokens and --repeats must be at least 1")
     run(prompts, new_tokens, args.quick, args.out, temperature=args.temperature, top_p=args.top_p, repeats=repeats,
-        peer=args.peer, target_format=args.target_format, hf=not args.no_hf)
+        peer=args.peer, target_format=args.target_format, hf=not args.no_hf, prompt_set=args.prompt_set,
+        copies=args.copies)
 
 
 if __name__ == "__main__":

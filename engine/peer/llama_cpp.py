@@ -94,14 +94,16 @@ def default_ggufs() -> tuple[Path, Path]:
 @dataclass(frozen=True)
 class PeerConfig:
     """One llama.cpp configuration: ``kind`` "server" (``llama-server``; speculative when
-    ``draft_max`` is set) or "speculative" (the ``llama-speculative`` example, ``parallel``
-    draft branches)."""
+    ``draft_max`` or ``spec_type`` is set) or "speculative" (the ``llama-speculative`` example,
+    ``parallel`` draft branches). ``spec_type``: llama-server's ``--spec-type`` list (n-gram modes
+    such as ``ngram-simple``, or ``draft-simple,ngram-mod``); default ``draft-simple`` with a draft."""
 
     name: str
     kind: str = "server"
     draft_max: int | None = None
     p_min: float | None = None
     parallel: int | None = None
+    spec_type: str | None = None
 
     @property
     def uses_draft(self) -> bool:
@@ -111,8 +113,22 @@ class PeerConfig:
 TARGET_ONLY = "llama.cpp target-only"
 
 
-def peer_configurations() -> list[PeerConfig]:
-    """Target-only first (the reference of the ratios), then the speculative configurations."""
+NGRAM_CONFIGURATIONS = [
+    PeerConfig("llama.cpp draft n-max=4 p-min=0.75", draft_max=4, p_min=0.75),
+    PeerConfig("llama.cpp ngram-simple", spec_type="ngram-simple"),
+    PeerConfig("llama.cpp ngram-mod", spec_type="ngram-mod"),
+    PeerConfig("llama.cpp ngram-map-k", spec_type="ngram-map-k"),
+    PeerConfig("llama.cpp draft-simple,ngram-mod n-max=4 p-min=0.75", draft_max=4, p_min=0.75,
+               spec_type="draft-simple,ngram-mod"),
+]
+
+
+def peer_configurations(ngram: bool = False) -> list[PeerConfig]:
+    """Target-only first (the reference of the ratios), then the speculative configurations: the
+    draft model's, or with ``ngram`` the draft and llama-server's n-gram modes (drafts copied
+    from the context, alone and beside the draft)."""
+    if ngram:
+        return [PeerConfig(TARGET_ONLY), *NGRAM_CONFIGURATIONS]
     return [PeerConfig(TARGET_ONLY),
             PeerConfig("llama.cpp draft n-max=4 p-min=0", draft_max=4, p_min=0.0),
             PeerConfig("llama.cpp draft n-max=4 p-min=0.75", draft_max=4, p_min=0.75),
@@ -135,9 +151,12 @@ def server_command(binary: Path, config: PeerConfig, target: Path, draft: Path |
     if config.draft_max is not None:
         if draft is None:
             raise ValueError(f"{config.name} needs the draft GGUF")
-        cmd += ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(config.draft_max),
+        cmd += ["-md", str(draft), "--spec-type", config.spec_type or "draft-simple",
+                "--spec-draft-n-max", str(config.draft_max),
                 "--spec-draft-p-min", f"{config.p_min or 0.0:g}", "--spec-draft-threads", str(threads),
                 "--spec-draft-threads-batch", str(threads)]
+    elif config.spec_type is not None:  # n-gram modes: no draft model
+        cmd += ["--spec-type", config.spec_type]
     return cmd
 
 
