@@ -103,6 +103,33 @@ def test_every_flag_exists_in_the_vendored_source():
     assert flags and all(f'"{f}"' in source for f in flags), sorted(f for f in flags if f'"{f}"' not in source)
 
 
+def test_ngram_modes_copy_from_the_context_alone_or_beside_the_draft():
+    ngram = {c.name: c for c in peer.peer_configurations(ngram=True)}
+    assert list(ngram)[0] == peer.TARGET_ONLY
+    simple = peer.server_command(Path("s"), ngram["llama.cpp ngram-simple"], TARGET, None, port=1)
+    assert flag(simple, "--spec-type") == "ngram-simple" and "-md" not in simple
+    assert not ngram["llama.cpp ngram-mod"].uses_draft
+    both = ngram["llama.cpp draft-simple,ngram-mod n-max=4 p-min=0.75"]
+    cmd = peer.server_command(Path("s"), both, TARGET, DRAFT, port=1)
+    assert flag(cmd, "--spec-type") == "draft-simple,ngram-mod" and flag(cmd, "-md") == str(DRAFT) and both.uses_draft
+    names = peer.peer_dir() / "src" / "common" / "speculative.cpp"
+    if names.exists():  # the mode names are version specific: the built source's table lists them
+        source = names.read_text()
+        assert all(f'"{mode}"' in source for c in ngram.values() if c.spec_type for mode in c.spec_type.split(","))
+
+
+def test_bench_command_line_takes_the_code_edit_set_and_copies(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(bench, "run", lambda *a, **k: seen.update(k))
+    bench.main(["--quick", "--prompt-set", "code-edit", "--copies"])
+    assert seen["prompt_set"] == "code-edit" and seen["copies"] is True
+    names = [c.name for c in bench.configurations(True, draft=object(), acceptance=[0.5, 0.2], auto=True, copies=True)]
+    assert names[0] == "target-only" and "target + copies" in names and "sequoia, optimizer's tree + copies" in names
+    from engine.models.prompts import load_prompt_set
+    edits = load_prompt_set("code-edit")
+    assert len(edits) >= 6 and all("```python" in e["messages"][0]["content"] for e in edits)
+
+
 # ----- not built ---------------------------------------------------------------------------------------
 def test_missing_binaries_name_the_fix(tmp_path, monkeypatch):
     monkeypatch.delenv("SEQUOIA_PEER_BIN", raising=False)
