@@ -2,10 +2,12 @@
 draft/bonus highlight view, and conversation export/import."""
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import re
 import time
+import weakref
 from collections.abc import Sequence
 from html.parser import HTMLParser
 
@@ -36,26 +38,54 @@ def chat_messages(system: str | None, history: Sequence[dict]) -> list[dict]:
     return out + [{"role": m["role"], "content": clean_text(m["content"])} for m in history]
 
 
+def longest_token_chars(tokenizer) -> int | None:
+    """The most characters one token of ``tokenizer`` can stand for (the longest vocabulary entry;
+    byte-level entries spell a byte a character, so decoded text is never longer), or None."""
+    try:
+        return _LONGEST[tokenizer]
+    except (KeyError, TypeError):
+        vocab = getattr(tokenizer, "get_vocab", None)
+        longest = max((len(t) for t in vocab()), default=None) if vocab else None
+    with contextlib.suppress(TypeError):  # a tokenizer that cannot be weakly referenced is asked each time
+        _LONGEST[tokenizer] = longest
+    return longest
+
+
+_LONGEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def fit_context(tokenizer, system: str | None, history: Sequence[dict], limit: int | None) -> tuple[list[int], int]:
     """Token ids of the conversation (chat template applied to all of it) within ``limit`` tokens.
 
     The oldest turns are dropped first (a user message with the replies after it); the system
     prompt and the newest user message always stay. Returns ``(input_ids, messages_dropped)``.
+    Dropping more turns never lengthens the prompt, so the fewest turns to drop are found by
+    bisection: O(log turns) renders of the template, not one per dropped turn.
     """
     history = list(history)
-    dropped = 0
-    while True:
-        ids = encode_chat(tokenizer, chat_messages(system, history))
-        if not limit or len(ids) <= limit:
-            return ids, dropped
-        users = [i for i, m in enumerate(history) if m["role"] == "user"]
-        if len(users) <= 1:
-            raise ContextTooLong(
-                f"the message is {len(ids)} tokens with the chat template, more than the {limit} that fit "
-                f"(the context minus max new tokens and the tree): shorten it or lower max new tokens")
-        cut = users[1]  # drop everything before the second user message
-        dropped += cut
-        history = history[cut:]
+    newest = next((m for m in reversed(history) if m["role"] == "user"), None)
+    widest = longest_token_chars(tokenizer)
+    if limit and widest and newest is not None and (len(system or "") + len(newest["content"])) > widest * limit:
+        raise ContextTooLong(  # refused from its length alone, before the template renders megabytes
+            f"the message is {len(newest['content']):,} characters: even at {widest} characters a token it is "
+            f"more than the {limit} tokens that fit: shorten it or lower max new tokens")
+    ids = encode_chat(tokenizer, chat_messages(system, history))
+    if not limit or len(ids) <= limit:
+        return ids, 0
+    cuts = [i for i, m in enumerate(history) if m["role"] == "user"][1:]  # drop everything before one of them
+    fitting, low, high = None, 0, len(cuts) - 1
+    while low <= high:
+        middle = (low + high) // 2
+        kept = encode_chat(tokenizer, chat_messages(system, history[cuts[middle]:]))
+        if len(kept) <= limit:
+            fitting, high = (kept, cuts[middle]), middle - 1
+        else:
+            ids, low = kept, middle + 1
+    if fitting is None:
+        raise ContextTooLong(
+            f"the message is {len(ids)} tokens with the chat template, more than the {limit} that fit "
+            f"(the context minus max new tokens and the tree): shorten it or lower max new tokens")
+    return fitting
 
 
 # ----- Markdown -----------------------------------------------------------------------------

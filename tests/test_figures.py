@@ -10,6 +10,7 @@ import pytest
 from app import figures, tree_figures
 from app.conversation import (
     ContextTooLong,
+    chat_messages,
     display_messages,
     export_conversation,
     fit_context,
@@ -18,6 +19,7 @@ from app.conversation import (
     token_origins,
 )
 from engine.core.records import StepRecord, StepTimings
+from engine.models.prompts import encode_chat
 
 #        0 (root)
 #       /        \
@@ -280,6 +282,32 @@ def test_fit_context_drops_oldest_turns_but_keeps_the_system_prompt():
         fit_context(CountingTokenizer(), "sys", history, limit=10)
 
 
+def test_fit_context_renders_the_template_a_logarithmic_number_of_times():
+    """A 400-message conversation over the limit: the fewest turns are dropped (as dropping them one
+    at a time would), with at most 2 + log2(200) renders of the template rather than one per turn."""
+    renders = []
+
+    class Counted(CountingTokenizer):
+        def apply_chat_template(self, messages, add_generation_prompt, return_dict):
+            renders.append(len(messages))
+            return super().apply_chat_template(messages, add_generation_prompt, return_dict)
+
+    history = [{"role": role, "content": f"{role} {i} " * (1 + i % 5)} for i in range(200) for role in ("user", "assistant")]
+    history.append({"role": "user", "content": "the question"})
+    for limit in (500, 3_000, 20_000):
+        renders.clear()
+        ids, dropped = fit_context(Counted(), "sys", history, limit)
+        assert len(ids) <= limit and len(renders) <= 2 + 8
+        kept = encode_chat(CountingTokenizer(), chat_messages("sys", history[dropped:]))
+        assert ids == kept and history[dropped]["role"] == "user"
+        one_more = next(i for i in range(dropped + 1, len(history)) if history[i]["role"] == "user")
+        earlier = [i for i in range(dropped) if history[i]["role"] == "user" and i > 0]
+        if earlier:  # keeping one more turn would not fit
+            longer = encode_chat(CountingTokenizer(), chat_messages("sys", history[earlier[-1]:]))
+            assert len(longer) > limit
+        assert one_more > dropped
+
+
 def test_export_import_round_trip():
     history = [{"role": "user", "content": "hi <b>"}, {"role": "assistant", "content": "hello", "note": "stopped"}]
     text = export_conversation("be brief", history, {"temperature": 0})
@@ -368,3 +396,22 @@ def test_copied_nodes_have_their_own_colour_hover_and_count():
     plain = StepRecord(index=0, tokens=[1, 30], parents=[-1, 0], ranks=[0, 1], draft_probs=[1.0, 0.4],
                        target_probs=[1.0, 0.5], accepted=[0, 1], committed=[30, 2], greedy=True)
     assert "sc-copy" not in tree_svg(plain, {}) and "copied" not in figures.stats_line([plain])
+
+
+def test_a_message_longer_than_the_context_can_hold_is_refused_before_the_template_renders():
+    """Its characters alone exceed limit x the longest token: refused without rendering anything."""
+    renders = []
+
+    class Vocab(CountingTokenizer):
+        def get_vocab(self):
+            return {"a": 0, "abcd": 1, "xyz": 2}
+
+        def apply_chat_template(self, messages, add_generation_prompt, return_dict):
+            renders.append(1)
+            return super().apply_chat_template(messages, add_generation_prompt, return_dict)
+
+    with pytest.raises(ContextTooLong, match="4 characters a token"):
+        fit_context(Vocab(), "", [{"role": "user", "content": "q" * 401}], limit=100)
+    assert renders == []
+    ids, _ = fit_context(Vocab(), "", [{"role": "user", "content": "q" * 50}], limit=100)
+    assert len(ids) == 55 and renders == [1]
