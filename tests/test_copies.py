@@ -145,6 +145,7 @@ def forced_copies(monkeypatch, length: int = 2) -> None:
     """Every step verifies ``length`` copied tokens beside the draft's tree, whatever the stats say
     (the plan depends on the past only, so any plan keeps the law: this one exercises mixed trees)."""
     monkeypatch.setattr(speculative, "plan_step", lambda *a, **k: StepPlan(length, True, 1.0, 1.0))
+    monkeypatch.setattr(SpeculativeEngine, "copy_branches", 2)
 
 
 def two_branch_prediction(target, temperature: float, top_p: float) -> list[int]:

@@ -53,6 +53,7 @@ class ConfigRuns:
     chosen: Tree | None = None               # the tree "auto" resolved to
     confidence: float = 0.0                  # its growth threshold (0: the whole tree every step)
     copies: bool = False                     # continuations copied from the context beside the tree
+    predicted: bool = False                  # the prompt's code block given as the expected output
     copied_per_step: list[float] = field(default_factory=list)  # per run: accepted copied tokens per step
 
     def summary(self, baseline_tps: float) -> dict:
@@ -78,6 +79,16 @@ class ConfigRuns:
                 "all_answers_tokens_per_s": all_answers_rate(self.tokens_generated, self.tokens_per_s)}
 
 
+def code_block(text: str) -> str:
+    """The first fenced code block of ``text`` (its body), or the whole text."""
+    start = text.find("```")
+    if start < 0:
+        return text
+    body = text[text.index("\n", start) + 1:]
+    end = body.find("```")
+    return body if end < 0 else body[:end]
+
+
 def all_answers_rate(tokens: list[int], tokens_per_s: list[float]) -> float | None:
     """Every run's tokens over every run's decode time: throughput weighted by answer length, where the
     median of the runs' rates counts a two-token answer as much as a long one (None without counts)."""
@@ -87,12 +98,14 @@ def all_answers_rate(tokens: list[int], tokens_per_s: list[float]) -> float | No
 
 
 def configurations(quick: bool, draft=None, acceptance: list[float] | None = None, auto: bool = False,
-                   greedy: bool = True, hf: bool = True, copies: bool = False) -> list[ConfigRuns]:
+                   greedy: bool = True, hf: bool = True, copies: bool = False,
+                   predicted: bool = False) -> list[ConfigRuns]:
     """Baselines first (target-only is the reference of every ratio), then ours. ``acceptance``
     shapes the fixed-size Sequoia trees (default: the embedded pair's greedy calibration);
     ``hf=False`` leaves out Hugging Face's generate and assisted generation; ``copies`` adds the
     target alone and the optimizer's tree with continuations copied from the context, and leaves
-    out the fixed-size trees."""
+    out the fixed-size trees; ``predicted`` adds the optimizer's tree given the prompt's code as the
+    expected output (as OpenAI's Predicted Outputs would pass it)."""
     if acceptance is None:
         from engine.tuning.acceptance import default_acceptance
 
@@ -108,6 +121,9 @@ def configurations(quick: bool, draft=None, acceptance: list[float] | None = Non
         if draft is not None and auto:
             configs += [ConfigRuns("sequoia, optimizer's tree", "auto"),
                         ConfigRuns("sequoia, optimizer's tree + copies", "auto", copies=True)]
+            if predicted:
+                configs.append(ConfigRuns("sequoia, optimizer's tree + prediction", "auto", copies=True,
+                                          predicted=True))
         return configs
     if draft is not None:
         if auto:
@@ -146,9 +162,14 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     name = pair_name("default-target", "default-draft", draft, target) if pair is None else None
     tuner = load_tuner(name, target) if name else None
     engine = SpeculativeEngine(target, draft, tuner=tuner)
-    prompt_ids = [encode_chat(tokenizer, p["messages"]) for p in load_prompt_set(prompt_set)[:prompts]]
+    prompt_set_entries = load_prompt_set(prompt_set)[:prompts]
+    prompt_ids = [encode_chat(tokenizer, p["messages"]) for p in prompt_set_entries]
+    # the code each code-edit prompt pastes: what a client would give as the expected output
+    predictions = [tokenizer.encode(code_block(p["messages"][-1]["content"]), add_special_tokens=False)
+                   for p in prompt_set_entries] if prompt_set == "code-edit" else None
     configs = configurations(quick, draft, acceptance_for(name, temperature, top_p) if name else None,
-                             auto=tuner is not None, greedy=temperature == 0, hf=hf, copies=copies)
+                             auto=tuner is not None, greedy=temperature == 0, hf=hf, copies=copies,
+                             predicted=predictions is not None)
     engine.generate(prompt_ids[0], max_new_tokens=4, tree=Tree.chain(2))  # warm-up
     ours, theirs = [c for c in configs if c.hf is None], [c for c in configs if c.hf is not None]
     peer_side = PeerSide(peer, prompt_ids, tokenizer, new_tokens, temperature, top_p,
@@ -163,7 +184,8 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
             result = engine.generate(ids, max_new_tokens=new_tokens, tree=choice.tree if choice else config.tree,
                                      temperature=temperature, top_p=top_p, seed=i + 1000 * round_,
                                      method=config.method, confidence=choice.confidence if choice else None,
-                                     copies=config.copies)
+                                     copies=config.copies,
+                                     prediction=predictions[i] if config.predicted else None)
             if config.tree == "auto":
                 choice = engine.last_tree_choice
             if choice is not None:

@@ -45,7 +45,9 @@ class CopyStats:
     def acceptance(self, match_len: int, depth: int) -> float:
         """Estimated P(copied token at ``depth`` kept | the one before kept), prior blended in."""
         bucket = bucket_of(match_len)
-        prior = FIRST_PRIOR[bucket] if depth == 1 else NEXT_PRIOR
+        # a depth not tried yet is expected to go as the one above it went: a copy kept whole every
+        # time is then tried longer, instead of never being seen past the length it started with
+        prior = FIRST_PRIOR[bucket] if depth == 1 else NEXT_PRIOR if depth == 2 else self.acceptance(match_len, depth - 1)
         tried, kept = self.tried.get((bucket, depth), 0), self.kept.get((bucket, depth), 0)
         return (kept + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT)
 
@@ -78,19 +80,58 @@ def draft_cost(tree: Tree, profile: object | None) -> float:
     return sum(profile.draft_time(width + 1 if level == 0 else width) for level, width in enumerate(widths))
 
 
+@dataclass
+class StepClock:
+    """What steps cost while this conversation decodes: verification seconds per tree width and the
+    draft model's seconds per drafted step (moving averages). The profile's curve was measured
+    after a short prefix; over a long conversation attention makes every extra row dearer, so
+    copies are sized by what verification costs now. Widths not seen yet follow the profile (or
+    the default costs), scaled by the measured width nearest to them."""
+
+    verify: dict[int, float] = field(default_factory=dict)
+    draft: float | None = None
+
+    def observe(self, width: int, verify_s: float, draft_s: float | None = None) -> None:
+        self.verify[width] = verify_s if width not in self.verify else 0.7 * self.verify[width] + 0.3 * verify_s
+        if draft_s is not None:
+            self.draft = draft_s if self.draft is None else 0.7 * self.draft + 0.3 * draft_s
+
+    def target_time(self, rows: int, profile: object | None) -> float:
+        """Seconds (or, with neither a profile nor a measurement, target steps) to verify ``rows``."""
+        def base(n: int) -> float:
+            return profile.target_time(n) + profile.step_overhead if profile is not None \
+                else 1.0 + DEFAULT_ROW_COST * (n - 1)
+        if rows in self.verify:
+            return self.verify[rows]
+        if not self.verify:
+            return base(rows)
+        nearest = min(self.verify, key=lambda n: (abs(n - rows), n))
+        return base(rows) * self.verify[nearest] / base(nearest)
+
+    def draft_time(self, tree: Tree, profile: object | None) -> float:
+        """The draft model's cost for ``tree``: measured, else the profile's scaled as verification is."""
+        if self.draft is not None:
+            return self.draft
+        cost = draft_cost(tree, profile)
+        if self.verify and 1 in self.verify:
+            return cost * self.verify[1] / StepClock().target_time(1, profile)
+        return cost
+
+
 def plan_step(stats: CopyStats, match_len: int, available: int, model_tree: Tree, model_tokens: float,
-              profile: object | None) -> StepPlan:
+              profile: object | None, clock: StepClock | None = None) -> StepPlan:
     """The best of model-only, copy-only and both, by expected tokens per unit of step cost.
 
     ``available``: tokens the copy could give (0: no match). ``model_tree``: the model's tree for
     this step (root only: no drafting); ``model_tokens``: its expected tokens per step (G).
+    ``clock``: measured costs (:class:`StepClock`), else the profile's (or the default ones).
     """
-    def cost(rows: int, drafting: float) -> float:
-        if profile is None:
-            return 1.0 + DEFAULT_ROW_COST * (rows - 1) + drafting
-        return profile.target_time(rows) + drafting + profile.step_overhead
+    clock = clock or StepClock()
 
-    drafting = draft_cost(model_tree, profile)
+    def cost(rows: int, drafting: float) -> float:
+        return clock.target_time(rows, profile) + drafting
+
+    drafting = clock.draft_time(model_tree, profile) if model_tree.size > 1 else 0.0
     best = StepPlan(0, model_tree.size > 1, model_tokens, cost(model_tree.size, drafting))
     best_rate = best.expected_tokens / best.step_cost
     first = stats.acceptance(match_len, 1)

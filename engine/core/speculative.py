@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.copy_policy import CopyStats, plan_step
+from engine.core.copy_policy import CopyStats, StepClock, plan_step
 from engine.core.prefix_cache import ConversationCache
 from engine.core.records import GenerationResult, StepRecord, StepTimings
 from engine.core.runner import DynamicRunner, StaticRunner, run_model, synchronize
@@ -28,7 +28,6 @@ ROOT_ONLY = Tree.chain(0)
 METHODS = ("sequoia", "specinfer", "chain", "topk", "autoregressive")
 COPY_METHODS = ("sequoia", "specinfer", "topk")  # verifiers that take copied children (and T = 0)
 MAX_COPY = 32        # copied tokens verified in one step at most
-COPY_BRANCHES = 2    # distinct copied continuations per step at most
 PREDICTION_LEAD = 8  # prompt tokens put before an expected output, so its start matches the prompt's end
 
 
@@ -57,6 +56,7 @@ class SpeculativeEngine:
     """Tree speculative decoding for a target/draft pair of HF causal LMs sharing a vocabulary."""
 
     prefill_chunk = 256  # prompt tokens per prefill forward; ``should_stop`` is consulted between chunks
+    copy_branches = 1    # distinct copied continuations a step verifies at most (each costs its rows)
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None = None,
                  stop_token_ids: list[int] | None = None, tuner=None, static_cache: bool | None = None,
@@ -246,6 +246,7 @@ class _DecodeState:
                  cache: ConversationCache | None = None, prediction: list[int] | None = None) -> None:
         self.engine, self.params, self.cache = engine, params, cache
         self.index = ContextIndex() if params.copies else None
+        self.clock = StepClock()  # this generation's measured step costs (its context length's)
         if self.index is not None:
             self.index.sync(prompt)
             if prediction:
@@ -331,6 +332,8 @@ class _DecodeState:
             self._record()
             t3 = time.perf_counter()
         timings.draft_s, timings.verify_s, timings.bookkeeping_s = t1 - t0, t2 - t1, t3 - t2
+        if self.index is not None:
+            self.clock.observe(tree.size, timings.verify_s, timings.draft_s if drafting and model_tree.size > 1 else None)
         record = StepRecord(index=self.steps, tokens=tokens, parents=list(tree.parents), ranks=list(tree.ranks),
                             draft_probs=draft_probs, target_probs=target_probs, accepted=accepted,
                             committed=committed, timings=timings, finish_reason=self.finish_reason,
@@ -349,13 +352,14 @@ class _DecodeState:
         if self.index is None:
             return [], True
         self.index.sync(self.seq)
-        room = MAX_COPY if self.params.room is None else min(MAX_COPY, self.params.room // COPY_BRANCHES)
-        proposals = self.index.lookup(room, COPY_BRANCHES, self.params.stop_token_ids) if room > 0 else []
+        branches = self.engine.copy_branches
+        room = MAX_COPY if self.params.room is None else min(MAX_COPY, self.params.room // branches)
+        proposals = self.index.lookup(room, branches, self.params.stop_token_ids) if room > 0 else []
         if not proposals:
             return [], True
         engine = self.engine
         plan = plan_step(engine.copy_stats, proposals[0].match_len, len(proposals[0].tokens), tree,
-                         self._model_tokens(), getattr(engine.tuner, "profile", None))
+                         self._model_tokens(), getattr(engine.tuner, "profile", None), self.clock)
         if plan.copy_len == 0:
             return [], True
         return [dataclasses.replace(p, tokens=p.tokens[:plan.copy_len]) for p in proposals], plan.draft
