@@ -34,7 +34,6 @@ import numpy as np
 import torch
 
 from engine.backends.gguf_file import GGUFTensor, read_blocks, read_dequantised
-from engine.core.sampling import use_compiled_kernels
 
 log = logging.getLogger(__name__)
 
@@ -60,17 +59,16 @@ GGUF_LINEARS = {
 @lru_cache(maxsize=1)
 def _extension():
     """The compiled kernels, built once into the cache (about a minute), or None when they cannot
-    be built here (no compiler); the reason is logged."""
+    be built here (no compiler); the reason is logged. Sampling takes its functions from these too
+    (:func:`engine.core.sampling.compiled`, through :func:`engine.compiled_kernels`)."""
     venv_bin = Path(sys.executable).parent  # pip's ninja lands beside the interpreter, maybe off PATH
     if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
         os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
     try:
-        extension = compile_kernels("native")
+        return compile_kernels("native")
     except (OSError, RuntimeError, ImportError) as exc:
         log.warning("the k-quant kernels could not be built (%s); using the pure-torch reference", exc)
         return None
-    use_compiled_kernels(extension)  # sampling's softmax, top-p and draws go through them too
-    return extension
 
 
 def compile_kernels(march: str = "native"):
