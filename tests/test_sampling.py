@@ -325,7 +325,7 @@ def draws():
 first = draws()
 import engine
 assert engine.compiled_kernels() is not None and COMPILED["nucleus_probs"] is engine.compiled_kernels().nucleus_probs
-from engine.backends.kquant import kquant_model
+from engine.backends.kquant_model import kquant_model
 import tiny_models as tm
 kquant_model(tm.qwen2(seed=1, vocab_size=64, hidden_size=256, layers=1))
 assert draws() == first
