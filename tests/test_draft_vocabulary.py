@@ -18,7 +18,8 @@ from engine import SpeculativeEngine, Tree
 from engine.backends import kquant
 from engine.backends.draft_vocabulary import SubVocabularyHead, ascii_token_ids, kept_count, with_draft_vocabulary
 from engine.core.speculative import draft_for_prompt
-from engine.backends.kquant import KQuantLinear, kquant_model, select_outputs, unpack_weight
+from engine.backends.kquant import KQuantLinear, select_outputs, unpack_weight
+from engine.backends.kquant_model import kquant_model
 from engine.core.runner import DynamicRunner
 from engine.errors import InvalidParameterError
 from engine.models.prompts import encode_chat

@@ -184,7 +184,7 @@ def test_the_six_token_test_catches_a_biased_sampler(pair):
 def q4k_pair():
     """A tiny target in the k-quant format (its layers quantised to Q4_K, batch-invariant kernels)
     and a float draft near it: the int4 target's own law is what sampling must follow."""
-    from engine.backends.kquant import kquant_model
+    from engine.backends.kquant_model import kquant_model
 
     float_target = sharpened(tm.qwen2(seed=4, vocab_size=VOCAB, hidden_size=256, layers=1), 30.0)
     return kquant_model(float_target), tm.perturbed(float_target, 0.05, seed=1)

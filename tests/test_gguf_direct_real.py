@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine.backends.gguf_embedding import GGUFEmbedding
-from engine.backends.kquant import CACHE_FORMAT, KQuantLinear, kquant_model
+from engine.backends.kquant import CACHE_FORMAT, KQuantLinear
+from engine.backends.kquant_model import kquant_model
 from engine.models import gguf_direct
 from engine.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, _gguf_embedding, assemble_gguf, load_model
 

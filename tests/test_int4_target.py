@@ -8,7 +8,7 @@ import tiny_models as tm
 import torch
 
 from engine import SpeculativeEngine, Tree
-from engine.backends.kquant import kquant_model
+from engine.backends.kquant_model import kquant_model
 from engine.backends.quantize import TARGET_FORMATS, Int4Linear, int4_draft, target_quantization
 from engine.models.loading import pair_name
 

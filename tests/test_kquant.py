@@ -1,6 +1,7 @@
-"""The k-quant target's kernels (engine/backends/kquant.py, engine/backends/csrc/kquant.cpp): exact packing of GGUF
-blocks, the compiled kernel equal bit for bit to the pure-torch reference, and rows that never
-depend on the rest of the batch."""
+"""The k-quant target's kernels (engine/backends/kquant.py, engine/backends/csrc/kquant.cpp) and
+whole models of them (engine/backends/kquant_model.py): exact packing of GGUF blocks, the compiled
+kernel equal bit for bit to the pure-torch reference, and rows that never depend on the rest of
+the batch."""
 from __future__ import annotations
 
 import platform
@@ -15,13 +16,13 @@ from engine.backends import kquant
 from engine.backends.kquant import (
     KQuantLinear,
     kquant_attention,
-    kquant_model,
     pack_q4k,
     pack_q6k,
     quantize_q4k,
     reference_linear,
     unpack_weight,
 )
+from engine.backends.kquant_model import kquant_model, read_cache, write_cache
 
 ROW_COUNTS = list(range(1, 33))
 
@@ -352,8 +353,8 @@ def test_a_cache_of_either_kind_is_read_back_instead_of_packing_again(tmp_path, 
     layer = KQuantLinear(kind, packed(kind, random_blocks(kind, 256, 256, seed=5)), 256, 256,
                          model.get_submodule(name).bias)
     cache = tmp_path / "kquant.safetensors"
-    kquant.write_cache(cache, {name: layer})
-    read = kquant.read_cache(cache, model)
+    write_cache(cache, {name: layer})
+    read = read_cache(cache, model)
     assert read is not None and read[name].kind == kind
     assert all(torch.equal(read[name].packed()[key], tensor) for key, tensor in layer.packed().items())
 

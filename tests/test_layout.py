@@ -143,18 +143,10 @@ def test_the_cycle_check_finds_a_cycle_through_function_level_and_relative_impor
     assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]
 
 
-# Cycles left on purpose, each through a function-level import, until the modules they join are
-# reorganised: the compiled kernels register with sampling when they load, and sampling asks the
-# package root for them at its first draw (so the core imports no backend); the k-quant layers
-# attach the lean forward, which runs on their packed tensors.
-KNOWN_CYCLES = [["engine", "engine.backends.kquant", "engine.backends.lean", "engine.core.sampling"]]
-
-
 def test_no_module_imports_itself_back():
     """No import cycle among the modules of app/ and engine/, counting imports made inside
-    functions: each layer stands on the ones below it (:data:`KNOWN_CYCLES` lists the exceptions,
-    and the test fails when one of them is gone, so the list only shrinks)."""
-    assert cycles(import_graph()) == KNOWN_CYCLES
+    functions: each layer stands on the ones below it."""
+    assert cycles(import_graph()) == []
 
 
 def test_figures_and_text_are_pure():

@@ -14,7 +14,8 @@ from transformers import DynamicCache
 
 from engine import SpeculativeEngine, Tree
 from engine.backends import kquant
-from engine.backends.kquant import KQuantLinear, kquant_model
+from engine.backends.kquant import KQuantLinear
+from engine.backends.kquant_model import kquant_model
 from engine.backends.lean import LeanDecoder, supports
 from engine.core.kv_cache import growing_cache, reserve_all
 from engine.core.runner import StaticRunner, run_model

@@ -125,10 +125,10 @@ def test_a_row_without_mass_cannot_be_drawn_from():
 
 def test_the_compiled_nucleus_refuses_non_finite_logits():
     from engine.backends.kquant import _extension
-    from engine.core.sampling import COMPILED
+    from engine.core.sampling import compiled
     from engine.errors import InvalidDistributionError
 
-    assert _extension() is not None and COMPILED["nucleus_probs"] is _extension().nucleus_probs  # loading registers
+    assert _extension() is not None and compiled("nucleus_probs") is _extension().nucleus_probs  # sampling looks them up
     for bad in (float("nan"), float("inf")):
         logits = torch.zeros(2, 100)
         logits[1, 17] = bad
@@ -193,12 +193,12 @@ def test_the_compiled_ranking_is_torchs_argmax_and_topk_with_ties_in_index_order
     vocabulary-sized rows of every kind: distinct values give topk's indices; k = 1 is argmax's
     first maximum; equal values come in index order; a NaN row falls back to torch's argmax."""
     from engine.backends.kquant import _extension
-    from engine.core.sampling import COMPILED, top_indices
+    from engine.core.sampling import compiled, top_indices
 
     extension = _extension()
     if extension is None:
         pytest.fail("the kernels did not build: a C++ compiler and ninja are part of the install")
-    assert COMPILED["top_indices"] is extension.top_indices
+    assert compiled("top_indices") is extension.top_indices
     generator = torch.Generator().manual_seed(5)
     rows = torch.randn(4, 151_936, generator=generator) * torch.tensor([[0.1], [1.0], [4.0], [30.0]])
     rows[3, -7:] = 1e4 + torch.arange(7.0)  # the largest values at the very end
@@ -323,9 +323,10 @@ def draws():
     return [sample_token(probs[r], torch.Generator().manual_seed(s)) for r in range(3) for s in range(30)]
 
 first = draws()
-from engine.backends.kquant import _extension, kquant_model
+import engine
+assert engine.compiled_kernels() is not None and COMPILED["nucleus_probs"] is engine.compiled_kernels().nucleus_probs
+from engine.backends.kquant_model import kquant_model
 import tiny_models as tm
-assert _extension() is not None and COMPILED["nucleus_probs"] is _extension().nucleus_probs
 kquant_model(tm.qwen2(seed=1, vocab_size=64, hidden_size=256, layers=1))
 assert draws() == first
 print("same draws")

@@ -17,7 +17,7 @@ import transformers
 from transformers import DynamicCache
 
 from engine.backends import kquant
-from engine.backends.kquant import kquant_model
+from engine.backends.kquant_model import kquant_model
 from engine.core.kv_cache import growing_cache
 from engine.core.runner import run_model
 

@@ -17,10 +17,12 @@ exactly, not by luck at near-ties.
 Without a C++ compiler the linear layers run :func:`reference_linear` (pure torch, the same
 numbers, slower) and attention falls back to torch's SDPA (then rows are no longer guaranteed
 batch-invariant; :func:`kernels_available` says which).
+
+This module holds the layers, their packing and the kernels; a whole model of them (from a float
+model or a GGUF's blocks, cached packed) is built by :mod:`engine.backends.kquant_model`.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 import os
@@ -33,9 +35,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.backends.gguf_file import GGUFTensor, read_blocks, read_dequantised
-from engine.core.sampling import use_compiled_kernels
-
 log = logging.getLogger(__name__)
 
 SUPER_BLOCK = 256
@@ -46,31 +45,22 @@ ATTENTION_NAME = "kquant"
 CACHE_FORMAT = 4  # bump when the packed layout changes (2: Q6_K at 6 bits a weight, not 8; 3: d, dmin as fp16;
 #                  4: a Q4_K weight's zero half super-block not stored)
 
-# GGUF tensor name (after ``blk.N.``) -> Hugging Face module path (after ``model.layers.N.``), for
-# the llama-style architectures whose converters keep q/k unpermuted (qwen2).
-GGUF_LINEARS = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
 
 # ---- the compiled kernels -------------------------------------------------------------------
 
 @lru_cache(maxsize=1)
 def _extension():
     """The compiled kernels, built once into the cache (about a minute), or None when they cannot
-    be built here (no compiler); the reason is logged."""
+    be built here (no compiler); the reason is logged. Sampling takes its functions from these too
+    (:func:`engine.core.sampling.compiled`, through :func:`engine.compiled_kernels`)."""
     venv_bin = Path(sys.executable).parent  # pip's ninja lands beside the interpreter, maybe off PATH
     if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
         os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
     try:
-        extension = compile_kernels("native")
+        return compile_kernels("native")
     except (OSError, RuntimeError, ImportError) as exc:
         log.warning("the k-quant kernels could not be built (%s); using the pure-torch reference", exc)
         return None
-    use_compiled_kernels(extension)  # sampling's softmax, top-p and draws go through them too
-    return extension
 
 
 def compile_kernels(march: str = "native"):
@@ -266,6 +256,20 @@ def _whole_blocks(qs: torch.Tensor, nt: int, nb: int) -> torch.Tensor:
     return torch.cat([halves, halves.new_zeros(nt, 1, HALF_BLOCK_BYTES)], dim=1).reshape(-1)
 
 
+def packed_bytes(kind: str, out_features: int, in_features: int) -> int:
+    """Bytes of a layer's stored quants (``qs``): 4 bits a weight for Q4_K (less a zero half
+    super-block, :func:`has_half_tail`), 6 for Q6_K."""
+    if kind == "q4k":
+        half_tail = has_half_tail(in_features) * out_features // TILE * HALF_BLOCK_BYTES
+        return padded_size(in_features) * out_features // 2 - half_tail
+    return padded_size(in_features) * out_features * 6 // 8
+
+
+def padded_size(in_features: int) -> int:
+    """``in_features`` rounded up to whole super-blocks (a 896-wide layer is packed as 1024)."""
+    return -(-in_features // SUPER_BLOCK) * SUPER_BLOCK
+
+
 def _integer_weight(kind: str, t: dict[str, torch.Tensor], n: int, k: int):
     """``(q [N, NB, S, G] int, scale [N, NB, S, 1] float, offset [N, NB, S, 1] float)`` with
     ``w = scale*q - offset`` per sub-block of ``G`` inputs (S sub-blocks a super-block)."""
@@ -426,157 +430,3 @@ def register_attention() -> None:
 
     AttentionInterface.register(ATTENTION_NAME, kquant_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-
-
-# ---- a whole target ----------------------------------------------------------------------------
-
-def gguf_linear_tensors(table: dict[str, GGUFTensor]) -> dict[str, GGUFTensor]:
-    """Hugging Face module name -> GGUF tensor for every linear layer of a llama-style GGUF's
-    ``table`` (:func:`engine.backends.gguf_file.tensor_table`; the output head included), whatever its type."""
-    linears = {}
-    for tensor in table.values():
-        parts = tensor.name.split(".")
-        if parts[-1] != "weight" or len(tensor.dims) != 2:
-            continue
-        if parts[0] == "blk" and parts[2] in GGUF_LINEARS:
-            linears[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = tensor
-        elif tensor.name == "output.weight":
-            linears["lm_head"] = tensor
-    return linears
-
-
-def pack_gguf_tensor(gguf_path: Path, tensor: GGUFTensor) -> tuple[str, dict[str, torch.Tensor]]:
-    """``(kind, packed tensors)`` of a GGUF matrix: Q4_K and Q6_K blocks are kept exactly; any
-    other type is dequantised (as transformers does) and quantised by :func:`quantize_q4k`, its
-    inputs padded with zeros to whole super-blocks."""
-    from gguf import GGMLQuantizationType
-
-    if tensor.qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
-        blocks = read_blocks(gguf_path, tensor).reshape(tensor.rows, tensor.dims[0] // SUPER_BLOCK, -1)
-        return ("q4k", pack_q4k(blocks)) if tensor.qtype == GGMLQuantizationType.Q4_K else ("q6k", pack_q6k(blocks))
-    weight = torch.from_numpy(read_dequantised(gguf_path, tensor))
-    return "q4k", quantize_q4k(torch.nn.functional.pad(weight, (0, padded_size(tensor.dims[0]) - tensor.dims[0])))
-
-
-def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None, cache_file: Path | None = None,
-                 embedding: torch.nn.Module | None = None) -> torch.nn.Module:
-    """A copy of the CPU float32 ``model`` whose linear layers are :class:`KQuantLinear` and whose
-    attention is :func:`kquant_attention`; ``model`` is not changed, and no float32 weight of a
-    replaced layer is read.
-
-    With ``gguf_path`` (the GGUF ``model`` was dequantised from) the layers keep that file's own
-    Q4_K/Q6_K blocks, exactly; other layers (and every layer without a GGUF) are quantised to
-    Q4_K by :func:`quantize_q4k` when their outputs are a multiple of 16 (inputs are padded
-    with zeros to whole super-blocks of 256).
-    ``cache_file``: where the packed layers of *these exact* weights are kept (the caller names
-    it after them): read when present and fitting, written otherwise, so later starts skip packing.
-    ``embedding``: the input embedding the copy takes instead of ``model``'s (e.g. a
-    :class:`~engine.backends.gguf_embedding.GGUFEmbedding`); ``model``'s is then never copied."""
-    from engine.backends.kernels import on_cpu_fp32
-
-    if not on_cpu_fp32(model):
-        raise ValueError("the int4 target is built from a CPU float32 model; this one is elsewhere")
-    layers = (cache_file and read_cache(cache_file, model)) or _pack_layers(model, gguf_path)
-    if cache_file and not cache_file.exists():
-        write_cache(cache_file, layers)
-    memo = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    memo.update({id(model.get_submodule(name)): layer for name, layer in layers.items()})
-    quantized = copy.deepcopy(model, memo)  # shares every tensor left; the replaced layers are the new ones
-    if embedding is not None:
-        quantized.set_input_embeddings(embedding)  # before own_memory: the float one is never copied
-    return finish_kquant(quantized)
-
-
-def finish_kquant(model: torch.nn.Module, mapped_only: bool = False) -> torch.nn.Module:
-    """Ready a model whose linear layers are :class:`KQuantLinear`: its tensors get memory of their
-    own (only those mapped from a file with ``mapped_only``, see
-    :func:`engine.backends.kernels.own_memory`), attention becomes :func:`kquant_attention` and the
-    lean forward is attached."""
-    from engine.backends.kernels import own_memory
-    from engine.backends.lean import attach
-
-    register_attention()
-    own_memory(model, mapped_only)
-    model.set_attn_implementation(ATTENTION_NAME)
-    use_fixed_silu(model)
-    attach(model)
-    return model.eval()
-
-
-def packed_bytes(kind: str, out_features: int, in_features: int) -> int:
-    """Bytes of a layer's stored quants (``qs``): 4 bits a weight for Q4_K (less a zero half
-    super-block, :func:`has_half_tail`), 6 for Q6_K."""
-    if kind == "q4k":
-        half_tail = has_half_tail(in_features) * out_features // TILE * HALF_BLOCK_BYTES
-        return padded_size(in_features) * out_features // 2 - half_tail
-    return padded_size(in_features) * out_features * 6 // 8
-
-
-def padded_size(in_features: int) -> int:
-    """``in_features`` rounded up to whole super-blocks (a 896-wide layer is packed as 1024)."""
-    return -(-in_features // SUPER_BLOCK) * SUPER_BLOCK
-
-
-def _pack_layers(model: torch.nn.Module, gguf_path: Path | None) -> dict[str, KQuantLinear]:
-    from gguf import GGMLQuantizationType
-
-    from engine.backends.gguf_file import tensor_table
-
-    exact = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
-    from_file = {name: t for name, t in gguf_linear_tensors(tensor_table(gguf_path)).items()
-                 if t.qtype in exact} if gguf_path else {}
-    layers = {}
-    for name, linear in model.named_modules():
-        if type(linear) is not torch.nn.Linear:
-            continue
-        if name in from_file:
-            tensor = from_file[name]
-            if (tensor.rows, tensor.dims[0]) != (linear.out_features, linear.in_features):
-                raise ValueError(f"{gguf_path.name}: {name} does not match the model's layer")
-            layers[name] = KQuantLinear(*pack_gguf_tensor(gguf_path, tensor), linear.in_features,
-                                        linear.out_features, linear.bias)
-        elif linear.out_features % TILE == 0:
-            weight = linear.weight.detach()
-            weight = weight.to_dense() if weight.is_mkldnn else weight
-            padded = torch.nn.functional.pad(weight.float(), (0, padded_size(linear.in_features) - linear.in_features))
-            layers[name] = KQuantLinear("q4k", quantize_q4k(padded), linear.in_features, linear.out_features,
-                                        linear.bias)
-    return layers
-
-
-def read_cache(path: Path, model: torch.nn.Module) -> dict[str, KQuantLinear] | None:
-    """The cached layers when the file exists and fits ``model``'s linear layers, else None."""
-    import json
-
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), "pt") as f:
-            kinds = json.loads(f.metadata()["kinds"])
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-    except (OSError, SafetensorError, KeyError, ValueError):
-        return None
-    layers = {}
-    for name, kind in kinds.items():
-        try:
-            linear = model.get_submodule(name)
-        except AttributeError:
-            return None
-        if type(linear) is not torch.nn.Linear:
-            return None
-        parts = {key.rpartition(".")[2]: t for key, t in tensors.items() if key.rpartition(".")[0] == name}
-        if parts.get("qs") is None or parts["qs"].numel() != packed_bytes(kind, linear.out_features, linear.in_features):
-            return None
-        layers[name] = KQuantLinear(kind, parts, linear.in_features, linear.out_features, linear.bias)
-    return layers
-
-
-def write_cache(path: Path, layers: dict[str, KQuantLinear]) -> None:
-    """Write the packed layers atomically; a failure only costs packing again at the next start."""
-    import json
-
-    from engine.user_cache import save_cache_atomically
-
-    tensors = {f"{name}.{key}": t for name, layer in layers.items() for key, t in layer.packed().items()}
-    save_cache_atomically(path, tensors, "the int4 target",
-                          metadata={"kinds": json.dumps({n: layer.kind for n, layer in layers.items()})})

@@ -16,7 +16,7 @@ whatever the other columns. The logits are therefore those of the model's own fo
 (``tests/test_lean.py`` checks it on tiny models and on the real pair), and exactness arguments
 about the model carry over unchanged.
 
-Only llama-style models built by :func:`engine.backends.kquant.kquant_model` get one (Qwen2,
+Only llama-style models built by :func:`engine.backends.kquant_model.kquant_model` get one (Qwen2,
 Llama: RMSNorm, rotary embeddings, SiLU-gated MLP, full attention), as their ``lean_forward``
 attribute, which the runner calls instead of the model (:func:`engine.core.runner.run_model`);
 every other model runs its own forward.
@@ -119,7 +119,8 @@ def _mask_rows(mask: torch.Tensor | None, q_len: int, keys: int) -> torch.Tensor
 
 def supports(model: torch.nn.Module) -> bool:
     """True for a CPU float32 llama-style model whose decoder matrices are all :class:`KQuantLinear`
-    and whose attention is the k-quant kernel's (what :func:`kquant_model` builds)."""
+    and whose attention is the k-quant kernel's (what
+    :func:`~engine.backends.kquant_model.kquant_model` builds)."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in LEAN_MODEL_TYPES or _extension() is None:
         return False
@@ -141,8 +142,8 @@ def supports(model: torch.nn.Module) -> bool:
 
 
 def attach(model: torch.nn.Module) -> bool:
-    """Give ``model`` (just built by :func:`kquant_model`) its :class:`LeanDecoder` as
-    ``model.lean_forward`` when :func:`supports` says so; True when it has one."""
+    """Give ``model`` (just built by :func:`~engine.backends.kquant_model.kquant_model`) its
+    :class:`LeanDecoder` as ``model.lean_forward`` when :func:`supports` says so; True when it has one."""
     if ATTRIBUTE not in model.__dict__:
         if not supports(model):
             return False

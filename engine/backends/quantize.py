@@ -198,7 +198,8 @@ def quantize_draft(model: torch.nn.Module, fmt: str = "auto", cache_dir: Path | 
     if fmt == "auto":
         fmt = fastest_format()
     if fmt == "q4k":
-        from engine.backends.kquant import CACHE_FORMAT, kquant_model
+        from engine.backends.kquant import CACHE_FORMAT
+        from engine.backends.kquant_model import kquant_model
 
         return kquant_model(model, gguf, cache_dir and cache_dir / f"kquant-v{CACHE_FORMAT}.safetensors", embedding)
     if fmt == "int4":

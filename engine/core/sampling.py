@@ -37,25 +37,28 @@ NO_MASS = "cannot draw a token from a distribution whose mass is zero or not fin
 NON_FINITE = "the model produced NaN/inf logits: load it in float32 (--dtype float32) or check its weights"
 
 
-COMPILED: dict[str, object] = {}  # name -> compiled function, once the kernels are loaded
+COMPILED: dict[str, object] = {}  # name -> compiled function, once sampling has looked the kernels up
 
 
 def use_compiled_kernels(extension) -> None:
     """Sample and rank through ``extension``'s ``nucleus_probs``, ``draw_index`` and ``top_indices``
-    from now on (:func:`engine.backends.kquant._extension` calls this when its kernels load)."""
+    from now on (:func:`_look_up_kernels` calls this with the kernels it finds)."""
     COMPILED.update(nucleus_probs=extension.nucleus_probs, draw_index=extension.draw_index,
                     top_indices=extension.top_indices)
 
 
 @functools.cache
 def _look_up_kernels() -> None:
-    """Load the compiled kernels once, before the first draw (:func:`engine.compiled_kernels`;
-    they are built once into the user cache, and none where no compiler is found). Looked up on
-    first use rather than when an int4 model happens to load them, so a process samples through
-    the same functions from its first token on: the same seed gives the same draws all along."""
+    """Load the compiled kernels once, before the first draw, and sample through them from then on
+    (:func:`engine.compiled_kernels`; they are built once into the user cache, and none where no
+    compiler is found). Looked up on first use rather than when an int4 model happens to load them,
+    so a process samples through the same functions from its first token on: the same seed gives
+    the same draws all along."""
     import engine
 
-    engine.compiled_kernels()
+    extension = engine.compiled_kernels()
+    if extension is not None:
+        use_compiled_kernels(extension)
 
 
 def compiled(name: str):

@@ -3,7 +3,7 @@ of its weights at any point.
 
 transformers' ``gguf_file=`` loader dequantises every tensor to float (about a minute per model
 here, and 9.6 GB of safetensors to keep it). A k-quant model needs none of that: its linear layers
-are the file's own Q4_K/Q6_K blocks (:func:`engine.backends.kquant.pack_gguf_tensor`; other types
+are the file's own Q4_K/Q6_K blocks (:func:`engine.backends.kquant_model.pack_gguf_tensor`; other types
 are dequantised one matrix at a time and quantised to Q4_K), its token embedding stays in its
 blocks (:class:`engine.backends.gguf_embedding.GGUFEmbedding`) and only the norms and biases are
 read as float32. The model skeleton comes from the config with its parameters on the meta device
@@ -32,8 +32,9 @@ import torch
 
 from engine.backends.gguf_embedding import TOKEN_EMBEDDING, gguf_embedding
 from engine.backends.gguf_file import GGUFTensor, MetadataReader, read_dequantised, tensor_table
-from engine.backends.kquant import CACHE_FORMAT, GGUF_LINEARS, KQuantLinear, finish_kquant, gguf_linear_tensors, \
-    pack_gguf_tensor, read_cache, write_cache
+from engine.backends.kquant import CACHE_FORMAT, KQuantLinear
+from engine.backends.kquant_model import GGUF_LINEARS, finish_kquant, gguf_linear_tensors, pack_gguf_tensor, \
+    read_cache, write_cache
 from engine.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -123,8 +124,8 @@ def _keep_added_tokens(directory: Path) -> None:
 def kquant_from_gguf(gguf: Path, config, cache_file: Path | None = None) -> torch.nn.Module:
     """The model ``config`` describes, with every weight from ``gguf`` and its linear layers as
     :class:`KQuantLinear` (packed once into ``cache_file`` when given, read back from it later).
-    Bit-identical to :func:`engine.backends.kquant.kquant_model` of the float32 model transformers
-    loads from the same file, without building that model."""
+    Bit-identical to :func:`engine.backends.kquant_model.kquant_model` of the float32 model
+    transformers loads from the same file, without building that model."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
