@@ -5,7 +5,7 @@ For every tree size n and depth bound d on a grid:
 
 - ``G(n, d)``: expected tokens per step of Sequoia's DP tree (:mod:`engine.trees.dp`; the bonus token included);
 - with a hardware profile, the step's predicted cost (the target's verification of n tokens, the
-  draft's forwards, as :func:`engine.tuning.optimizer.draft_cost` charges them) and the predicted speedup
+  draft's forwards, as :func:`engine.core.copy_policy.draft_cost` charges them) and the predicted speedup
   ``S(n, d) = G(n, d) * t_T(1) / (t_T(n) + draft cost)`` (:func:`engine.tuning.optimizer.predict`).
 
 Pure functions, no model runs; the tables are cached per acceptance vector and profile.

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.core.copy_policy import draft_cost
 from engine.trees import dp
 from engine.trees.tree import Tree
 from engine.tuning.acceptance import nearest_calibration, nearest_setting
@@ -49,15 +50,6 @@ def candidate_sizes(max_size: int) -> list[int]:
         n = min(max_size, int(n * 1.25) + 1)
         sizes.append(n)
     return sizes
-
-
-def draft_cost(tree: Tree, profile: HardwareProfile) -> float:
-    """One draft forward per level whose nodes have children; the root level includes catch-up."""
-    cost = 0.0
-    for level, nodes in enumerate(tree.level_slices[:-1]):
-        width = nodes.stop - nodes.start
-        cost += profile.draft_time(width + 1 if level == 0 else width)
-    return cost
 
 
 def predict(tree: Tree, acceptance, profile: HardwareProfile) -> TreeChoice:
