@@ -83,8 +83,8 @@ def test_chat_tree_replay_and_stop(server, page):
 
     # streamed text and a live tree (inline SVG while the answer streams) with nodes
     page.wait_for_function("() => { const b = document.querySelectorAll('#sc-chatbot .bot'); "
-                           "return b.length && b[b.length - 1].innerText.trim().length > 3; }", timeout=30_000)
-    page.wait_for_function("() => document.querySelectorAll('#sc-live-tree g.sc-node').length >= 3", timeout=30_000)
+                           "return b.length && b[b.length - 1].innerText.trim().length > 3; }", timeout=90_000)
+    page.wait_for_function("() => document.querySelectorAll('#sc-live-tree g.sc-node').length >= 3", timeout=90_000)
     shot(page, "1-streaming")
     assert page.locator("#sc-chatbot .sc-live-text").count() == 1  # the text came over the live feed
     user = page.locator("#sc-chatbot .user").last.inner_text()

@@ -57,7 +57,8 @@ def test_the_teaching_tabs_on_the_real_pair(server):
         why = page.locator("#sc-why-text")
         # the embedded pair's T = 0 calibration on this profile: the pick is the 8-node, depth-4 default
         expect(why).to_contain_text("Your setting is the optimizer's pick: 8 nodes, depth 4", timeout=30_000)
-        expect(page.locator("#sc-why-g .js-plotly-plot")).to_be_visible()
+        # the heatmaps draw after the text arrives: on 2 busy cores (make test's other worker) that can take seconds
+        expect(page.locator("#sc-why-g .js-plotly-plot")).to_be_visible(timeout=30_000)
         page.get_by_label("Auto (hardware-aware tree choice)").uncheck()  # on by default; a manual tree is one click away
         set_slider(page, "Tree size", 16)
         expect(why).to_contain_text("over your 16 nodes, depth 4", timeout=30_000)
