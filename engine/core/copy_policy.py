@@ -80,6 +80,12 @@ def draft_cost(tree: Tree, profile: object | None) -> float:
     return sum(profile.draft_time(width + 1 if level == 0 else width) for level, width in enumerate(widths))
 
 
+def unmeasured_target_time(rows: int, profile: object | None) -> float:
+    """Verifying ``rows`` as the profile says (with its step overhead), or in target steps without one."""
+    return profile.target_time(rows) + profile.step_overhead if profile is not None \
+        else 1.0 + DEFAULT_ROW_COST * (rows - 1)
+
+
 @dataclass
 class StepClock:
     """What steps cost while this conversation decodes: verification seconds per tree width and the
@@ -98,15 +104,12 @@ class StepClock:
 
     def target_time(self, rows: int, profile: object | None) -> float:
         """Seconds (or, with neither a profile nor a measurement, target steps) to verify ``rows``."""
-        def base(n: int) -> float:
-            return profile.target_time(n) + profile.step_overhead if profile is not None \
-                else 1.0 + DEFAULT_ROW_COST * (n - 1)
         if rows in self.verify:
             return self.verify[rows]
         if not self.verify:
-            return base(rows)
+            return unmeasured_target_time(rows, profile)
         nearest = min(self.verify, key=lambda n: (abs(n - rows), n))
-        return base(rows) * self.verify[nearest] / base(nearest)
+        return unmeasured_target_time(rows, profile) * self.verify[nearest] / unmeasured_target_time(nearest, profile)
 
     def draft_time(self, tree: Tree, profile: object | None) -> float:
         """The draft model's cost for ``tree``: measured, else the profile's scaled as verification is."""
@@ -114,7 +117,7 @@ class StepClock:
             return self.draft
         cost = draft_cost(tree, profile)
         if self.verify and 1 in self.verify:
-            return cost * self.verify[1] / StepClock().target_time(1, profile)
+            return cost * self.verify[1] / unmeasured_target_time(1, profile)
         return cost
 
 

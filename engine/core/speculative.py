@@ -173,8 +173,7 @@ class SpeculativeEngine:
         """
         params = self._validate(input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids, method,
                                 confidence)
-        if prediction is not None and (not isinstance(prediction, (list, tuple)) or any(
-                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prediction)):
+        if prediction is not None and not (isinstance(prediction, (list, tuple)) and self._token_ids(prediction)):
             raise InvalidParameterError(f"prediction must be a list of token ids in [0, {self.vocab_size})")
         if (copies or prediction) and method in COPY_METHODS:
             params = dataclasses.replace(params, copies=True)
@@ -194,11 +193,15 @@ class SpeculativeEngine:
             yield state.step()
 
     # ----- validation -----------------------------------------------------------------------
+    def _token_ids(self, ids) -> bool:
+        """Whether every item of ``ids`` is a token id of this engine's vocabulary."""
+        return not any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids)
+
     def _validate(self, input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids,
                   method: str = "sequoia", confidence: float | None = None) -> DecodeParams:
         if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
             raise InvalidParameterError("input_ids must be a non-empty list of token ids (the prompt is empty)")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in input_ids):
+        if not self._token_ids(input_ids):
             raise InvalidParameterError(f"input_ids must be integers in [0, {self.vocab_size})")
         check_params(max_new_tokens, temperature, top_p, seed, method)
         threshold = check_confidence(confidence)
@@ -380,8 +383,7 @@ class _DecodeState:
         copies first, in order, and stops at the first whose first token it keeps)."""
         kept = set(accepted)
         if proposals:
-            chains = _copied_chains(merged, len(proposals))
-            for proposal, chain in zip(proposals, chains):
+            for proposal, chain in zip(proposals, merged.chains):
                 taken = sum(1 for node in chain if node in kept)
                 self.engine.copy_stats.observe(proposal.match_len, len(chain), taken)
                 if taken:
@@ -529,21 +531,6 @@ def _merged_draft_probs(merged: MergedTree, probs: list[float], dists: dict[int,
     where = {m: i for i, m in enumerate(merged.model_node) if m >= 0}
     return ([probs[m] if m >= 0 else 1.0 for m in merged.model_node],
             {where[m]: d for m, d in dists.items()})
-
-
-def _copied_chains(merged: MergedTree, count: int) -> list[list[int]]:
-    """The merged nodes of each of the ``count`` copied chains, root side first."""
-    chains: list[list[int]] = [[] for _ in range(count)]
-    tips: dict[int, int] = {}  # last node of a chain -> its chain
-    next_chain = 0
-    for node in sorted(merged.copied):
-        parent = merged.tree.parents[node]
-        chain = tips.pop(parent) if parent in tips else next_chain
-        if parent not in merged.copied:
-            next_chain += 1
-        chains[chain].append(node)
-        tips[node] = chain
-    return chains
 
 
 def _child_probs(tree: Tree, tokens: list[int], parent_probs: torch.Tensor) -> list[float]:

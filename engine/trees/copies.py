@@ -136,7 +136,8 @@ class MergedTree:
     ``tree`` is canonical breadth-first; on each level the copied nodes come first, so at every
     node the copied children are tried before the draft's. ``sources[i]`` says where node i came
     from; ``model_node[i]`` is its index in the draft model's tree (-1 for copied nodes);
-    ``origin[i]`` is ``(document, position)`` of a copied token, None otherwise.
+    ``origin[i]`` is ``(document, position)`` of a copied token, None otherwise; ``chains[b]``
+    lists the nodes of proposal b's chain, root side first.
     """
 
     tree: Tree
@@ -144,6 +145,7 @@ class MergedTree:
     sources: list[str]
     model_node: list[int]
     origin: list[tuple[int, int] | None]
+    chains: list[list[int]]
 
     @property
     def copied(self) -> frozenset[int]:
@@ -161,21 +163,21 @@ def merge_copies(model_tree: Tree, model_tokens: list[int], proposals: list[Copy
     if not proposals:
         size = model_tree.size
         return MergedTree(model_tree, list(model_tokens), [SOURCE_ROOT] + [SOURCE_DRAFT] * (size - 1),
-                          list(range(size)), [None] * size)
+                          list(range(size)), [None] * size, [])
     depth = max(model_tree.depth, max(len(p.tokens) for p in proposals))
     model_levels = model_tree.level_slices
     parents, tokens, sources, model_node, origin = [-1], [model_tokens[0]], [SOURCE_ROOT], [0], [None]
     new_index = {0: 0}  # model node -> merged node
-    chain_tip = [0] * len(proposals)  # merged node of each proposal's last placed token
+    chains: list[list[int]] = [[] for _ in proposals]
     for level in range(1, depth + 1):
         for b, proposal in enumerate(proposals):
             if level <= len(proposal.tokens):
-                parents.append(chain_tip[b])
+                parents.append(chains[b][-1] if chains[b] else 0)
                 tokens.append(proposal.tokens[level - 1])
                 sources.append(SOURCE_COPY)
                 model_node.append(-1)
                 origin.append((proposal.document, proposal.position + level - 1))
-                chain_tip[b] = len(tokens) - 1
+                chains[b].append(len(tokens) - 1)
         if level < len(model_levels):
             for node in range(model_levels[level].start, model_levels[level].stop):
                 new_index[node] = len(tokens)
@@ -184,4 +186,4 @@ def merge_copies(model_tree: Tree, model_tokens: list[int], proposals: list[Copy
                 sources.append(SOURCE_DRAFT)
                 model_node.append(node)
                 origin.append(None)
-    return MergedTree(Tree(tuple(parents)), tokens, sources, model_node, origin)
+    return MergedTree(Tree(tuple(parents)), tokens, sources, model_node, origin, chains)
