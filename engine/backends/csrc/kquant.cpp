@@ -859,19 +859,124 @@ void attend_group(const float* q0, int64_t q_step, int64_t G, const float* kp, c
     for (int c = 0; c < DC; ++c) _mm512_storeu_ps(ov + 16 * c, _mm512_div_ps(acc[c], divisor));
   }
 }
+#elif defined(KQ_AVX2)
+// attend_scalar's halving sum of 16 lanes held as lanes 0-7 (lo) and 8-15 (hi): the same additions of
+// the same pairs (i + i+8, i + i+4, i + i+2, i + i+1).
+inline float halving_sum(__m256 lo, __m256 hi) {
+  const __m256 eight = _mm256_add_ps(lo, hi);
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+// key_weight on 8 keys: 0 for a masked key (-inf), NaN kept, else fixed_exp's e^(score - top).
+inline __m256 key_weights8(__m256 score, __m256 top) {
+  const __m256 shifted = _mm256_sub_ps(score, top);
+  const __m256 w = _mm256_blendv_ps(fixed_exp::exp_lanes8(shifted), shifted, _mm256_cmp_ps(shifted, shifted, _CMP_UNORD_Q));
+  return _mm256_andnot_ps(_mm256_cmp_ps(score, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), w);
+}
+
+// attend_scalar's operations for NH (<= 4) query heads that share one key/value head, on one row,
+// 8 lanes at a time: each key and value is read once for the NH heads. keys[m]: the visible keys'
+// slots, bias[m]: the mask's bias. DC = D / 16 chunks a head. p: scratch [NH * n].
+template <int DC, int NH>
+void attend_heads(const float* q0, int64_t q_step, const float* kp, const float* vp, const int32_t* keys,
+                  const float* bias, int64_t n, float scale, float* o0, int64_t o_step, float* p) {
+  const __m256 zero = _mm256_setzero_ps();
+  float top[NH], total[NH];
+  #pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h) top[h] = -INFINITY;
+  for (int64_t m = 0; m < n; ++m) {
+    const float* kv = kp + static_cast<int64_t>(keys[m]) * DC * 16;
+    __m256 lo[NH], hi[NH];
+    #pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h) lo[h] = hi[h] = zero;
+    #pragma GCC unroll 8
+    for (int c = 0; c < DC; ++c) {
+      const __m256 klo = _mm256_loadu_ps(kv + 16 * c), khi = _mm256_loadu_ps(kv + 16 * c + 8);
+      #pragma GCC unroll 4
+      for (int h = 0; h < NH; ++h) {
+        lo[h] = _mm256_add_ps(lo[h], _mm256_mul_ps(_mm256_loadu_ps(q0 + h * q_step + 16 * c), klo));
+        hi[h] = _mm256_add_ps(hi[h], _mm256_mul_ps(_mm256_loadu_ps(q0 + h * q_step + 16 * c + 8), khi));
+      }
+    }
+    #pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h) {
+      const float s = halving_sum(lo[h], hi[h]) * scale + bias[m];
+      p[h * n + m] = s;
+      top[h] = std::fmax(top[h], s);
+    }
+  }
+  #pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h) {
+    float* ph = p + h * n;
+    const __m256 topv = _mm256_set1_ps(top[h]);
+    int64_t m = 0;
+    for (; m + 8 <= n; m += 8) _mm256_storeu_ps(ph + m, key_weights8(_mm256_loadu_ps(ph + m), topv));
+    for (; m < n; ++m) ph[m] = key_weight(ph[m], top[h]);
+    float sum = 0.f;
+    for (m = 0; m < n; ++m) sum = sum + ph[m];
+    total[h] = sum;
+  }
+  // Values 16 lanes of every head at a time, so the accumulators stay in registers: a pass over the
+  // keys reads one 64-byte piece of each value row.
+  #pragma GCC unroll 1
+  for (int c = 0; c < DC; ++c) {
+    __m256 lo[NH], hi[NH];
+    #pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h) lo[h] = hi[h] = zero;
+    for (int64_t m = 0; m < n; ++m) {
+      const float* vv = vp + static_cast<int64_t>(keys[m]) * DC * 16 + 16 * c;
+      const __m256 vlo = _mm256_loadu_ps(vv), vhi = _mm256_loadu_ps(vv + 8);
+      #pragma GCC unroll 4
+      for (int h = 0; h < NH; ++h) {
+        const float w = p[h * n + m];
+        if (w == 0.f) continue;  // as attend_scalar: a zero weight adds nothing, not even a -0 or NaN
+        const __m256 weight = _mm256_set1_ps(w);
+        lo[h] = _mm256_add_ps(lo[h], _mm256_mul_ps(weight, vlo));
+        hi[h] = _mm256_add_ps(hi[h], _mm256_mul_ps(weight, vhi));
+      }
+    }
+    #pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h) {
+      const __m256 divisor = _mm256_set1_ps(total[h]);
+      _mm256_storeu_ps(o0 + h * o_step + 16 * c, _mm256_div_ps(lo[h], divisor));
+      _mm256_storeu_ps(o0 + h * o_step + 16 * c + 8, _mm256_div_ps(hi[h], divisor));
+    }
+  }
+}
+
+// The G query heads sharing a key/value head, four at a time (attend_heads).
+template <int DC>
+void attend_group(const float* q0, int64_t q_step, int64_t G, const float* kp, const float* vp,
+                  const std::vector<int32_t>& keys, const std::vector<float>& bias, float scale,
+                  float* o0, int64_t o_step, std::vector<float>& scores) {
+  const int64_t n = static_cast<int64_t>(keys.size());
+  scores.resize(4 * n);
+  for (int64_t g = 0; g < G; g += 4) {
+    const float* q = q0 + g * q_step;
+    float* o = o0 + g * o_step;
+    switch (std::min<int64_t>(4, G - g)) {
+      case 4: attend_heads<DC, 4>(q, q_step, kp, vp, keys.data(), bias.data(), n, scale, o, o_step, scores.data()); break;
+      case 3: attend_heads<DC, 3>(q, q_step, kp, vp, keys.data(), bias.data(), n, scale, o, o_step, scores.data()); break;
+      case 2: attend_heads<DC, 2>(q, q_step, kp, vp, keys.data(), bias.data(), n, scale, o, o_step, scores.data()); break;
+      default: attend_heads<DC, 1>(q, q_step, kp, vp, keys.data(), bias.data(), n, scale, o, o_step, scores.data());
+    }
+  }
+}
 #endif
 
 // Attention of one sequence on raw rows: q [H, R, D], keys and values of head h from kp + h * k_head
 // and vp + h * v_head, L rows of D floats each, mask [R, L] additive (nullptr: causal, row i sees
-// keys 0 .. L-R+i), out [R, H, D]. Each (key/value head, row) is one item of work: with AVX-512 and
-// D of 64 or 128 its G = H / KVH query heads go together (attend_group), otherwise one head at a
-// time (attend_scalar); the bits are the same.
+// keys 0 .. L-R+i), out [R, H, D]. Each (key/value head, row) is one item of work: with AVX-512 or
+// AVX2 and D of 64 or 128 its G = H / KVH query heads go together (attend_group), otherwise one
+// head at a time (attend_scalar); the bits are the same.
 void attend(const float* qp, int64_t H, int64_t R, int64_t D, const float* kp, int64_t k_head, const float* vp,
             int64_t v_head, int64_t KVH, int64_t L, const float* mp, float scale, float* op) {
   TORCH_CHECK(D % 16 == 0 && H % KVH == 0, "attention needs D % 16 == 0 and H % KVH == 0");
   const int64_t G = H / KVH;
   const bool causal = mp == nullptr;
-#if defined(KQ_VNNI)
+#if defined(KQ_VNNI) || defined(KQ_AVX2)
   if (D == 64 || D == 128) {
     at::parallel_for(0, KVH * R, 1, [&](int64_t begin, int64_t end) {
       std::vector<int32_t> keys;
