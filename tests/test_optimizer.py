@@ -96,10 +96,13 @@ def test_cpu_profiles_are_named_by_the_isa_the_kernels_use(monkeypatch):
 
 def test_a_device_without_a_profile_borrows_the_nearest_and_says_whose(tmp_path, monkeypatch):
     """4 threads where only 2- and 16-thread profiles exist: the 2-thread one of the same ISA (the
-    nearest), labelled; a user-cache profile of exactly this device is "this machine"."""
+    nearest), labelled; a user-cache profile of exactly this device is "this machine", unless it was
+    measured with other kernels than these (then this machine is measured again)."""
     import dataclasses
 
     import torch
+
+    from engine.backends.kquant import kernel_digest
 
     from engine.tuning import optimizer
     from engine.tuning.profile import device_name, profile_path
@@ -126,7 +129,11 @@ def test_a_device_without_a_profile_borrows_the_nearest_and_says_whose(tmp_path,
         assert optimizer.load_tuner(pair, model, cache=user, nearest=False) is None
         mine = profile_path(user / "profiles", device_name(torch.device("cpu")), pair, "float32")
         mine.parent.mkdir(parents=True)
-        mine.write_text(synthetic(lambda n: 0.02 * n).to_json())
+        for stale in ("", "0123456789ab"):  # measured before kernels were recorded, or with other kernels
+            mine.write_text(dataclasses.replace(synthetic(lambda n: 0.02 * n), kernels=stale).to_json())
+            tuner = optimizer.load_tuner(pair, model, cache=user)
+            assert not tuner.measured_here and f"{kind}-2threads" in tuner.origin
+        mine.write_text(dataclasses.replace(synthetic(lambda n: 0.02 * n), kernels=kernel_digest()).to_json())
         tuner = optimizer.load_tuner(pair, model, cache=user)
         assert tuner.measured_here and tuner.origin == "this machine"
     finally:

@@ -80,6 +80,11 @@ def compile_kernels(march: str = "native"):
                 extra_ldflags=["-fopenmp"], verbose=os.environ.get("SEQUOIA_VERBOSE_BUILD") == "1")
 
 
+def kernel_digest() -> str:
+    """A digest of the kernels' sources: what a timing of them (a hardware profile) was measured with."""
+    return hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS)).hexdigest()[:12]
+
+
 def build_key(march: str) -> str:
     """The build folder's key: the sources, torch's version, the sources' folder (ninja rebuilds
     when a source's path changes, so two checkouts sharing one folder would rebuild each other's

@@ -204,8 +204,7 @@ def load_tuner(pair: str, target, cache: Path | None = None, nearest: bool = Tru
             tuner.origin = "this machine" if directory != ASSETS else f"bundled, measured on {tuner.profile.device}"
             return tuner
     if nearest:
-        path = _nearest_profile(directories, pair, target)
-        if path is not None:
+        for path in _nearest_profiles(directories, pair, target):
             tuner = _tuner_from(path.parent.parent, pair, target, path)
             if tuner is not None:
                 tuner.origin = f"nearest bundled profile, measured on {tuner.profile.device}"
@@ -213,9 +212,9 @@ def load_tuner(pair: str, target, cache: Path | None = None, nearest: bool = Tru
     return None
 
 
-def _nearest_profile(directories, pair: str, target) -> Path | None:
-    """The profile of ``pair`` (any device of this kind, this dtype) closest to this device: the same
-    architecture and vector ISA first, then the nearest thread count."""
+def _nearest_profiles(directories, pair: str, target) -> list[Path]:
+    """The profiles of ``pair`` (any device of this kind, this dtype), the closest to this device
+    first: the same architecture and vector ISA first, then the nearest thread count."""
     from engine.tuning.calibrate import safe_name
     from engine.tuning.profile import device_name
 
@@ -236,10 +235,11 @@ def _nearest_profile(directories, pair: str, target) -> Path | None:
 
     found = [p for d in directories for p in (Path(d) / "profiles").glob(f"*{suffix}")
              if p.name.split("-")[0] == here.split("-")[0]]  # a CPU's for a CPU, a GPU's for a GPU
-    return min(found, key=distance) if found else None
+    return sorted(found, key=distance)
 
 
 def _tuner_from(directory: Path, pair: str, target, path: Path | None = None):
+    from engine.backends.kquant import kernel_digest
     from engine.tuning.calibrate import acceptance_vectors, find_calibrations
     from engine.tuning.profile import device_name, profile_path
 
@@ -255,7 +255,11 @@ def _tuner_from(directory: Path, pair: str, target, path: Path | None = None):
     acceptance = acceptance_vectors(calibrations)
     confidence = {setting: measured.confidence for setting, measured in calibrations.items() if measured.confidence}
     try:
-        return AutoTuner(HardwareProfile.from_json(path.read_text()), acceptance, pair=pair, confidence=confidence)
+        profile = HardwareProfile.from_json(path.read_text())
     except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError) as exc:
         log.warning("ignoring the hardware profile %s: %s", path, exc)
         return None
+    if directory != ASSETS and param.device.type == "cpu" and profile.kernels != kernel_digest():
+        log.info("the hardware profile %s was measured with other kernels: this machine is measured again", path)
+        return None
+    return AutoTuner(profile, acceptance, pair=pair, confidence=confidence)

@@ -32,6 +32,9 @@ class HardwareProfile:
     # seconds every decoding step costs beyond the forwards timed above: the engine's work around
     # them and attention over a real chat's context rather than the profile's prefix
     step_overhead: float = 0.0
+    # the CPU kernels' sources it was measured with (engine.backends.kquant.kernel_digest): a
+    # profile of this machine measured with other kernels is measured again
+    kernels: str = ""
 
     def target_time(self, n: int) -> float:
         return _interpolate(self.target, n)
@@ -121,9 +124,11 @@ def measure_profile(target, draft, prefix: list[int], sizes: list[int], widths: 
     four-row one here."""
     from tqdm.auto import tqdm
 
+    from engine.backends.kquant import kernel_digest
+
     device = next(target.parameters()).device
     profile = HardwareProfile(device=device_name(device), pair=pair, dtype=str(target.dtype).removeprefix("torch."),
-                              prefix_len=len(prefix))
+                              prefix_len=len(prefix), kernels=kernel_digest() if device.type == "cpu" else "")
     jobs = [("target", n) for n in sizes] + ([("draft", w) for w in widths] if draft is not None else [])
     readings: dict[tuple[str, int], list[float]] = {job: [] for job in jobs}
     prefilled = runners is None and device.type == "cpu"  # one runner a model, the prefix read once
