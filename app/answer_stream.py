@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import gradio as gr
 
+from engine.core.records import PrefillProgress
 from engine.trees.tree import Tree
 
 from . import figures, tree_figures
@@ -44,6 +45,15 @@ def text_record(text: str, sent: str) -> dict:
     """A live-feed record that takes the page from ``sent`` to ``text``: the delta when ``text``
     extends it, else the whole text (a character completed by a later byte token)."""
     return {"text": text[len(sent):]} if text.startswith(sent) else {"reset": text}
+
+
+def prefill_text(progress: PrefillProgress) -> str:
+    """The status line's HTML while a long prompt is read: a bar, the tokens and the time left."""
+    eta = progress.eta_s
+    left = "" if eta is None or progress.fraction >= 1.0 else \
+        f", about {eta:.0f} s left" if eta < 90 else f", about {eta / 60:.0f} min left"
+    return (f'<progress class="sc-prefill" value="{progress.fraction:.3f}" max="1"></progress> '
+            f"Reading your message: {progress.done:,} / {progress.total:,} tokens{left}")
 
 
 def stream_answer(app, feed: Feed, job: Job, history, message, system, choice, tree_desc, tree, highlight, notices,
@@ -124,6 +134,8 @@ def stream_answer(app, feed: Feed, job: Job, history, message, system, choice, t
                         run.tree_desc = f"{method}, auto: " + describe_choice(tc)
                     elif predict and isinstance(data.get("tree"), Tree):
                         run.expected = data["tree"].expected_tokens(calibration.vector)
+            elif kind == "prefill" and event.phase == "main":
+                yield {c.status: status(prefill_text(data))}
             elif kind == "step" and event.phase == "main":
                 run.steps.append(data)
                 tokens.extend(data.committed)

@@ -17,6 +17,9 @@ requests with the same ``user`` reuse one conversation KV cache, like a browser 
 step's tree; ``usage.completion_tokens_details`` counts its accepted and rejected tokens).
 An extension field ``sequoia`` picks the tree: ``{"tree_size", "depth", "method", "auto"}``.
 
+While a long prompt is read, a stream sends SSE comments (``: reading the prompt, n/N tokens``),
+which clients skip, and no data until the first token.
+
 Every answer carries ``sequoia``: the tree (size, depth, parents), method, steps, tokens/step,
 accepted and drafted tokens, acceptance rate, prefill/decode/first-token seconds and the prompt
 tokens reused from the conversation cache (in the last chunk when streaming).
@@ -238,6 +241,8 @@ async def stream(worker: Worker, call: ChatCall, job: Job) -> AsyncIterator[str]
                     yield chunk({"content": delta})
                 if answer.stopped:
                     job.cancel()
+            elif event.kind == "prefill" and event.phase == "main":  # a comment: keeps proxies waiting, no data
+                yield f": reading the prompt, {event.data.done}/{event.data.total} tokens\n\n"
             elif event.kind == "error":
                 yield "data: " + json.dumps(_failure(str(event.data)).body()) + "\n\n"
                 return

@@ -15,6 +15,8 @@ Events (``Event.kind``), in order:
 - ``started`` (data: ``{"phase", "tree", "tree_choice", "tokenizer", "pair_version", "prompt_tokens",
   "dropped"}``) when a decoding phase begins; ``dropped``: the oldest messages left out of a
   conversation that did not fit the context;
+- ``prefill`` (data: a :class:`~engine.core.records.PrefillProgress`) after each chunk of the prompt's
+  prefill;
 - ``step`` (data: a :class:`~engine.core.records.StepRecord`; ``phase`` says which run);
 - ``finished`` (data: ``{"phase", "steps", "tokens", "seconds", "prefill_s", "first_token_s",
   "reused_tokens", "finish_reason"}``) per phase;
@@ -322,7 +324,8 @@ class Worker:
         try:
             stream = engine.stream(input_ids, max_new_tokens=request.max_new_tokens,
                                    temperature=request.temperature, top_p=request.top_p, tree=tree,
-                                   seed=request.seed, method=method, should_stop=lambda: job.cancelled, **extra)
+                                   seed=request.seed, method=method, should_stop=lambda: job.cancelled,
+                                   on_prefill=lambda progress: job._emit("prefill", progress, phase), **extra)
         except Exception as exc:  # noqa: BLE001 - bad parameters become an error event
             job._emit("error", _message(exc))
             return None

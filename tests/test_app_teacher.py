@@ -299,6 +299,23 @@ def test_the_status_says_what_is_happening_and_names_the_method(app, method):
     assert updates[0][app.c.stop_btn]["interactive"] is True and updates[-1][app.c.stop_btn]["interactive"] is False
 
 
+def test_a_long_prompt_shows_how_much_of_it_has_been_read(app):
+    """The prefill reports after each chunk: a bar, "Reading your message: n / N tokens" and the
+    time left, before the first step's status."""
+    app.worker.engine.prefill_chunk = 8
+    message = " ".join(["word"] * 60)
+    updates = list(app.respond(message, [], answer_stream.Run(), "", 0.0, 1.0, 4, 0, "sequoia", 4, 2, False, False, False))
+    statuses = [u[app.c.status] for u in updates if app.c.status in u]
+    reading = [s for s in statuses if "Reading your message" in s]
+    assert len(reading) >= 4 and all('<progress class="sc-prefill"' in s for s in reading)
+    counts = [tuple(int(n.replace(",", "")) for n in re.search(r"([\d,]+) / ([\d,]+) tokens", s).groups())
+              for s in reading]
+    total = counts[0][1]
+    assert total >= 60 and [done for done, _ in counts] == sorted(done for done, _ in counts)
+    assert counts[-1][0] == total and "s left" in reading[0]
+    assert statuses.index(reading[-1]) < max(i for i, s in enumerate(statuses) if "Decoding with" in s or "Sequoia" in s)
+
+
 def test_the_int4_target_is_named_by_what_it_stores():
     from app.text import model_format
 

@@ -112,6 +112,26 @@ def test_a_stream_is_json_chunks_then_one_done_line(server):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_long_prompt_streams_only_comments_until_the_first_token(server):
+    """While the prompt is read, a stream carries SSE comments (which keep proxies waiting and that
+    clients skip), never a data chunk with text."""
+    worker, base = server
+    engine = worker.engine._engine
+    before, engine.prefill_chunk = engine.prefill_chunk, 8
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": " ".join(["word"] * 60)}], "max_tokens": 4,
+                "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{base}/chat/completions", json=body, timeout=120) as response:
+            lines = [line for line in response.iter_lines() if line]
+    finally:
+        engine.prefill_chunk = before
+    comments = [i for i, line in enumerate(lines) if line.startswith(": reading the prompt")]
+    texts = [i for i, line in enumerate(lines) if line.startswith("data: {") and
+             json.loads(line[6:])["choices"] and json.loads(line[6:])["choices"][0]["delta"].get("content")]
+    assert len(comments) >= 4 and texts and max(comments) < min(texts)
+    assert lines[-1] == "data: [DONE]"
+
+
 def test_text_completions_continue_the_prompt_as_given(server):
     """/v1/completions: no chat template, the prompt's own tokens; OpenAI's text_completion shape."""
     worker, base = server

@@ -95,3 +95,33 @@ def test_should_stop_is_consulted_between_steps(models):
     assert len(steps) == 3
     assert engine.generate(PROMPT, max_new_tokens=8, tree=Tree.chain(2), should_stop=lambda: False).tokens == \
         engine.generate(PROMPT, max_new_tokens=8, tree=Tree.chain(2)).tokens
+
+
+def test_the_prefill_reports_its_progress_after_every_chunk(models):
+    """``on_prefill`` hears after each chunk: the target's tokens read, then the draft's share of the
+    work, the fraction growing to 1; it changes nothing in the answer."""
+    engine = engine_for(models, 16)
+    reports = []
+    with_reports = engine.generate(PROMPT, max_new_tokens=12, tree=Tree.chain(2), on_prefill=reports.append).tokens
+    assert with_reports == engine.generate(PROMPT, max_new_tokens=12, tree=Tree.chain(2)).tokens
+    assert len(reports) == 20  # 149 tokens in chunks of 16, both models
+    assert [r.done for r in reports[:10]] == [min(16 * (i + 1), 149) for i in range(10)]
+    assert all(r.done == r.total == 149 for r in reports[10:])
+    fractions = [r.fraction for r in reports]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+    assert fractions[9] == pytest.approx(0.5)  # the draft here is the target's twin: half of the work
+    assert reports[0].eta_s is not None and reports[-1].eta_s == 0.0
+    alone = []
+    engine.generate(PROMPT, max_new_tokens=4, tree=None, on_prefill=alone.append)
+    assert len(alone) == 10 and alone[-1].fraction == 1.0  # the target alone: no draft to prefill
+
+
+def test_the_prefill_progress_counts_tokens_a_conversation_cache_held(models):
+    from engine.core.prefix_cache import ConversationCache
+
+    engine = engine_for(models, 16)
+    cache = ConversationCache(*models)
+    engine.generate(PROMPT[:100], max_new_tokens=4, tree=Tree.chain(2), cache=cache)
+    reports = []
+    engine.generate(PROMPT, max_new_tokens=4, tree=Tree.chain(2), cache=cache, on_prefill=reports.append)
+    assert reports[0].done > 99 and reports[-1].fraction == 1.0  # only the new tokens are read

@@ -130,6 +130,27 @@ def _event_from_dict(raw: dict) -> VerifierEvent:
 
 
 @dataclass
+class PrefillProgress:
+    """How far the prompt's prefill has gone, reported after each chunk.
+
+    ``done`` of ``total`` prompt tokens the target has read (those reused from a conversation cache
+    count as read); ``fraction`` of the whole prefill's work, the draft's tokens weighed by its
+    share of the target's parameters; ``elapsed_s`` since the prefill began."""
+
+    done: int
+    total: int
+    fraction: float
+    elapsed_s: float
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the rate so far; None before any work was measured."""
+        if self.fraction <= 0.0:
+            return None
+        return self.elapsed_s * (1.0 - self.fraction) / self.fraction
+
+
+@dataclass
 class GenerationResult:
     """All new tokens of one generation and the steps that produced them."""
 

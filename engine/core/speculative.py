@@ -16,7 +16,7 @@ import torch
 
 from engine.core.copy_policy import CopyStats, StepClock, plan_step
 from engine.core.prefix_cache import ConversationCache
-from engine.core.records import GenerationResult, StepRecord, StepTimings
+from engine.core.records import GenerationResult, PrefillProgress, StepRecord, StepTimings
 from engine.core.runner import DynamicRunner, StaticRunner, run_model, synchronize
 from engine.core.sampling import choose_level_children, logits_to_probs, top_indices
 from engine.core.verify import verify_greedy, verify_stochastic, verify_topk
@@ -127,7 +127,8 @@ class SpeculativeEngine:
                should_stop: Callable[[], bool] | None = None,
                cache: ConversationCache | None = None, trace: bool = False,
                confidence: float | None = None, copies: bool = False,
-               prediction: list[int] | None = None) -> Iterator[StepRecord]:
+               prediction: list[int] | None = None,
+               on_prefill: Callable[[PrefillProgress], None] | None = None) -> Iterator[StepRecord]:
         """Yield one :class:`StepRecord` per draft/verify step until a stop token or the budget.
 
         ``input_ids``: the prompt (non-empty list of token ids). ``tree=None`` decodes with the
@@ -170,6 +171,9 @@ class SpeculativeEngine:
         (:func:`engine.core.copy_policy.plan_step`). ``prediction``: token ids of an expected
         output, copied from in the same way (it implies ``copies``). Neither changes the law of
         the output; both are ignored by ``chain`` and ``autoregressive``.
+
+        ``on_prefill``: called with a :class:`~engine.core.records.PrefillProgress` after every
+        prefill chunk (a long prompt's "reading your message" bar); it cannot change the output.
         """
         params = self._validate(input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids, method,
                                 confidence)
@@ -184,10 +188,11 @@ class SpeculativeEngine:
         if cache is not None and not (isinstance(cache, ConversationCache) and cache.belongs_to(self.target, self.draft)):
             raise InvalidParameterError("cache must be a ConversationCache built for this engine's target and draft")
         self.last_reused_tokens = 0
-        return self._steps(_DecodeState(self, list(input_ids), params, cache, prediction), should_stop)
+        return self._steps(_DecodeState(self, list(input_ids), params, cache, prediction), should_stop, on_prefill)
 
-    def _steps(self, state: "_DecodeState", should_stop: Callable[[], bool] | None = None) -> Iterator[StepRecord]:
-        self.last_prefill_s = state.prefill(should_stop)
+    def _steps(self, state: "_DecodeState", should_stop: Callable[[], bool] | None = None,
+               on_prefill: Callable[[PrefillProgress], None] | None = None) -> Iterator[StepRecord]:
+        self.last_prefill_s = state.prefill(should_stop, on_prefill)
         while not state.finished:
             _check_stop(should_stop)
             yield state.step()
@@ -275,29 +280,35 @@ class _DecodeState:
     def generated(self) -> int:
         return len(self.seq) - self.prompt_len
 
-    def prefill(self, should_stop: Callable[[], bool] | None = None) -> float:
+    def prefill(self, should_stop: Callable[[], bool] | None = None,
+                on_prefill: Callable[[PrefillProgress], None] | None = None) -> float:
         """Run the prompt minus its last token through the target, then the draft, in chunks of
         ``engine.prefill_chunk`` tokens (the same caches as one forward), consulting ``should_stop``
-        before each chunk (raises :class:`GenerationCancelled`); returns seconds.
+        before each chunk (raises :class:`GenerationCancelled`) and telling ``on_prefill`` after
+        each; returns seconds.
 
         With a conversation cache, each model starts after the prefix its cache already holds,
         and the cache's record grows chunk by chunk (a stopped prefill leaves it valid)."""
         start = time.perf_counter()
         prompt = self.seq[:-1]
+        runners = [(role, runner) for role, runner in (("target", self.target_runner), ("draft", self.draft_runner))
+                   if runner is not None]
+        firsts = {role: self.cache.reuse(role, prompt) if self.cache is not None else 0 for role, _ in runners}
+        self.engine.last_reused_tokens = firsts.get("target", 0)
+        work = _PrefillWork(prompt_tokens=len(prompt), reused=firsts.get("target", 0), start=start,
+                            todo={role: len(prompt) - firsts[role] for role, _ in runners},
+                            weights={role: _prefill_weight(self.engine, role) for role, _ in runners})
         with torch.inference_mode():
-            for role, runner in (("target", self.target_runner), ("draft", self.draft_runner)):
-                if runner is None:
-                    continue
-                first = self.cache.reuse(role, prompt) if self.cache is not None else 0
-                if role == "target":
-                    self.engine.last_reused_tokens = first
+            for role, runner in runners:
                 # a streamed (offloaded) model pays one pass over its weights per forward: fewer, longer chunks
                 chunk = max(1, int(self.engine.prefill_chunk)) * (16 if _streamed(runner.model) else 1)
-                for begin in range(first, len(prompt), chunk):
+                for begin in range(firsts[role], len(prompt), chunk):
                     _check_stop(should_stop)
                     runner.forward(prompt[begin:begin + chunk], start=begin, logits_to_keep=1, eager=True)
                     if self.cache is not None:
                         self.cache.record(role, prompt[:begin + chunk])
+                    if on_prefill is not None:
+                        on_prefill(work.after(role, min(begin + chunk, len(prompt)) - firsts[role]))
             self.target_len = len(prompt)
             if self.draft_runner is not None:
                 self.draft_len = len(prompt)
@@ -545,6 +556,47 @@ def _child_probs(tree: Tree, tokens: list[int], parent_probs: torch.Tensor) -> l
 def _check_stop(should_stop: Callable[[], bool] | None) -> None:
     if should_stop is not None and should_stop():
         raise GenerationCancelled("generation stopped on request")
+
+
+@dataclass
+class _PrefillWork:
+    """A prefill's work in target-token units, for :class:`PrefillProgress`: the roles in order,
+    each with its tokens to read and a token's cost (``weights``)."""
+
+    prompt_tokens: int
+    reused: int  # prompt tokens the target's cache already held
+    start: float
+    todo: dict[str, int]
+    weights: dict[str, float]
+
+    def after(self, role: str, read: int) -> PrefillProgress:
+        """The progress once ``role`` has read ``read`` of its tokens."""
+        roles = list(self.todo)
+        units = {r: self.todo[r] * self.weights[r] for r in roles}
+        done = sum(units[r] for r in roles[:roles.index(role)]) + read * self.weights[role]
+        total = sum(units.values())
+        return PrefillProgress(done=self.reused + read if role == "target" else self.prompt_tokens,
+                               total=self.prompt_tokens, fraction=min(1.0, done / total) if total else 1.0,
+                               elapsed_s=time.perf_counter() - self.start)
+
+
+def _prefill_weight(engine, role: str) -> float:
+    """A prompt token's prefill cost for ``role`` in target tokens: 1 for the target, the draft's
+    share of the target's per-token weights (its layers' matrices) for the draft."""
+    if role == "target" or engine.draft is None:
+        return 1.0
+    return _layer_weights(engine.draft) / max(1, _layer_weights(engine.target))
+
+
+def _layer_weights(model: torch.nn.Module) -> int:
+    """The weights a token meets in the decoder layers (what a prefill's time follows), from the
+    config of a llama-style model; the parameter count otherwise."""
+    config = getattr(model, "config", None)
+    try:
+        hidden, inner, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+        return int(layers * (4 * hidden * hidden + 3 * hidden * inner))
+    except (AttributeError, TypeError):
+        return sum(p.numel() for p in model.parameters())
 
 
 def _streamed(model: torch.nn.Module) -> bool:
