@@ -47,6 +47,7 @@ class GenerationRequest:
     trace: bool = False  # the main phase's steps carry the verifier's trace (StepRecord.trace)
     copies: bool = True  # the main phase proposes continuations copied from the context beside the draft's tree
     prediction: str | None = None  # an expected answer (tokenised when the job runs) to copy from
+    logprobs: int | None = None  # the main phase's steps carry token logprobs and this many alternatives
 
 
 @dataclass

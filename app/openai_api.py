@@ -15,6 +15,11 @@ fresh one), ``stop`` (up to 4 strings, cut from the text),
 requests with the same ``user`` reuse one conversation KV cache, like a browser session) and
 ``prediction`` (Predicted Outputs: the expected answer is copied from as a free branch of every
 step's tree; ``usage.completion_tokens_details`` counts its accepted and rejected tokens).
+``logprobs`` / ``top_logprobs`` (0 to 20; chat) and ``logprobs`` (0 to 5; text completions): the
+target's own log-probability of each token shown and of its most likely alternatives, the
+log_softmax of its raw logits (temperature 1, no top-p) whatever the sampling settings, as
+llama-server and vLLM report them (:mod:`app.openai_logprobs`); streamed, a chunk carries the
+entries of the tokens whose text it completes, and no entry follows a stop string's cut.
 An extension field ``sequoia`` picks the tree: ``{"tree_size", "depth", "method", "auto"}``.
 
 While a long prompt is read, a stream sends SSE comments (``: reading the prompt, n/N tokens``),
@@ -39,6 +44,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.jobs import TERMINAL, Event, Job, QueueFull
+from app.openai_logprobs import LogprobTrail, Scored, chat_logprobs, legacy_logprobs
 from app.openai_requests import APIError, ChatCall, model_id, parse_body, parse_chat, parse_completion, read_body
 from app.worker import Worker
 
@@ -53,21 +59,25 @@ log = logging.getLogger(__name__)
 # ----- answers -------------------------------------------------------------------------------
 class Answer:
     """A job's committed tokens as text: stop strings cut it, and streamed deltas never show part
-    of a stop string or of a character still being spelled by byte tokens."""
+    of a stop string or of a character still being spelled by byte tokens. With ``logprobs``
+    (the records carry token logprobs), ``trail`` releases each token's entry with its text."""
 
-    def __init__(self, tokenizer, stops: list[str]) -> None:
+    def __init__(self, tokenizer, stops: list[str], logprobs: bool = False) -> None:
         self.tokenizer, self.stops = tokenizer, stops
         self.tokens: list[int] = []
         self.records: list = []
         self.text = ""
         self.sent = 0
         self.stopped = False  # a stop string was found
+        self.trail = LogprobTrail() if logprobs else None
 
     def add(self, record) -> str:
         """Take one step's record; the text that may be sent now."""
         self.records.append(record)
         self.tokens.extend(record.committed)
         self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if self.trail is not None:
+            self.trail.extend(self.tokenizer, self.tokens, record, self.text)
         cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
             self.text, self.stopped = self.text[:cut], True
@@ -83,7 +93,17 @@ class Answer:
     def _send(self, upto: int) -> str:
         delta = self.text[self.sent:upto] if upto > self.sent else ""
         self.sent = max(self.sent, upto)
+        if self.trail is not None:
+            self.trail.release(self.sent)
         return delta
+
+    def logprobs(self, text: bool, entries: list[Scored] | None = None) -> dict | None:
+        """A choice's ``logprobs`` for ``entries`` (by default every token released so far): the chat
+        shape, or the legacy one for a text completion; None when they were not asked for."""
+        if self.trail is None:
+            return None
+        entries = self.trail.released if entries is None else entries
+        return legacy_logprobs(entries) if text else chat_logprobs(entries)
 
 
 def speculation(answer: Answer, started: dict | None, finished: dict | None) -> dict:
@@ -175,7 +195,7 @@ async def events(job: Job, http: Request | None = None) -> AsyncIterator[Event]:
 
 async def complete(worker: Worker, call: ChatCall, job: Job, http: Request | None = None) -> dict:
     """Run ``job`` to the end; the ``chat.completion`` object. Cancelled if ``http`` disconnects."""
-    answer = Answer(worker.tokenizer, call.stops)
+    answer = Answer(worker.tokenizer, call.stops, call.logprobs is not None)
     started = finished = None
     async for event in events(job, http):
         started, finished = _note(event, started, finished, answer)
@@ -187,10 +207,12 @@ async def complete(worker: Worker, call: ChatCall, job: Job, http: Request | Non
             raise _failure(str(event.data))
         elif event.kind == "cancelled" and not answer.stopped:
             raise _failure("the request was cancelled")
+    answer.flush()
     choice = {"text": answer.text} if call.text else {"message": {"role": "assistant", "content": answer.text}}
     return {"id": _id(call), "object": "text_completion" if call.text else "chat.completion",
             "created": int(time.time()), "model": call.model,
-            "choices": [{"index": 0, **choice, "finish_reason": _finish_reason(answer, finished), "logprobs": None}],
+            "choices": [{"index": 0, **choice, "finish_reason": _finish_reason(answer, finished),
+                         "logprobs": answer.logprobs(call.text)}],
             "usage": _usage(call, answer), "sequoia": speculation(answer, started, finished)}
 
 
@@ -220,14 +242,17 @@ def _next_event(job: Job) -> Event | None:
 async def stream(worker: Worker, call: ChatCall, job: Job) -> AsyncIterator[str]:
     """Server-sent events of ``chat.completion.chunk`` objects, then ``[DONE]``. The job is cancelled
     when the client goes away (the server stops this generator)."""
-    answer = Answer(worker.tokenizer, call.stops)
+    answer = Answer(worker.tokenizer, call.stops, call.logprobs is not None)
     base = {"id": _id(call), "object": "text_completion" if call.text else "chat.completion.chunk",
             "created": int(time.time()), "model": call.model}
 
     def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+        """A chunk carrying ``delta`` and the logprob entries of the tokens released with it."""
         part = {"text": delta.get("content", "")} if call.text else {"delta": delta}
+        entries = answer.trail.take() if answer.trail is not None else []
+        logprobs = answer.logprobs(call.text, entries) if entries else None
         return "data: " + json.dumps({**base, "choices": [{"index": 0, **part, "finish_reason": finish,
-                                                           "logprobs": None}], **extra}) + "\n\n"
+                                                           "logprobs": logprobs}], **extra}) + "\n\n"
 
     started = finished = None
     try:

@@ -17,6 +17,7 @@ from jinja2 import TemplateError
 from app.conversation import MAX_IMPORT_MESSAGES, MAX_MESSAGE_CHARS, ContextTooLong, fit_context
 from app.jobs import GenerationRequest
 from app.worker import Worker
+from engine.core.logprobs import MAX_TOP_LOGPROBS
 from engine.core.speculative import METHODS
 from engine.trees.tree import Tree
 from engine.tuning.tree_store import build_tree
@@ -28,6 +29,7 @@ MAX_BODY_BYTES = 8 << 20       # a request body
 MAX_TOTAL_CHARS = 2_000_000    # all messages together (the longest context is far shorter)
 MAX_TREE_SIZE = 128
 MAX_PREDICTION_CHARS = 400_000  # an expected answer (Predicted Outputs)
+MAX_LEGACY_LOGPROBS = 5        # /v1/completions' ``logprobs``, as OpenAI's
 
 
 class APIError(Exception):
@@ -58,6 +60,7 @@ class ChatCall:
     prompt_tokens: int = 0
     text: bool = False  # /v1/completions: the prompt as given, answers as "text_completion" objects
     prediction_tokens: int = 0  # tokens of the request's ``prediction`` (OpenAI's Predicted Outputs)
+    logprobs: int | None = None  # alternatives per token when logprobs were asked for (None: not asked)
 
 
 # ----- validation ----------------------------------------------------------------------------
@@ -179,8 +182,8 @@ def parse_chat(body, worker: Worker, defaults: dict) -> ChatCall:
     if model is not None and model != served:
         raise APIError(404, f"the model {model!r} does not exist: this server serves {served!r} (GET /v1/models)",
                        "model", "model_not_found")
-    for name, allowed in (("tools", None), ("functions", None), ("tool_choice", "none"), ("logprobs", False),
-                          ("top_logprobs", None), ("frequency_penalty", 0), ("presence_penalty", 0),
+    for name, allowed in (("tools", None), ("functions", None), ("tool_choice", "none"),
+                          ("frequency_penalty", 0), ("presence_penalty", 0),
                           ("logit_bias", {}), ("response_format", {"type": "text"})):
         if body.get(name) not in (allowed, None):  # refused, never silently ignored
             raise APIError(400, f"'{name}' is not supported by this server (the answer would not honour it)",
@@ -203,12 +206,13 @@ def parse_chat(body, worker: Worker, defaults: dict) -> ChatCall:
         raise APIError(400, "'user' must be a string of at most 256 characters", "user", "invalid_value")
     tree, method = parse_tree(body.get("sequoia"), worker, defaults)
     prediction = parse_prediction(body.get("prediction"))
+    logprobs = parse_logprobs(body.get("logprobs"), body.get("top_logprobs"))
     request = GenerationRequest(prediction=prediction, max_new_tokens=max_tokens or 0, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                                 top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), tree=tree, seed=seed,
                                 method=method, system=system, messages=history,
-                                cache_key=f"api-user:{user}" if user else None)
+                                cache_key=f"api-user:{user}" if user else None, logprobs=logprobs)
     call = ChatCall(request, served, bool(stream), bool(stream_options.get("include_usage")),
-                    parse_stops(body.get("stop")))
+                    parse_stops(body.get("stop")), logprobs=logprobs)
     try:  # refuse what does not fit now, rather than dropping turns as the UI does
         ids, dropped = fit_context(worker.tokenizer, system, history, worker.context_limit(request))
         if max_tokens is None:  # the rest of the context, as llama-server does (a model with none stated: 256)
@@ -229,6 +233,18 @@ def parse_chat(body, worker: Worker, defaults: dict) -> ChatCall:
     if prediction:
         call.prediction_tokens = len(worker.tokenizer.encode(prediction, add_special_tokens=False))
     return call
+
+
+def parse_logprobs(wanted, top) -> int | None:
+    """Chat's ``logprobs`` (true or false) and ``top_logprobs`` (0..20, only with ``logprobs``
+    true): the alternatives to report per token, or None when no logprobs are asked for."""
+    if wanted is not None and not isinstance(wanted, bool):
+        raise APIError(400, f"'logprobs' must be true or false, got {wanted!r}", "logprobs", "invalid_value")
+    if top is not None and not wanted:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+    if not wanted:
+        return None
+    return 0 if top is None else _integer(top, "top_logprobs", 0, MAX_TOP_LOGPROBS)
 
 
 def parse_prediction(value) -> str | None:
@@ -265,11 +281,13 @@ def parse_completion(body, worker: Worker, defaults: dict) -> ChatCall:
     if not isinstance(prompt, str) or not prompt or len(prompt) > MAX_TOTAL_CHARS:
         raise APIError(400, f"'prompt' must be one non-empty string of at most {MAX_TOTAL_CHARS} characters",
                        "prompt", "invalid_value")
-    text_only = {"suffix": None, "logprobs": None, "best_of": 1, "echo": False}  # the one harmless value of each
+    text_only = {"suffix": None, "best_of": 1, "echo": False}  # the one harmless value of each
     for name, harmless in text_only.items():
         if body.get(name) not in (None, harmless):
             raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported_parameter")
-    chat_shaped = {k: v for k, v in body.items() if k != "prompt" and k not in text_only}
+    legacy = body.get("logprobs")  # alternatives per token, 0..5; the chosen token's logprob always comes too
+    logprobs = None if legacy is None else _integer(legacy, "logprobs", 0, MAX_LEGACY_LOGPROBS)
+    chat_shaped = {k: v for k, v in body.items() if k not in ("prompt", "logprobs") and k not in text_only}
     chat_shaped["messages"] = [{"role": "user", "content": "-"}]
     chat_shaped.setdefault("max_tokens", 16)
     call = parse_chat(chat_shaped, worker, defaults)  # every other field means the same
@@ -281,6 +299,7 @@ def parse_completion(body, worker: Worker, defaults: dict) -> ChatCall:
         raise APIError(400, f"the prompt is {len(ids)} tokens; with max_tokens={request.max_new_tokens} at most "
                             f"{limit} fit the model's context", "prompt", "context_length_exceeded")
     call.text, call.prompt_tokens = True, len(ids)
+    call.logprobs = request.logprobs = logprobs
     return call
 
 

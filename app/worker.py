@@ -319,6 +319,8 @@ class Worker:
         extra = {"cache": cache} if cache is not None else {}
         if phase == "main":  # the target alone, in Compare or Measure, never copies
             extra.update(trace=request.trace, copies=request.copies)
+            if request.logprobs is not None:  # asked for only: an engine without the option still serves the rest
+                extra["logprobs"] = request.logprobs
             if request.prediction:
                 extra["prediction"] = self.tokenizer.encode(request.prediction, add_special_tokens=False)
         try:

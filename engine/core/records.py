@@ -21,6 +21,21 @@ TokenProbs = list[tuple[int, float]]  # (token id, probability), most likely fir
 
 
 @dataclass
+class TokenLogprob:
+    """The target's log-probability of one committed token and its ``top`` alternatives
+    ``[(token id, logprob)]``, most likely first, from the logits row that predicted it: the raw
+    logits' log_softmax (temperature 1, no top-p), whatever the sampling settings
+    (:mod:`engine.core.logprobs`)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.top = [(int(t), float(v)) for t, v in self.top]  # read back from JSON: lists
+
+
+@dataclass
 class VerifierEvent:
     """One decision of the acceptance walk, recorded only when tracing is asked for
     (``SpeculativeEngine.stream(..., trace=True)``); nothing here costs a model run.
@@ -88,9 +103,13 @@ class StepRecord:
     # expected output given with the request, after the prompt's last tokens.
     sources: list[str] = field(default_factory=list)
     copy_origins: list[tuple[int, int] | None] = field(default_factory=list)
+    # One entry per committed token, in order, when log-probabilities were asked for
+    # (``SpeculativeEngine.stream(..., logprobs=k)``); empty otherwise.
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.copy_origins = [tuple(o) if o is not None else None for o in self.copy_origins]
+        self.token_logprobs = [e if isinstance(e, TokenLogprob) else TokenLogprob(**e) for e in self.token_logprobs]
         if self.trace is not None:  # read back from JSON (an exported conversation): plain dicts
             self.trace = [e if isinstance(e, VerifierEvent) else _event_from_dict(e) for e in self.trace]
 

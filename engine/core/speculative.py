@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.copy_policy import CopyStats, StepClock, plan_step
+from engine.core.logprobs import check_logprobs, committed_logprobs
 from engine.core.prefix_cache import ConversationCache
 from engine.core.records import GenerationResult, PrefillProgress, StepRecord, StepTimings
 from engine.core.runner import DynamicRunner, StaticRunner, run_model, synchronize
@@ -46,6 +47,7 @@ class DecodeParams:
     confidence: float = 0.0  # grow the tree below a node only while the draft's q along its path reaches this
     copies: bool = False  # propose continuations copied from the context beside the draft's tree
     room: int | None = None  # nodes the context holds beyond prompt + answer + ``tree`` (None: no limit)
+    logprobs: int | None = None  # report each committed token's logprob and this many alternatives (None: off)
 
     @property
     def greedy(self) -> bool:
@@ -127,7 +129,7 @@ class SpeculativeEngine:
                should_stop: Callable[[], bool] | None = None,
                cache: ConversationCache | None = None, trace: bool = False,
                confidence: float | None = None, copies: bool = False,
-               prediction: list[int] | None = None,
+               prediction: list[int] | None = None, logprobs: int | None = None,
                on_prefill: Callable[[PrefillProgress], None] | None = None) -> Iterator[StepRecord]:
         """Yield one :class:`StepRecord` per draft/verify step until a stop token or the budget.
 
@@ -174,6 +176,13 @@ class SpeculativeEngine:
 
         ``on_prefill``: called with a :class:`~engine.core.records.PrefillProgress` after every
         prefill chunk (a long prompt's "reading your message" bar); it cannot change the output.
+
+        ``logprobs`` in [0, 20]: each record's ``token_logprobs`` holds, per committed token, the
+        target's log-probability of it and of its ``logprobs`` most likely alternatives, read from
+        the verification row that predicted it as the log_softmax of the raw logits (temperature
+        1, no top-p: what the model says, whatever the sampling settings; llama-server and vLLM
+        report the same by default). It draws no randomness and changes no decision. ``None``:
+        off, and nothing is computed.
         """
         params = self._validate(input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids, method,
                                 confidence)
@@ -183,6 +192,8 @@ class SpeculativeEngine:
             params = dataclasses.replace(params, copies=True)
         if trace:
             params = dataclasses.replace(params, trace=True)
+        if logprobs is not None:
+            params = dataclasses.replace(params, logprobs=check_logprobs(logprobs))
         if params.tree.depth > 0 and self.draft is None:
             raise InvalidParameterError("a tree with draft tokens needs a draft model: pass draft= or use tree=None")
         if cache is not None and not (isinstance(cache, ConversationCache) and cache.belongs_to(self.target, self.draft)):
@@ -344,6 +355,8 @@ class _DecodeState:
             self._compact(model_tree, prefix, accepted, merged)
             committed = self._commit([tokens[a] for a in accepted[1:]] + [bonus])
             self._record()
+            scored = [] if self.params.logprobs is None else \
+                committed_logprobs(target_logits, accepted, committed, self.params.logprobs)
             t3 = time.perf_counter()
         timings.draft_s, timings.verify_s, timings.bookkeeping_s = t1 - t0, t2 - t1, t3 - t2
         if self.index is not None:
@@ -355,7 +368,7 @@ class _DecodeState:
                             verifier_p=[used[n][0] if n in used else None for n in range(len(tokens))],
                             verifier_q=[used[n][1] if n in used else None for n in range(len(tokens))],
                             trace=trace, sources=merged.sources if proposals else [],
-                            copy_origins=merged.origin if proposals else [])
+                            copy_origins=merged.origin if proposals else [], token_logprobs=scored)
         self.steps += 1
         return record
 
