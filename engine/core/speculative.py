@@ -16,6 +16,7 @@ import torch
 
 from engine.core.copy_policy import CopyStats, StepClock, plan_step
 from engine.core.logprobs import check_logprobs, committed_logprobs
+from engine.core.prefill_progress import PrefillWork, prefill_weight
 from engine.core.prefix_cache import ConversationCache
 from engine.core.records import GenerationResult, PrefillProgress, StepRecord, StepTimings
 from engine.core.runner import DynamicRunner, StaticRunner, run_model, synchronize
@@ -306,9 +307,9 @@ class _DecodeState:
                    if runner is not None]
         firsts = {role: self.cache.reuse(role, prompt) if self.cache is not None else 0 for role, _ in runners}
         self.engine.last_reused_tokens = firsts.get("target", 0)
-        work = _PrefillWork(prompt_tokens=len(prompt), reused=firsts.get("target", 0), start=start,
+        work = PrefillWork(prompt_tokens=len(prompt), reused=firsts.get("target", 0), start=start,
                             todo={role: len(prompt) - firsts[role] for role, _ in runners},
-                            weights={role: _prefill_weight(self.engine, role) for role, _ in runners})
+                            weights={role: prefill_weight(self.engine, role) for role, _ in runners})
         with torch.inference_mode():
             for role, runner in runners:
                 # a streamed (offloaded) model pays one pass over its weights per forward: fewer, longer chunks
@@ -569,47 +570,6 @@ def _child_probs(tree: Tree, tokens: list[int], parent_probs: torch.Tensor) -> l
 def _check_stop(should_stop: Callable[[], bool] | None) -> None:
     if should_stop is not None and should_stop():
         raise GenerationCancelled("generation stopped on request")
-
-
-@dataclass
-class _PrefillWork:
-    """A prefill's work in target-token units, for :class:`PrefillProgress`: the roles in order,
-    each with its tokens to read and a token's cost (``weights``)."""
-
-    prompt_tokens: int
-    reused: int  # prompt tokens the target's cache already held
-    start: float
-    todo: dict[str, int]
-    weights: dict[str, float]
-
-    def after(self, role: str, read: int) -> PrefillProgress:
-        """The progress once ``role`` has read ``read`` of its tokens."""
-        roles = list(self.todo)
-        units = {r: self.todo[r] * self.weights[r] for r in roles}
-        done = sum(units[r] for r in roles[:roles.index(role)]) + read * self.weights[role]
-        total = sum(units.values())
-        return PrefillProgress(done=self.reused + read if role == "target" else self.prompt_tokens,
-                               total=self.prompt_tokens, fraction=min(1.0, done / total) if total else 1.0,
-                               elapsed_s=time.perf_counter() - self.start)
-
-
-def _prefill_weight(engine, role: str) -> float:
-    """A prompt token's prefill cost for ``role`` in target tokens: 1 for the target, the draft's
-    share of the target's per-token weights (its layers' matrices) for the draft."""
-    if role == "target" or engine.draft is None:
-        return 1.0
-    return _layer_weights(engine.draft) / max(1, _layer_weights(engine.target))
-
-
-def _layer_weights(model: torch.nn.Module) -> int:
-    """The weights a token meets in the decoder layers (what a prefill's time follows), from the
-    config of a llama-style model; the parameter count otherwise."""
-    config = getattr(model, "config", None)
-    try:
-        hidden, inner, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-        return int(layers * (4 * hidden * hidden + 3 * hidden * inner))
-    except (AttributeError, TypeError):
-        return sum(p.numel() for p in model.parameters())
 
 
 def _streamed(model: torch.nn.Module) -> bool:
