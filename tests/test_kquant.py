@@ -25,7 +25,7 @@ from engine.backends.kquant import (
 )
 from engine.backends.kquant_model import kquant_model, read_cache, write_cache
 
-ROW_COUNTS = list(range(1, 33))
+ROW_COUNTS = list(range(1, 33)) + [40, 64, 65, 150]  # 16 rows and more: the AVX2 prefill panels (64 rows each)
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -138,7 +138,8 @@ def test_every_integer_path_computes_the_references_numbers(every_path):
         saturated = random_blocks(kind, 32, 512, seed=4)  # every quant, scale and min at its largest
         saturated[..., slice(4, None) if kind == "q4k" else slice(0, 192)] = 0xFF
         for blocks, x in ((random_blocks(kind, 48, 768, seed=1), torch.randn(7, 768) * torch.logspace(-2, 1, 768)),
-                          (saturated, torch.full((5, 512), -1.0))):
+                          (random_blocks(kind, 48, 768, seed=2), torch.randn(100, 768) * torch.logspace(-2, 1, 768)),
+                          (saturated, torch.full((5, 512), -1.0)), (saturated, torch.full((70, 512), -1.0))):
             tensors = packed(kind, blocks)
             n = blocks.shape[0]
             expected = reference_linear(kind, x, tensors, n)
@@ -244,11 +245,12 @@ def test_the_kernel_is_close_to_the_float_product(kind, compiled):
 
 @pytest.mark.parametrize("kind", ["q4k", "q6k"])
 def test_every_row_is_independent_of_the_batch(kind, compiled):
-    """Rows of an n-row product, n = 1..32, equal the 1-row product of the same input bit for bit."""
+    """Rows of an n-row product, n = 1..32 and prefill widths up to 150, equal the 1-row product of
+    the same input bit for bit."""
     tensors = packed(kind, random_blocks(kind, 32, 512, seed=3))
     layer = KQuantLinear(kind, tensors, 512, 32)
-    x = torch.randn(32, 512)
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(32)])
+    x = torch.randn(max(ROW_COUNTS), 512)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
     for n in ROW_COUNTS:
         assert torch.equal(layer(x[:n]), alone[:n]), f"{n} rows"
 
@@ -388,9 +390,9 @@ def test_inputs_short_of_a_super_block_are_padded_with_zeros(compiled):
 def test_a_half_super_block_of_padding_is_neither_stored_nor_read(every_path):
     """896 inputs (the 0.5B draft's width) are 3.5 super-blocks: the zero half of the fourth is left
     out of the stored quants (1/8 of the bytes), and every integer path gives the bits of the whole,
-    padded blocks, for every row count of the kernel's row blocks."""
+    padded blocks, for every row count of the kernel's row blocks and prefill panels."""
     torch.manual_seed(5)
-    weight, x = torch.randn(48, 896) * 0.05, torch.nn.functional.pad(torch.randn(7, 896), (0, 128))
+    weight, x = torch.randn(48, 896) * 0.05, torch.nn.functional.pad(torch.randn(70, 896), (0, 128))
     whole = quantize_q4k(torch.nn.functional.pad(weight, (0, 128)))
     layer = KQuantLinear("q4k", whole, 896, 48)
     stored = layer.packed()
@@ -399,7 +401,7 @@ def test_a_half_super_block_of_padding_is_neither_stored_nor_read(every_path):
     expected = reference_linear("q4k", x, whole, 48)
     assert torch.equal(reference_linear("q4k", x, stored, 48), expected)
     for path, extension in every_path.items():
-        for rows in (1, 2, 3, 7):
+        for rows in (1, 2, 3, 7, 20, 70):  # 16 rows and more: the AVX2 prefill panels
             for tensors in (stored, whole):
                 got = extension.q4k_linear(x[:rows], *(tensors[name] for name in kquant.PACKED_NAMES["q4k"]), 48)
                 assert torch.equal(got, expected[:rows]), (path, rows, tensors is whole)

@@ -478,9 +478,72 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows
   for (int rr = 0; rr < NR; ++rr) _mm256_storeu_ps(out + (r0 + rr) * N + tile * TILE + h * 8, y[rr]);
 }
 
+// Many rows (a prefill chunk): a panel of up to PANEL_ROWS rows goes through each sub-block's weights
+// while they are unpacked in registers, instead of unpacking them again for every 4 rows. Each
+// row's integer sums are the same exact integers and its float steps per super-block are rows_q4k's
+// in the same order (its output starts at 0 and gains each super-block's step), so a row's bits do
+// not depend on which path ran it. On the 2-core AVX2 EPYC, one thread, 1536 x 8960, 64 rows:
+// 16.2 -> 13.9 ms (min of 6 alternating runs, 2026-11-27).
+constexpr int64_t PANEL_ROWS = 64;
+constexpr int64_t PANEL_FROM = 16;  // fewer rows (decoding, trees) keep the register-blocked rows_q4k
+
+void panel_q4k(const Q4KWeight& wt, const Rows& rows, int64_t r0, int64_t np, float* out, int64_t N, int64_t tile,
+               int h) {
+  const int64_t nb = rows.K / QK;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  alignas(32) int32_t sums[PANEL_ROWS * 8];  // per row: the super-block's sc-weighted integer sums
+  for (int64_t r = 0; r < np; ++r) _mm256_storeu_ps(out + (r0 + r) * N + tile * TILE + h * 8, _mm256_setzero_ps());
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const int64_t t = tile * nb + blk;
+    const uint8_t* q = wt.quants(tile, nb, blk) + h * 32;
+    const int subs = wt.subblocks(nb, blk);
+    for (int64_t r = 0; r < np; ++r) _mm256_store_si256((__m256i*)(sums + r * 8), _mm256_setzero_si256());
+    for (int j = 0; j < subs; ++j) {
+      __m256i w[8];  // inputs 8l .. 8l+3 (w[2l]) and 8l+4 .. 8l+7 (w[2l+1]) of the sub-block
+      #pragma GCC unroll 4
+      for (int l = 0; l < 4; ++l) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(q + j * 256 + l * 64));
+        w[2 * l] = _mm256_and_si256(raw, low);
+        w[2 * l + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      }
+      const __m256i scv = twice16(wt.sc + t * 128 + j * 16 + h * 8);
+      const int8_t* x0 = rows.xq + r0 * rows.K + blk * QK + j * 32;
+      for (int64_t r = 0; r < np; ++r) {
+        const int8_t* xq = x0 + r * rows.K;
+        __m256i acc = _mm256_maddubs_epi16(w[0], bcast4(xq));  // int16: as rows_q4k, at most 8 pairs
+        #pragma GCC unroll 7
+        for (int k = 1; k < 8; ++k) acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(w[k], bcast4(xq + 4 * k)));
+        __m256i* a = (__m256i*)(sums + r * 8);
+        _mm256_store_si256(a, _mm256_add_epi32(_mm256_load_si256(a), _mm256_madd_epi16(acc, scv)));
+      }
+    }
+    __m256i mnv[8];
+    #pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) mnv[j] = twice16(wt.mn + t * 128 + j * 16 + h * 8);
+    const __m256 dv = half8(wt.d + t * TILE + h * 8), dminv = half8(wt.dmin + t * TILE + h * 8);
+    for (int64_t r = 0; r < np; ++r) {
+      const int32_t* s16 = rows.s16 + (r0 + r) * (rows.K / 16) + blk * 16;
+      __m256i b = _mm256_setzero_si256();
+      for (int j = 0; j < subs; ++j)
+        b = _mm256_add_epi32(b, _mm256_madd_epi16(mnv[j], _mm256_set1_epi32(int16_pair(s16[2 * j], s16[2 * j + 1]))));
+      const __m256 sx = _mm256_set1_ps(rows.sx[(r0 + r) * nb + blk]);
+      const __m256i a = _mm256_load_si256((const __m256i*)(sums + r * 8));
+      const __m256 step = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(sx, dv), _mm256_cvtepi32_ps(a)),
+                                        _mm256_mul_ps(_mm256_mul_ps(sx, dminv), _mm256_cvtepi32_ps(b)));
+      float* y = out + (r0 + r) * N + tile * TILE + h * 8;
+      _mm256_storeu_ps(y, _mm256_add_ps(_mm256_loadu_ps(y), step));
+    }
+  }
+}
+
 void tile_q4k(const Q4KWeight& w, const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
-  for (int h = 0; h < 2; ++h)
+  for (int h = 0; h < 2; ++h) {
+    if (R >= PANEL_FROM) {
+      for (int64_t r = 0; r < R; r += PANEL_ROWS) panel_q4k(w, rows, r, std::min(PANEL_ROWS, R - r), out, N, tile, h);
+      continue;
+    }
     by_row_blocks<4>(R, [&](auto block, int64_t r) { rows_q4k<decltype(block)::value>(w, rows, r, out, N, tile, h); });
+  }
 }
 
 void tile_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t R, float* out,
