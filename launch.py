@@ -95,6 +95,32 @@ def build_worker(args: argparse.Namespace):
     return Worker.from_models(target, draft, tokenizer, args.target, args.draft, tuner=tuner, **worker_policy(args))
 
 
+def on_a_passing_thread(function, *args):
+    """``function(*args)`` on a thread that ends with it (its exception re-raised here).
+
+    Loading runs torch ops large enough to start an OpenMP team on the thread that runs them; a
+    thread that ends takes its team with it. Loaded on the main thread, the team would stay beside
+    the engine thread's own: with more OpenMP threads than cores, libgomp makes its waiting threads
+    sleep almost at once: the engine's threads then slept thousands of times a second, and lost
+    their cores to the browser's renderer each time.
+    """
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = function(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="load", daemon=True)  # Ctrl-C still ends the process
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 def worker_policy(args: argparse.Namespace) -> dict:
     """What UI requests may load: local folders under --models-dir only; remote code only with
     --models-panel-remote-code (--trust-remote-code is for the launch pair alone). Also how drafts loaded from the UI are stored (--draft-format, --draft-vocab)
@@ -165,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     # as fast in the app as alone (measured: 0.9x of headless at 5 ms, 1.0x at 0.5 ms, no browser).
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
-        worker = build_worker(args)
+        worker = on_a_passing_thread(build_worker, args)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 NEG = float("-inf")
@@ -45,39 +46,47 @@ def check_acceptance(acceptance) -> torch.Tensor:
 
 
 def solve(acceptance, max_size: int, max_depth: int) -> DPTable:
-    """Fill the DP for all sizes 0..max_size and depths 0..max_depth."""
-    p = check_acceptance(acceptance)
-    k_max = min(p.numel(), max(max_size - 1, 0))
+    """Fill the DP for all sizes 0..max_size and depths 0..max_depth.
+
+    The table is filled with numpy, on the calling thread alone: the app calls this from its UI
+    threads, and a torch op that large there would start an OpenMP team of that thread's own. With
+    more OpenMP threads alive than cores, libgomp makes every waiting thread sleep almost at once,
+    the engine's too: in the app that cost the decoding threads thousands of sleeps a second.
+    """
+    p = check_acceptance(acceptance).numpy()
+    k_max = min(p.size, max(max_size - 1, 0))
     n, levels = max_size, max_depth + 1
-    best = torch.full((n + 1, levels + 1), NEG, dtype=torch.float64)
-    best_b = torch.zeros((n + 1, levels + 1), dtype=torch.long)
-    split = torch.zeros((n + 1, levels + 1, k_max + 1), dtype=torch.long)
+    best = np.full((n + 1, levels + 1), NEG)
+    best_b = np.zeros((n + 1, levels + 1), dtype=np.int64)
+    split = np.zeros((n + 1, levels + 1, k_max + 1), dtype=np.int64)
     if n >= 1:
         best[1, 1:] = 1.0
-    m_idx = torch.arange(n + 1)[:, None]
-    y_idx = torch.arange(n + 1)[None, :]
+    m_idx = np.arange(n + 1)[:, None]
+    y_idx = np.arange(n + 1)[None, :]
     valid = (y_idx >= 1) & (y_idx < m_idx)
-    gather = (m_idx - y_idx).clamp(min=0)
+    gather = np.clip(m_idx - y_idx, 0, None)
+    rows = np.arange(n + 1)
     for level in range(2, levels + 1):
         # subtree[m, y] = best value of the (m - y)-node subtree one level down; its -inf cells
         # (and y outside 1..m-1) go into an additive mask so p_b = 0 never makes 0 * -inf.
         subtree = best[:, level - 1][gather]
-        mask = torch.zeros_like(subtree).masked_fill_(~valid | torch.isinf(subtree), NEG)
-        subtree = subtree.nan_to_num(neginf=0.0)
-        previous = torch.full((n + 1,), NEG, dtype=torch.float64)  # T[., level, b - 1], from b = 0
+        mask = np.where(~valid | np.isinf(subtree), NEG, 0.0)
+        subtree = np.where(np.isinf(subtree), 0.0, subtree)
+        previous = np.full(n + 1, NEG)  # T[., level, b - 1], from b = 0
         if n >= 1:
             previous[1] = 1.0
-        level_best, level_b = previous.clone(), torch.zeros(n + 1, dtype=torch.long)
+        level_best, level_b = previous.copy(), np.zeros(n + 1, dtype=np.int64)
         for b in range(1, k_max + 1):
-            candidates = torch.add(mask + previous[None, :], subtree, alpha=float(p[b - 1]))  # [m, y]
-            current, arg = candidates.max(dim=1)
+            candidates = (mask + previous[None, :]) + float(p[b - 1]) * subtree  # [m, y]
+            arg = candidates.argmax(axis=1)  # the first maximum, as torch.max(dim=1) gives
+            current = candidates[rows, arg]
             split[:, level, b] = arg
             improved = current > level_best
-            level_best = torch.where(improved, current, level_best)
-            level_b.masked_fill_(improved, b)
+            level_best = np.where(improved, current, level_best)
+            level_b[improved] = b
             previous = current
         best[:, level], best_b[:, level] = level_best, level_b
-    return DPTable(p, best, best_b, split)
+    return DPTable(torch.from_numpy(p), torch.from_numpy(best), torch.from_numpy(best_b), torch.from_numpy(split))
 
 
 def expected_tokens_table(acceptance, max_size: int, max_depth: int) -> torch.Tensor:
