@@ -41,11 +41,14 @@ def live_update_intervals(cores: int | None = None) -> dict[str, float]:
     on the cores that decode: on 2 cores with headless Chromium, updates at 20 and 5 a second held
     the pick to 15 tokens/s against 29 with none (the renderer took 10 s of CPU for a 12 s answer,
     most of it re-rendering the chat), and 4 and 1 a second gave 20. Machines of up to 4 cores get
-    those; larger ones 20 and 5."""
+    those; larger ones 20 and 5. The live feed (``feed_interval``, ``feed_tree_interval``) costs
+    Chromium 15-25 ms of CPU a record (style, layout, raster and a software draw of the changed
+    area), each taken from a decoding core on 2 cores: up to 3 records and 2 trees a second there."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return ({"text_interval": 0.25, "plot_interval": 1.0} if cores <= 4 else {"text_interval": 0.05, "plot_interval": 0.2}) | {
-        "feed_interval": 0.1, "feed_tree_interval": 0.25}
+    if cores <= 4:
+        return {"text_interval": 0.25, "plot_interval": 1.0, "feed_interval": 0.3, "feed_tree_interval": 0.5}
+    return {"text_interval": 0.05, "plot_interval": 0.2, "feed_interval": 0.1, "feed_tree_interval": 0.25}
 
 
 DEFAULTS |= live_update_intervals()

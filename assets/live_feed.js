@@ -34,44 +34,69 @@
     return span;
   };
 
-  const scrolledToEnd = (element) => {
+  const scroller = (element) => {
     for (let box = element; box; box = box.parentElement) {
-      if (box.scrollHeight > box.clientHeight + 1 && getComputedStyle(box).overflowY !== "visible") {
-        return () => { if (box.scrollHeight - box.scrollTop - box.clientHeight < 80) box.scrollTop = box.scrollHeight; };
-      }
+      if (box.scrollHeight > box.clientHeight + 1 && getComputedStyle(box).overflowY !== "visible") return box;
     }
-    return () => {};
+    return null;
+  };
+
+  // Records wait for the next frame and are applied together there: every Chromium thread that
+  // draws wakes once per frame rather than once per record, and on 2 cores each wake-up takes a
+  // core from the decoding threads. Layout is read before anything is written (no forced layout
+  // in between); text deltas keep their order, the rest keeps its latest value.
+  let queued = [];
+  let frame = 0;
+  let scrollBox = null;
+
+  const flush = (box) => {
+    frame = 0;
+    const records = queued;
+    queued = [];
+    let text = null, reset, tree, stats, status;
+    for (const record of records) {
+      if (record.reset !== undefined) { reset = record.reset; text = null; }
+      if (record.text) text = (text || "") + record.text;
+      if (record.tree !== undefined) tree = record.tree;
+      if (record.stats !== undefined) stats = record.stats;
+      if (record.status !== undefined) status = record.status;
+    }
+    const span = reset !== undefined || text !== null ? liveText() : null;
+    if (span && (!scrollBox || !scrollBox.contains(span))) scrollBox = scroller(span);
+    const atEnd = scrollBox && scrollBox.scrollHeight - scrollBox.scrollTop - scrollBox.clientHeight < 80;
+    if (span) {
+      if (reset !== undefined) span.textContent = reset;
+      if (text) span.appendChild(document.createTextNode(text));
+    }
+    if (tree !== undefined) {
+      const parsed = parse(tree);
+      const place = box.querySelector(".sc-feed-tree");
+      if (parsed && place) place.replaceChildren(...parsed.childNodes);
+    }
+    if (stats !== undefined) {
+      const place = box.querySelector(".sc-feed-stats");
+      if (place) place.innerHTML = stats;
+    }
+    if (status !== undefined) {
+      const parsed = parse(status);
+      const place = document.querySelector("#sc-status .sc-status");
+      if (parsed && place) { place.className = parsed.className; place.replaceChildren(...parsed.childNodes); }
+    }
+    if (span && atEnd) scrollBox.scrollTop = scrollBox.scrollHeight;
   };
 
   const apply = (box, record) => {
-    if (record.reset !== undefined || record.text !== undefined) {
-      const span = liveText();
-      if (span) {
-        const follow = scrolledToEnd(span);
-        if (record.reset !== undefined) span.textContent = record.reset;
-        if (record.text) span.appendChild(document.createTextNode(record.text));
-        follow();
-      }
-    }
-    if (record.tree !== undefined) {
-      const tree = parse(record.tree);
-      const place = box.querySelector(".sc-feed-tree");
-      if (tree && place) place.innerHTML = tree.innerHTML;
-    }
-    if (record.stats !== undefined) {
-      const place = box.querySelector(".sc-feed-stats");
-      if (place) place.innerHTML = record.stats;
-    }
-    if (record.status !== undefined) {
-      const status = parse(record.status);
-      const place = document.querySelector("#sc-status .sc-status");
-      if (status && place) { place.className = status.className; place.innerHTML = status.innerHTML; }
-    }
+    queued.push(record);
+    if (!frame) frame = requestAnimationFrame(() => flush(box));
   };
 
   const follow = (box) => {
     opened.add(box);
     cleanUp();
+    if (frame) cancelAnimationFrame(frame);
+    frame = 0;
+    queued = [];
+    scrollBox = null;
     if (source) source.close();
     const feed = new EventSource("sc-live/" + encodeURIComponent(box.dataset.scFeed));
     source = feed;
@@ -79,6 +104,7 @@
     feed.onmessage = (event) => {
       const record = JSON.parse(event.data);
       if (record.end || !box.isConnected) {  // a box already gone: Gradio's final update came first
+        if (frame) { cancelAnimationFrame(frame); if (box.isConnected) flush(box); else { frame = 0; queued = []; } }
         feed.close();
         if (source === feed) source = null;
         finished = box;

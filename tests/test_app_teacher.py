@@ -206,12 +206,14 @@ def test_live_updates_keep_their_intervals_and_few_cores_get_fewer(monkeypatch):
     """While an answer streams, the chat text is sent at most every ``text_interval`` seconds and
     the live tree (inline SVG; the plotly figures come after the answer) every ``plot_interval``;
     on up to 4 cores (where the browser draws on the cores
-    that decode) those are 0.25 s and 1 s, on larger machines 0.05 s and 0.2 s. Counted, not
+    that decode) those are 0.25 s and 1 s (the page's live feed 0.3 s and 0.5 s), on larger machines
+    0.05 s and 0.2 s (0.1 s and 0.25 s). Counted, not
     timed: the updates are paced by a clock that advances 0.05 s with each decoding step, so a
     loaded machine cannot move the counts."""
-    feed = {"feed_interval": 0.1, "feed_tree_interval": 0.25}
-    assert controls.live_update_intervals(2) == {"text_interval": 0.25, "plot_interval": 1.0} | feed
-    assert controls.live_update_intervals(16) == {"text_interval": 0.05, "plot_interval": 0.2} | feed
+    assert controls.live_update_intervals(2) == {"text_interval": 0.25, "plot_interval": 1.0,
+                                                 "feed_interval": 0.3, "feed_tree_interval": 0.5}
+    assert controls.live_update_intervals(16) == {"text_interval": 0.05, "plot_interval": 0.2,
+                                                  "feed_interval": 0.1, "feed_tree_interval": 0.25}
     assert {k: controls.DEFAULTS[k] for k in controls.live_update_intervals()} == controls.live_update_intervals()
     tokenizer = support.tokenizer()
     target, draft = support.tiny_pair()
