@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,17 +31,47 @@ SETTLE_MS = 5000
 FINAL_TEXT_JS = """() => { const m = document.querySelectorAll("#sc-chatbot [data-testid='bot']");
   return !document.querySelector('#sc-chatbot .sc-live-text') && m.length && !/^…?$/.test(m[m.length - 1].innerText.trim()); }"""
 BOT_MESSAGES = "#sc-chatbot .message.bot, #sc-chatbot [data-testid='bot']"
-# Records (ms since the page's origin, text) of the new assistant message whenever the chat changes:
-# the answer to the message about to be sent is the first bot message past the ``before`` already shown.
+# Records (ms since the page's origin, text, whether the text is the live feed's) of the new assistant
+# message whenever the chat changes: the answer to the message about to be sent is the first bot
+# message past the ``before`` already shown.
 OBSERVER_JS = """(before) => {
   window.__sc = [];
   if (window.__scObserver) window.__scObserver.disconnect();
   const chat = document.querySelector('#sc-chatbot');
   const answer = () => { const m = document.querySelectorAll("%s");
                          return m.length > before ? m[m.length - 1].innerText : ''; };
-  window.__scObserver = new MutationObserver(() => window.__sc.push([performance.now(), answer()]));
+  window.__scObserver = new MutationObserver(() => window.__sc.push(
+    [performance.now(), answer(), !!chat.querySelector('.sc-live-text')]));
   window.__scObserver.observe(chat, {subtree: true, childList: true, characterData: true});
 }""" % BOT_MESSAGES
+
+
+@dataclass
+class ScreenTiming:
+    """When an answer's text showed on screen (ms on the page's clock) and what it said."""
+
+    first_ms: float | None  # the first visible text
+    last_ms: float | None   # the last new text: the live feed's last change, when the feed carried it
+    updates: int            # changes of the text up to ``last_ms``
+    text: str               # the answer's raw text as streamed (else as finally shown)
+
+
+def on_screen_timing(samples: list, final_text: str) -> ScreenTiming:
+    """``samples``: ``[ms, text, live]`` each time the chat changed (OBSERVER_JS). The answer's last
+    token is on screen at the live feed's last change; Gradio's Markdown replaces that text later
+    with the same tokens formatted (``**`` made bold), which is not decoding, so it only counts when
+    no live feed carried the answer."""
+    visible = [(t, text, bool(live and live[0])) for t, text, *live in samples
+               if text.strip() and text.strip() != "…"]
+    if not visible:
+        return ScreenTiming(None, None, 0, final_text)
+    changes = [(t, text, live) for (t, text, live), (_, before, _) in zip(visible[1:], visible) if text != before]
+    if any(live for _, _, live in visible):
+        live_changes = [c for c in changes if c[2]]
+        last, text = (live_changes[-1][0], live_changes[-1][1]) if live_changes else (visible[0][0], visible[0][1])
+        return ScreenTiming(visible[0][0], last, len(live_changes) + 1, text)
+    last = changes[-1][0] if changes else visible[0][0]
+    return ScreenTiming(visible[0][0], last, len(changes) + 1, final_text)
 
 
 def process_tree_cpu_seconds(pid: int) -> float:
@@ -123,25 +154,22 @@ def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | 
             page.wait_for_timeout(300)
             samples = page.evaluate("() => window.__sc")
             chrome, server = process_tree_cpu_seconds(browser_pid) - chrome0, process_tree_cpu_seconds(server_pid) - server0
-            text = page.locator(BOT_MESSAGES).last.inner_text()
-            visible = [(t, s) for t, s in samples if s.strip() and s.strip() != "…"]
-            tokens = len(tokenizer.encode(text, add_special_tokens=False))
-            first = visible[0][0] if visible else None
-            changes = [t for (t, s), (_, before) in zip(visible[1:], visible) if s != before]
-            last = changes[-1] if changes else first
-            decode = (tokens - 1) / ((last - first) / 1000) if first is not None and last > first else None
+            shown = on_screen_timing(samples, page.locator(BOT_MESSAGES).last.inner_text())
+            first, tokens, decode = shown.first_ms, len(tokenizer.encode(shown.text, add_special_tokens=False)), None
+            if first is not None and shown.last_ms > first:
+                decode = (tokens - 1) / ((shown.last_ms - first) / 1000)
             page1 = page_metrics(cdp)
             stats = page.locator("#sc-stats").inner_text()
             engine_rate = ENGINE_RATE.search(stats)
             result = {"prompt": prompt, "tokens": tokens, "first_token_s": None if first is None else (first - sent) / 1000,
-                      "decode_tokens_per_s": decode, "updates": len(changes) + 1 if visible else 0,
+                      "decode_tokens_per_s": decode, "updates": shown.updates,
                       "engine_in_app_tokens_per_s": float(engine_rate[1]) if engine_rate else None,
                       "chromium_cpu_s": chrome, "server_cpu_s": server,
                       "page_main_thread_s": {k: page1[k] - page0[k] for k in PAGE_METRICS},
                       "status": page.locator("#sc-status").inner_text(), "stats": stats}
             log(f"on screen {i + 1}/{len(prompts)}: {tokens} tokens, first after {result['first_token_s'] or float('nan'):.2f} s, "
                 f"{decode or 0:.2f} tokens/s ({result['engine_in_app_tokens_per_s']} by the engine's own clock), "
-                f"{len(changes) + 1} updates; Chromium {chrome:.1f} s CPU, server {server:.1f} s CPU; page main "
+                f"{shown.updates} updates; Chromium {chrome:.1f} s CPU, server {server:.1f} s CPU; page main "
                 f"thread: " + ", ".join(f"{k} {v:.2f} s" for k, v in result["page_main_thread_s"].items()))
             if shots is not None:
                 page.screenshot(path=str(shots / f"bench-ui-{i + 1}.png"))
