@@ -61,8 +61,7 @@ def on_screen_timing(samples: list, final_text: str) -> ScreenTiming:
     token is on screen at the live feed's last change; Gradio's Markdown replaces that text later
     with the same tokens formatted (``**`` made bold), which is not decoding, so it only counts when
     no live feed carried the answer."""
-    visible = [(t, text, bool(live and live[0])) for t, text, *live in samples
-               if text.strip() and text.strip() != "…"]
+    visible = [(t, text, bool(live)) for t, text, live in samples if text.strip() and text.strip() != "…"]
     if not visible:
         return ScreenTiming(None, None, 0, final_text)
     changes = [(t, text, live) for (t, text, live), (_, before, _) in zip(visible[1:], visible) if text != before]
