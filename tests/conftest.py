@@ -81,6 +81,7 @@ def multiturn_reference(_stock_pair, greedy_references) -> dict:
 
 
 LONG_REFERENCE_TOKENS = 32
+LONG_PROMPT_FUNCTIONS = 12  # 320 prompt tokens: one whole prefill chunk of 256 and part of a second
 
 
 @pytest.fixture(scope="session")
@@ -88,7 +89,7 @@ def long_reference(_stock_pair, greedy_references) -> tuple[list[int], list[int]
     """``(prompt, reference)``: a question about a pasted Python module (longer than one prefill
     chunk) and the untouched target's own greedy continuation of it."""
     target, _, tokenizer = _stock_pair
-    module = "\n".join(f"def scale_{i}(x: int) -> int:\n    return x * {i} + {i * i}\n" for i in range(24))
+    module = "\n".join(f"def scale_{i}(x: int) -> int:\n    return x * {i} + {i * i}\n" for i in range(LONG_PROMPT_FUNCTIONS))
     question = f"Here is a module:\n```python\n{module}```\nWhich function returns 42 for x = 1, and why?"
     ids = encode_chat(tokenizer, [{"role": "user", "content": question}])
     with torch.inference_mode():

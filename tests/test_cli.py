@@ -19,19 +19,32 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("args,needle", [
+BAD_INPUT = [
     (["--prompt", "hi", "--tree-size", "0"], "--tree-size"),
     (["--prompt", "   "], "--prompt"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
     (["--prompt", "hi", "--temperature", "-1"], "temperature"),
     (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
     (["--prompt", "hi", "--tree-size", "5", "--depth", "7"], "--depth"),
-    (["--prompt", "hi", "--target", "no-such-org/no-such-model"], "no-such-org/no-such-model"),
     (["--prompt", "hi", "--method", "beam"], "method"),
     (["--prompt", "hi", "--method", "chain", "--tree-size", "8", "--depth", "3"], "--method chain"),
     (["--prompt", "hi", "--confidence", "1.5"], "confidence"),
-])
-def test_bad_input_is_one_line_and_exit_2(args, needle):
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD_INPUT)
+def test_bad_input_is_one_line_and_exit_2(args, needle, capsys):
+    """Every check, through ``main`` as the command runs it (the process itself: below)."""
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args,needle", [BAD_INPUT[4],
+                                         (["--prompt", "hi", "--target", "no-such-org/no-such-model"],
+                                          "no-such-org/no-such-model")])
+def test_the_command_prints_one_line_and_exits_2(args, needle):
+    """The process: a bad parameter, and a model id that is not there with the hub offline."""
     proc = run_cli(*args)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and needle in proc.stderr

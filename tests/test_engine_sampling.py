@@ -102,17 +102,18 @@ def pit_values(target: torch.nn.Module, tokens: list[int], temperature: float, t
     return (below[rows, chosen] + v * probs[rows, chosen]).tolist()
 
 
+# Each method with the static and the dynamic runner. The dynamic runner's whole 2-ary sequoia tree
+# at 0.7 / 0.8, its whole 2-ary top-k tree at 1.0 and its chain at 0.7 / 0.8 run below, in the
+# trees that growth cuts (whole trees must occur there too), and again in tests/test_copies.py and
+# tests/test_draft_vocabulary.py, so they are not repeated here.
 @pytest.mark.parametrize("method,tree,temperature,top_p,static", [
-    ("sequoia", Tree.k_ary(2, 2), 0.7, 0.8, False),
     ("sequoia", Tree.optimal([0.6, 0.2, 0.1], 8, 3), 1.0, 1.0, True),
     # written with cousins out of parent order, three levels deep: renumbered canonically
     ("sequoia", Tree.from_parents([-1, 0, 0, 2, 1, 3, 4]), 1.0, 1.0, False),
     ("specinfer", Tree.k_independent(2, 2), 0.7, 0.8, True),
     ("specinfer", Tree.k_ary(2, 2), 1.0, 1.0, False),
-    ("chain", Tree.chain(3), 0.7, 0.8, False),
     ("chain", Tree.chain(2), 1.0, 1.0, True),
     ("topk", Tree.k_ary(3, 2), 0.7, 0.8, True),
-    ("topk", Tree.k_ary(2, 2), 1.0, 1.0, False),
     ("autoregressive", None, 0.7, 0.8, True),
 ], ids=lambda v: "static" if v is True else "dynamic" if v is False else None)
 def test_six_token_answers_follow_the_targets_law(pair, method, tree, temperature, top_p, static):

@@ -21,6 +21,8 @@ from tests.test_engine_sampling import sharpened
 VOCAB = 16
 PROMPT = [3, 1, 4, 1, 5, 9, 2]
 SEEDS = 3000
+# one worker for the module under xdist: the engine's counts are memoised for the test that reuses them
+pytestmark = pytest.mark.xdist_group("sampled-replay")
 
 
 @pytest.fixture(scope="module")
