@@ -22,6 +22,7 @@ from engine.tuning.explain import describe_setting
 from engine.tuning.optimizer import predict
 
 from . import figures
+from .figures import MEASURED, MEASURED_AT_START
 from .answer_stream import Run, run_views, stream_answer
 from .controls import DEFAULTS, cached_calibration, clamp, resolve_tree
 from .conversation import (
@@ -93,7 +94,7 @@ class ChatApp:
         self.texts = TokenTexts()
         self._export_dir: Path | None = None
         # target-alone decoding rates measured on this machine, per pair and (temperature, top-p)
-        self.baselines: dict[tuple, float] = {}
+        self.baselines: dict[tuple, tuple[float, str]] = {}  # (tokens/s, how it was measured)
         self._baselines_lock = threading.Lock()
         self._epochs: dict[str, int] = {}  # per session: conversations replaced by Clear or Import
         self._free_drafts: dict[str, tuple[bool, str]] = {}  # per session: copy from the chat, expected output
@@ -119,24 +120,27 @@ class ChatApp:
         return (self.worker.pair_version, str(info.get("target")), str(info.get("draft")),
                 round(float(temperature), 2), round(float(top_p), 2))
 
-    def record_baseline(self, temperature: float, top_p: float, run: dict | None) -> float | None:
+    def record_baseline(self, temperature: float, top_p: float, run: dict | None,
+                        source: str = MEASURED) -> float | None:
         """Keep the target-alone rate of a finished run (a Compare run, an autoregressive answer or
-        a "Measure" run) for this pair and setting; returns it."""
+        a "Measure" run, all while the page draws: ``MEASURED``; the launch's run before any page:
+        ``MEASURED_AT_START``) for this pair and setting; returns it."""
         if not run or run.get("decode_s", 0) <= 0 or run.get("tokens", 0) <= 0:
             return None
         rate = run["tokens"] / run["decode_s"]
         with self._baselines_lock:
-            self.baselines[self._baseline_key(temperature, top_p)] = rate
+            self.baselines[self._baseline_key(temperature, top_p)] = (rate, source)
         return rate
 
     def baseline(self, temperature: float, top_p: float) -> tuple[float | None, str]:
-        """``(tokens/s, "measured" | "estimated")`` of the target alone at this setting: measured on
-        this pair when it was (Compare, autoregressive or Measure), else the device profile's estimate,
-        else ``(None, "")``."""
+        """``(tokens/s, source)`` of the target alone at this setting: measured on this pair when it
+        was (``MEASURED``: Compare, autoregressive or Measure; ``MEASURED_AT_START``: at launch,
+        before any page drew), else the device profile's estimate (``"estimated"``), else
+        ``(None, "")``."""
         with self._baselines_lock:
-            rate = self.baselines.get(self._baseline_key(temperature, top_p))
-        if rate is not None:
-            return rate, "measured"
+            measured = self.baselines.get(self._baseline_key(temperature, top_p))
+        if measured is not None:
+            return measured
         if self.worker.tuner is not None:
             return 1.0 / self.worker.tuner.profile.token_time(), "estimated"
         return None, ""
@@ -146,8 +150,10 @@ class ChatApp:
         rate, source = self.baseline(temperature, top_p)
         if rate is None:
             text = "Target alone: not measured yet (Compare, or Measure, measures it)."
-        elif source == "measured":
-            text = f"Target alone: <b>{rate:.1f} tokens/s</b>, measured on this machine at T={temperature:g}, top-p {top_p:g}."
+        elif source in (MEASURED, MEASURED_AT_START):
+            when = " at launch, before any page drew on the cores" if source == MEASURED_AT_START else ""
+            text = (f"Target alone: <b>{rate:.1f} tokens/s</b>, measured on this machine{when} at T={temperature:g}, "
+                    f"top-p {top_p:g}.")
         else:
             origin = self.worker.tuner.origin if self.worker.tuner is not None else ""
             whose = "measured on this machine" if origin == "this machine" else html.escape(origin)
@@ -167,7 +173,7 @@ class ChatApp:
         other jobs) and keep its rate, so the stats line compares with a measurement of this
         machine rather than the profile's estimate; the rate, or None if it did not finish."""
         job = self.worker.submit(self._baseline_request(temperature, top_p), session="startup-baseline")
-        return self.record_baseline(temperature, top_p, _finished_run(job))
+        return self.record_baseline(temperature, top_p, _finished_run(job), MEASURED_AT_START)
 
     def measure_baseline(self, temperature, top_p, seed, request: gr.Request | None = None):
         """Decode a short fixed prompt with the target alone and keep its rate for this setting."""

@@ -239,6 +239,12 @@ def test_stats_line():
     assert "predicted 2.40 tokens/step" in estimated
     fig = figures.steps_figure(steps(), baseline_tokens_per_s=10.0, expected_tokens=2.5, baseline_source="estimated")
     assert "estimated" in traces(fig, "speedup")[0].name and "predicted" in traces(fig, "expected")[0].name
+    at_launch = figures.stats_line(steps(), baseline_tokens_per_s=10.0, baseline_source=figures.MEASURED_AT_START)
+    assert "**3.33× the target alone** (target alone measured at launch, before any page drew: 10.0" in at_launch
+    assert "Compare races both here" in at_launch
+    fig = figures.steps_figure(steps(), baseline_tokens_per_s=10.0, baseline_source=figures.MEASURED_AT_START)
+    assert traces(fig, "speedup")[0].name == "measured speedup (running)"
+    assert "measured at launch" in traces(fig, "speedup")[0].hovertemplate
     assert figures.stats_line([]) == "No steps yet."
 
 
