@@ -34,7 +34,7 @@ class Run:
     expected: float | None = None
     predicted: float | None = None
     baseline: float | None = None
-    baseline_source: str = "measured"   # of ``baseline``: see ``figures.BASELINE_WORDS``
+    baseline_source: str = figures.MEASURED  # of ``baseline``: see ``figures.BASELINE_WORDS``
     scale: float = 1.0                  # figure font scale (presentation mode)
     main: dict | None = None
     compare: dict | None = None

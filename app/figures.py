@@ -106,6 +106,12 @@ BASELINE_WORDS = {MEASURED: "measured", MEASURED_AT_START: "measured at launch, 
                   "estimated": "estimated from the device profile"}
 
 
+def is_measured(baseline_source: str) -> bool:
+    """Whether a target-alone rate from ``baseline_source`` was timed on this machine (at launch or
+    in the page), not estimated from the device profile."""
+    return baseline_source in (MEASURED, MEASURED_AT_START)
+
+
 def steps_figure(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None = None,
                  expected_tokens: float | None = None, predicted_speedup: float | None = None,
                  highlight: int | None = None, baseline_source: str = "measured") -> go.Figure:
@@ -137,7 +143,7 @@ def steps_figure(steps: Sequence[StepRecord], baseline_tokens_per_s: float | Non
     has_speedup = baseline_tokens_per_s is not None and baseline_tokens_per_s > 0 and steps
     if has_speedup:
         speed = running_speedup(steps, baseline_tokens_per_s)
-        name = ("measured speedup (running)" if baseline_source in (MEASURED, MEASURED_AT_START) else
+        name = ("measured speedup (running)" if is_measured(baseline_source) else
                 "speedup over an estimated target-alone rate (running)")
         fig.add_trace(go.Scatter(x=xs, y=speed, mode="lines+markers", name=name,
                                  yaxis="y2", line=dict(color="#ea580c", width=2.2), marker=dict(size=4),
@@ -218,13 +224,11 @@ def stats_line(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None 
     parts.append(f"time: draft {_percent(s['draft_share'])} · verify {_percent(s['verify_share'])}")
     if baseline_tokens_per_s and baseline_tokens_per_s > 0 and s["tokens_per_s"] > 0 and s["drafted"]:
         ratio = s["tokens_per_s"] / baseline_tokens_per_s
-        if baseline_source == MEASURED:
-            parts.append(f"**{ratio:.2f}× the target alone** (target alone measured: "
-                         f"{baseline_tokens_per_s:.1f} tokens/s)")
-        elif baseline_source == MEASURED_AT_START:
-            parts.append(f"**{ratio:.2f}× the target alone** (target alone measured at launch, before any page "
-                         f"drew: {baseline_tokens_per_s:.1f} tokens/s; this page's drawing slows the answer too, "
-                         f"so Compare races both here)")
+        if is_measured(baseline_source):
+            why = ("; this page's drawing slows the answer too, so Compare races both here"
+                   if baseline_source == MEASURED_AT_START else "")
+            parts.append(f"**{ratio:.2f}× the target alone** (target alone {BASELINE_WORDS[baseline_source]}: "
+                         f"{baseline_tokens_per_s:.1f} tokens/s{why})")
         else:
             parts.append(f"≈{ratio:.2f}× the target alone (target alone estimated from the device profile: "
                          f"{baseline_tokens_per_s:.1f} tokens/s; Compare or “Measure” measures it)")

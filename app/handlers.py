@@ -150,7 +150,7 @@ class ChatApp:
         rate, source = self.baseline(temperature, top_p)
         if rate is None:
             text = "Target alone: not measured yet (Compare, or Measure, measures it)."
-        elif source in (MEASURED, MEASURED_AT_START):
+        elif figures.is_measured(source):
             when = " at launch, before any page drew on the cores" if source == MEASURED_AT_START else ""
             text = (f"Target alone: <b>{rate:.1f} tokens/s</b>, measured on this machine{when} at T={temperature:g}, "
                     f"top-p {top_p:g}.")
