@@ -25,7 +25,7 @@ from engine.backends.kquant import (
 )
 from engine.backends.kquant_model import kquant_model, read_cache, write_cache
 
-ROW_COUNTS = list(range(1, 33)) + [40, 64, 65, 150]  # 16 rows and more: the AVX2 prefill panels (64 rows each)
+ROW_COUNTS = list(range(1, 33)) + [40, 64, 65, 150, 600]  # 16 rows and more: the prefill panels (64 rows each)
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -245,14 +245,21 @@ def test_the_kernel_is_close_to_the_float_product(kind, compiled):
 
 @pytest.mark.parametrize("kind", ["q4k", "q6k"])
 def test_every_row_is_independent_of_the_batch(kind, compiled):
-    """Rows of an n-row product, n = 1..32 and prefill widths up to 150, equal the 1-row product of
-    the same input bit for bit."""
+    """Rows of an n-row product, n = 1..32 and prefill widths up to 600 (ten panels), at 1 to 4
+    threads, equal the 1-row product of the same input on one thread bit for bit."""
     tensors = packed(kind, random_blocks(kind, 32, 512, seed=3))
     layer = KQuantLinear(kind, tensors, 512, 32)
     x = torch.randn(max(ROW_COUNTS), 512)
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
-    for n in ROW_COUNTS:
-        assert torch.equal(layer(x[:n]), alone[:n]), f"{n} rows"
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+        for threads in (1, 2, 3, 4):
+            torch.set_num_threads(threads)
+            for n in ROW_COUNTS:
+                assert torch.equal(layer(x[:n]), alone[:n]), f"{n} rows, {threads} threads"
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_weight_without_gguf_is_quantised_to_q4k_within_its_grid():

@@ -51,6 +51,18 @@ constexpr int64_t Q6K_BYTES = TILE * QK * 3 / 4;  // 6 bits a weight
 // loads overlap the arithmetic. The target's linears on the 2-core EPYC, 1 / 4 rows: VNNI 34 / 44
 // -> 33 / 38 ms; the AVX2 path built for it, 47 / 81 -> 40 / 64 ms.
 constexpr int64_t PREFETCH_AHEAD = 2048;
+// Many rows (a prefill chunk) go through a product in panels of up to PANEL_ROWS rows, which share
+// each sub-block's unpacked weights (see panel_q4k); fewer than PANEL_FROM rows (decoding, trees)
+// keep the register-blocked row kernels. Either way a row's bits are the same. One thread, 64-512
+// rows, on a 2-core AVX-512 Xeon (2026-11-28): Q6_K 1536 x 8960 106 -> 119 G multiply-adds/s with
+// VNNI, 48 -> 58 on its AVX2 build; Q4_K 8960 x 1536 unchanged with VNNI (124), 62 -> 66 on AVX2.
+constexpr int64_t PANEL_ROWS = 64;
+constexpr int64_t PANEL_FROM = 16;
+#if defined(KQ_VNNI) || defined(KQ_AVX2)
+inline bool uses_panels(int64_t R) { return R >= PANEL_FROM; }
+#else
+inline bool uses_panels(int64_t) { return false; }  // the portable path goes one row at a time
+#endif
 
 // Two int16 values (each |v| < 2^15) as one int32 lane pattern: lo in the low half, hi in the high
 // one, for the int16-pair products (madd_epi16, dpwssd) that take them two at a time.
@@ -128,12 +140,22 @@ inline float quantize_block(const float* xb, int8_t* qb, int32_t* sums) {
 }
 #endif
 
-// x [R, K] float -> xq [R, K] int8, sx [R, K/256] float, s16 [R, K/16] int32 (sums of xq).
-void quantize_rows(const float* x, int64_t R, int64_t K, int8_t* xq, float* sx, int32_t* s16) {
+// Where row r's super-block b of activations lies, in super-blocks (256 int8 in xq, 16 sums in s16).
+// Row-major: row after row. Panel-major (a product of PANEL_FROM rows or more): a panel's rows of one
+// super-block lie together, so that a panel reads its activations in order, not as PANEL_ROWS
+// streams a row apart (which the hardware prefetcher cannot follow once K is wide).
+inline int64_t block_slot(int64_t r, int64_t b, int64_t nb, bool panel_major) {
+  return panel_major ? (r / PANEL_ROWS * nb + b) * PANEL_ROWS + r % PANEL_ROWS : r * nb + b;
+}
+
+// x [R, K] float -> xq int8 and s16 int32 (sums of 16 xq) at block_slot, sx [R, K/256] float.
+void quantize_rows(const float* x, int64_t R, int64_t K, bool panel_major, int8_t* xq, float* sx, int32_t* s16) {
   const int64_t nb = K / QK;
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t b = 0; b < nb; ++b)
-      sx[r * nb + b] = quantize_block(x + r * K + b * QK, xq + r * K + b * QK, s16 + r * (K / 16) + b * 16) / 127.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t slot = block_slot(r, b, nb, panel_major);
+      sx[r * nb + b] = quantize_block(x + r * K + b * QK, xq + slot * QK, s16 + slot * 16) / 127.f;
+    }
 }
 
 struct Rows {
@@ -141,6 +163,10 @@ struct Rows {
   const float* sx;
   const int32_t* s16;
   int64_t K;
+  // Panel-major rows: super-block blk of the panel starting at row r0 (a multiple of PANEL_ROWS), its
+  // rows QK bytes (16 sums) apart.
+  const int8_t* panel_x(int64_t r0, int64_t blk) const { return xq + block_slot(r0, blk, K / QK, true) * QK; }
+  const int32_t* panel_s16(int64_t r0, int64_t blk) const { return s16 + block_slot(r0, blk, K / QK, true) * 16; }
 };
 
 // A Q4_K weight's tensors. Its quants are tile-major: a tile's super-blocks one after the other, each
@@ -189,38 +215,87 @@ inline __m256i interleave_bytes(__m128i a, __m128i b) {
   return _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
 }
 
+// One Q4_K sub-block's 32 inputs x 16 outputs: w[2l] holds inputs 8l .. 8l+3 and w[2l+1] inputs
+// 8l+4 .. 8l+7, four bytes an output lane (dpbusd's layout).
+inline void unpack_q4k(const uint8_t* q, __m512i (&w)[8]) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  #pragma GCC unroll 4
+  for (int l = 0; l < 4; ++l) {
+    const __m512i raw = _mm512_loadu_si512(q + l * 64);
+    w[2 * l] = _mm512_and_si512(raw, low);
+    w[2 * l + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+  }
+}
+
+// One Q6_K sub-block's 16 inputs x 16 outputs, w[l] inputs 4l .. 4l+3: (low nibble) | (two high bits
+// << 4), each as one ternary-logic op, A | (B & C).
+inline void unpack_q6k(const uint8_t* q, __m512i (&w)[4]) {
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(0x30);
+  const __m512i lo01 = _mm512_loadu_si512(q), lo23 = _mm512_loadu_si512(q + 64), hb = _mm512_loadu_si512(q + 128);
+  w[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(lo01, low), _mm512_slli_epi16(hb, 4), high, 0xF8);
+  w[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(lo01, 4), low), _mm512_slli_epi16(hb, 2), high, 0xF8);
+  w[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(lo23, low), hb, high, 0xF8);
+  w[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(lo23, 4), low), _mm512_srli_epi16(hb, 2), high, 0xF8);
+}
+
+// One row's integer products with an unpacked sub-block (xq: its 32 or 16 inputs), 16 output lanes.
+inline __m512i dot_q4k(const __m512i (&w)[8], const int8_t* xq) {
+  __m512i dot = _mm512_setzero_si512();
+  #pragma GCC unroll 4
+  for (int l = 0; l < 4; ++l) {
+    int32_t x0, x1;
+    std::memcpy(&x0, xq + l * 8, 4);
+    std::memcpy(&x1, xq + l * 8 + 4, 4);
+    dot = _mm512_dpbusd_epi32(dot, w[2 * l], _mm512_set1_epi32(x0));
+    dot = _mm512_dpbusd_epi32(dot, w[2 * l + 1], _mm512_set1_epi32(x1));
+  }
+  return dot;
+}
+
+inline __m512i dot_q6k(const __m512i (&w)[4], const int8_t* xq) {
+  __m512i dot = _mm512_setzero_si512();
+  #pragma GCC unroll 4
+  for (int l = 0; l < 4; ++l) {
+    int32_t x0;
+    std::memcpy(&x0, xq + l * 4, 4);
+    dot = _mm512_dpbusd_epi32(dot, w[l], _mm512_set1_epi32(x0));
+  }
+  return dot;
+}
+
 // The scaled products sum_j sc_j * (q_j . xq_j) of one super-block's first NSUB sub-blocks (8, or 4
 // for a half tail) for NR rows, added to a[0..NR-1].
 template <int NR, int NSUB>
 __attribute__((always_inline)) inline void products_q4k(const uint8_t* q, const uint8_t* sct, const Rows& rows,
                                                         int64_t r0, int64_t blk, __m512i* a) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
   for (int j = 0; j < NSUB; ++j) {
     #pragma GCC unroll 4
     for (int l = 0; l < 4; ++l) _mm_prefetch((const char*)(q + j * 256 + l * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
     __m512i w[8];
-    #pragma GCC unroll 8
-    for (int l = 0; l < 4; ++l) {
-      const __m512i raw = _mm512_loadu_si512(q + j * 256 + l * 64);
-      w[2 * l] = _mm512_and_si512(raw, low);
-      w[2 * l + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-    }
+    unpack_q4k(q + j * 256, w);
     const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(sct + j * 16)));
     #pragma GCC unroll 8
-    for (int rr = 0; rr < NR; ++rr) {
-      const int8_t* xq = rows.xq + (r0 + rr) * rows.K + blk * QK + j * 32;
-      __m512i dot = _mm512_setzero_si512();
-      #pragma GCC unroll 8
-      for (int l = 0; l < 4; ++l) {
-        int32_t x0, x1;
-        std::memcpy(&x0, xq + l * 8, 4);
-        std::memcpy(&x1, xq + l * 8 + 4, 4);
-        dot = _mm512_dpbusd_epi32(dot, w[2 * l], _mm512_set1_epi32(x0));
-        dot = _mm512_dpbusd_epi32(dot, w[2 * l + 1], _mm512_set1_epi32(x1));
-      }
-      a[rr] = _mm512_add_epi32(a[rr], _mm512_mullo_epi32(dot, scv));
-    }
+    for (int rr = 0; rr < NR; ++rr)
+      a[rr] = _mm512_add_epi32(a[rr], _mm512_mullo_epi32(dot_q4k(w, rows.xq + (r0 + rr) * rows.K + blk * QK + j * 32), scv));
   }
+}
+
+// The mins' term sum_j mn_j * S_j of one super-block (S_j: the sub-block's activation sum, |S_j| <=
+// 32 * 127) as four int16-pair dot products a row: lane l of mp[k] holds (mn_2k[l], mn_2k+1[l]).
+inline void mins_pairs(const uint8_t* mn, __m512i (&mp)[4]) {
+  #pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k)
+    mp[k] = _mm512_cvtepu8_epi16(interleave_bytes(_mm_loadu_si128((const __m128i*)(mn + 2 * k * 16)),
+                                                  _mm_loadu_si128((const __m128i*)(mn + (2 * k + 1) * 16))));
+}
+
+// One row's mins' term (s16: its 16 sums of 16 inputs in the super-block).
+inline __m512i mins_q4k(const __m512i (&mp)[4], const int32_t* s16) {
+  __m512i b = _mm512_setzero_si512();
+  #pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k)
+    b = _mm512_dpwssd_epi32(b, mp[k], _mm512_set1_epi32(int16_pair(s16[4 * k] + s16[4 * k + 1], s16[4 * k + 2] + s16[4 * k + 3])));
+  return b;
 }
 
 // The VNNI path: NR rows share each sub-block's unpacked weights; per lane, the same operations
@@ -243,27 +318,12 @@ void rows_q4k(const Q4KWeight& w, const Rows& rows, int64_t r0, float* out, int6
       products_q4k<NR, 4>(q, sc + t * 128, rows, r0, blk, a);
     else
       products_q4k<NR, 8>(q, sc + t * 128, rows, r0, blk, a);
-    // The mins' term sum_j mn_j * S_j (S_j: the sub-block's activation sum, |S_j| <= 32 * 127) as
-    // four int16-pair dot products a row: lane l of mp[k] holds (mn_2k[l], mn_2k+1[l]). Made after
-    // the products, so that four rows' accumulators and the unpacked weights stay in registers.
+    // The mins' term, made after the products so that the rows' accumulators and the unpacked
+    // weights stay in registers.
     __m512i mp[4], b[NR];
-    #pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) {
-      const __m128i m0 = _mm_loadu_si128((const __m128i*)(mn + t * 128 + 2 * k * 16));
-      const __m128i m1 = _mm_loadu_si128((const __m128i*)(mn + t * 128 + (2 * k + 1) * 16));
-      mp[k] = _mm512_cvtepu8_epi16(interleave_bytes(m0, m1));
-    }
+    mins_pairs(mn + t * 128, mp);
     #pragma GCC unroll 8
-    for (int rr = 0; rr < NR; ++rr) {
-      const int32_t* s16 = rows.s16 + (r0 + rr) * (rows.K / 16) + blk * 16;
-      __m512i bb = _mm512_setzero_si512();
-      #pragma GCC unroll 4
-      for (int k = 0; k < 4; ++k) {
-        const int32_t pair = int16_pair(s16[4 * k] + s16[4 * k + 1], s16[4 * k + 2] + s16[4 * k + 3]);
-        bb = _mm512_dpwssd_epi32(bb, mp[k], _mm512_set1_epi32(pair));
-      }
-      b[rr] = bb;
-    }
+    for (int rr = 0; rr < NR; ++rr) b[rr] = mins_q4k(mp, rows.s16 + (r0 + rr) * (rows.K / 16) + blk * 16);
     const __m512 dv = half16(d + t * TILE), dminv = half16(dmin + t * TILE);
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) {
@@ -277,6 +337,23 @@ void rows_q4k(const Q4KWeight& w, const Rows& rows, int64_t r0, float* out, int6
   for (int rr = 0; rr < NR; ++rr) _mm512_storeu_ps(out + (r0 + rr) * N + tile * TILE, y[rr]);
 }
 
+// Q6_K: sum_j sc_j * (dot_j - 32 s_j) = sum_j sc_j * dot_j - 32 * sum_j sc_j * s_j (exact in int32).
+// The second sum, as eight int16-pair dot products a row: lane l of sp[k] holds (sc_2k[l], sc_2k+1[l]).
+inline void scale_pairs(const int8_t* sc, __m512i (&sp)[8]) {
+  #pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k)
+    sp[k] = _mm512_cvtepi8_epi16(interleave_bytes(_mm_loadu_si128((const __m128i*)(sc + 2 * k * 16)),
+                                                  _mm_loadu_si128((const __m128i*)(sc + (2 * k + 1) * 16))));
+}
+
+// -32 * sum_j sc_j * s_j for one row (s16: its 16 sub-block sums), where its products start.
+inline __m512i offsets_q6k(const __m512i (&sp)[8], const int32_t* s16) {
+  __m512i a = _mm512_setzero_si512();
+  #pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) a = _mm512_dpwssd_epi32(a, sp[k], _mm512_set1_epi32(int16_pair(s16[2 * k], s16[2 * k + 1])));
+  return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(a, 5));
+}
+
 template <int NR>
 void rows_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t r0, float* out,
               int64_t N, int64_t tile) {
@@ -287,47 +364,19 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t t = tile * nb + blk;
     const uint8_t* q = qs + t * Q6K_BYTES;
-    // sum_j sc_j * (dot_j - 32 s_j) = sum_j sc_j * dot_j - 32 * sum_j sc_j * s_j (exact in int32);
-    // the second sum as eight int16-pair dot products a row (lane l of sp holds sc_2k[l], sc_2k+1[l]).
-    __m512i a[NR];
+    __m512i a[NR], sp[8];
+    scale_pairs(sc + t * 256, sp);
     #pragma GCC unroll 8
-    for (int rr = 0; rr < NR; ++rr) a[rr] = _mm512_setzero_si512();
-    for (int k = 0; k < 8; ++k) {
-      const __m128i s0 = _mm_loadu_si128((const __m128i*)(sc + t * 256 + 2 * k * 16));
-      const __m128i s1 = _mm_loadu_si128((const __m128i*)(sc + t * 256 + (2 * k + 1) * 16));
-      const __m512i sp = _mm512_cvtepi8_epi16(interleave_bytes(s0, s1));
-      #pragma GCC unroll 8
-      for (int rr = 0; rr < NR; ++rr) {
-        const int32_t* s16 = rows.s16 + (r0 + rr) * (rows.K / 16) + blk * 16;
-        a[rr] = _mm512_dpwssd_epi32(a[rr], sp, _mm512_set1_epi32(int16_pair(s16[2 * k], s16[2 * k + 1])));
-      }
-    }
-    #pragma GCC unroll 8
-    for (int rr = 0; rr < NR; ++rr) a[rr] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(a[rr], 5));
-    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(0x30);
+    for (int rr = 0; rr < NR; ++rr) a[rr] = offsets_q6k(sp, rows.s16 + (r0 + rr) * (rows.K / 16) + blk * 16);
     for (int j = 0; j < 16; ++j) {
       #pragma GCC unroll 3
       for (int l = 0; l < 3; ++l) _mm_prefetch((const char*)(q + j * 192 + l * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
-      const __m512i lo01 = _mm512_loadu_si512(q + j * 192), lo23 = _mm512_loadu_si512(q + j * 192 + 64);
-      const __m512i hb = _mm512_loadu_si512(q + j * 192 + 128);
-      __m512i w[4];  // (low nibble) | (two high bits << 4), as one ternary-logic op: A | (B & C)
-      w[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(lo01, low), _mm512_slli_epi16(hb, 4), high, 0xF8);
-      w[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(lo01, 4), low), _mm512_slli_epi16(hb, 2), high, 0xF8);
-      w[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(lo23, low), hb, high, 0xF8);
-      w[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(lo23, 4), low), _mm512_srli_epi16(hb, 2), high, 0xF8);
+      __m512i w[4];
+      unpack_q6k(q + j * 192, w);
       const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + t * 256 + j * 16)));
       #pragma GCC unroll 8
-      for (int rr = 0; rr < NR; ++rr) {
-        const int8_t* xq = rows.xq + (r0 + rr) * rows.K + blk * QK + j * 16;
-        __m512i dot = _mm512_setzero_si512();
-        #pragma GCC unroll 8
-        for (int l = 0; l < 4; ++l) {
-          int32_t x0;
-          std::memcpy(&x0, xq + l * 4, 4);
-          dot = _mm512_dpbusd_epi32(dot, w[l], _mm512_set1_epi32(x0));
-        }
-        a[rr] = _mm512_add_epi32(a[rr], _mm512_mullo_epi32(dot, scv));
-      }
+      for (int rr = 0; rr < NR; ++rr)
+        a[rr] = _mm512_add_epi32(a[rr], _mm512_mullo_epi32(dot_q6k(w, rows.xq + (r0 + rr) * rows.K + blk * QK + j * 16), scv));
     }
     const __m512 dv = half16(d + t * TILE);
     #pragma GCC unroll 8
@@ -340,13 +389,94 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows
   for (int rr = 0; rr < NR; ++rr) _mm512_storeu_ps(out + (r0 + rr) * N + tile * TILE, y[rr]);
 }
 
-void tile_q4k(const Q4KWeight& w, const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
-  by_row_blocks<8>(R, [&](auto block, int64_t r) { rows_q4k<decltype(block)::value>(w, rows, r, out, N, tile); });
+// Many rows (a prefill chunk), as the AVX2 path below: a panel of up to PANEL_ROWS rows goes through
+// each sub-block while its unpacked weights stay in registers, instead of unpacking them again for
+// every 8 rows. A row's integer sums are the same exact integers and its float steps rows_q4k's in
+// the same order (its output starts at 0 and gains each super-block's step), so its bits do not
+// depend on which path ran it.
+void panel_q4k(const Q4KWeight& wt, const Rows& rows, int64_t r0, int64_t np, float* out, int64_t N, int64_t tile) {
+  const int64_t nb = rows.K / QK;
+  alignas(64) int32_t sums[PANEL_ROWS * TILE];  // per row: the super-block's sc-weighted integer sums
+  for (int64_t r = 0; r < np; ++r) _mm512_storeu_ps(out + (r0 + r) * N + tile * TILE, _mm512_setzero_ps());
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const int64_t t = tile * nb + blk;
+    const uint8_t* q = wt.quants(tile, nb, blk);
+    for (int64_t r = 0; r < np; ++r) _mm512_store_si512(sums + r * TILE, _mm512_setzero_si512());
+    for (int j = 0, subs = wt.subblocks(nb, blk); j < subs; ++j) {
+      #pragma GCC unroll 4
+      for (int l = 0; l < 4; ++l) _mm_prefetch((const char*)(q + j * 256 + l * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
+      __m512i w[8];
+      unpack_q4k(q + j * 256, w);
+      const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(wt.sc + t * 128 + j * 16)));
+      const int8_t* x0 = rows.panel_x(r0, blk) + j * 32;
+      #pragma GCC unroll 2
+      for (int64_t r = 0; r < np; ++r) {
+        int32_t* a = sums + r * TILE;
+        _mm512_store_si512(a, _mm512_add_epi32(_mm512_load_si512(a), _mm512_mullo_epi32(dot_q4k(w, x0 + r * QK), scv)));
+      }
+    }
+    __m512i mp[4];
+    mins_pairs(wt.mn + t * 128, mp);
+    const __m512 dv = half16(wt.d + t * TILE), dminv = half16(wt.dmin + t * TILE);
+    for (int64_t r = 0; r < np; ++r) {
+      const __m512i b = mins_q4k(mp, rows.panel_s16(r0, blk) + r * 16);
+      const __m512 sx = _mm512_set1_ps(rows.sx[(r0 + r) * nb + blk]);
+      const __m512 step = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(sx, dv), _mm512_cvtepi32_ps(_mm512_load_si512(sums + r * TILE))),
+                                        _mm512_mul_ps(_mm512_mul_ps(sx, dminv), _mm512_cvtepi32_ps(b)));
+      float* y = out + (r0 + r) * N + tile * TILE;
+      _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), step));
+    }
+  }
 }
 
-void tile_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t R, float* out,
-              int64_t N, int64_t tile) {
-  by_row_blocks<8>(R, [&](auto block, int64_t r) { rows_q6k<decltype(block)::value>(qs, sc, d, rows, r, out, N, tile); });
+// One tile of 16 outputs for rows r0 .. r0+nr-1: one panel when the rows are panel-major, else every
+// row (r0 = 0) in register blocks.
+void tile_q4k(const Q4KWeight& w, const Rows& rows, int64_t r0, int64_t nr, bool panel, float* out, int64_t N,
+              int64_t tile) {
+  if (panel) return panel_q4k(w, rows, r0, nr, out, N, tile);
+  by_row_blocks<8>(nr, [&](auto block, int64_t r) { rows_q4k<decltype(block)::value>(w, rows, r, out, N, tile); });
+}
+
+// A panel of Q6_K rows, as panel_q4k: rows_q6k's integers and float steps for each row.
+void panel_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t r0, int64_t np,
+               float* out, int64_t N, int64_t tile) {
+  const int64_t nb = rows.K / QK;
+  alignas(64) int32_t sums[PANEL_ROWS * TILE];
+  for (int64_t r = 0; r < np; ++r) _mm512_storeu_ps(out + (r0 + r) * N + tile * TILE, _mm512_setzero_ps());
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const int64_t t = tile * nb + blk;
+    const uint8_t* q = qs + t * Q6K_BYTES;
+    __m512i sp[8];
+    scale_pairs(sc + t * 256, sp);
+    for (int64_t r = 0; r < np; ++r)
+      _mm512_store_si512(sums + r * TILE, offsets_q6k(sp, rows.panel_s16(r0, blk) + r * 16));
+    for (int j = 0; j < 16; ++j) {
+      #pragma GCC unroll 3
+      for (int l = 0; l < 3; ++l) _mm_prefetch((const char*)(q + j * 192 + l * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
+      __m512i w[4];
+      unpack_q6k(q + j * 192, w);
+      const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + t * 256 + j * 16)));
+      const int8_t* x0 = rows.panel_x(r0, blk) + j * 16;
+      #pragma GCC unroll 2
+      for (int64_t r = 0; r < np; ++r) {
+        int32_t* a = sums + r * TILE;
+        _mm512_store_si512(a, _mm512_add_epi32(_mm512_load_si512(a), _mm512_mullo_epi32(dot_q6k(w, x0 + r * QK), scv)));
+      }
+    }
+    const __m512 dv = half16(d + t * TILE);
+    for (int64_t r = 0; r < np; ++r) {
+      const __m512 sx = _mm512_set1_ps(rows.sx[(r0 + r) * nb + blk]);
+      float* y = out + (r0 + r) * N + tile * TILE;
+      _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), _mm512_mul_ps(_mm512_mul_ps(sx, dv),
+                                                                          _mm512_cvtepi32_ps(_mm512_load_si512(sums + r * TILE)))));
+    }
+  }
+}
+
+void tile_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t r0, int64_t nr,
+              bool panel, float* out, int64_t N, int64_t tile) {
+  if (panel) return panel_q6k(qs, sc, d, rows, r0, nr, out, N, tile);
+  by_row_blocks<8>(nr, [&](auto block, int64_t r) { rows_q6k<decltype(block)::value>(qs, sc, d, rows, r, out, N, tile); });
 }
 #elif defined(KQ_AVX2)
 // The AVX2 path: a tile's 16 outputs as two halves of 8 int32 lanes. maddubs (u8 x s8 -> pairs
@@ -429,43 +559,51 @@ void rows_q4k(const Q4KWeight& wt, const Rows& rows, int64_t r0, float* out, int
   for (int rr = 0; rr < NR; ++rr) _mm256_storeu_ps(out + (r0 + rr) * N + tile * TILE + h * 8, y[rr]);
 }
 
+// Outputs 8h .. 8h+7 of one Q6_K sub-block (q: its 192 bytes, offset by 32h), w[l] inputs 4l .. 4l+3:
+// (low nibble) | (two high bits << 4).
+inline void unpack_q6k(const uint8_t* q, __m256i (&w)[4]) {
+  const __m256i low = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(0x30);
+  const __m256i lo01 = _mm256_loadu_si256((const __m256i*)q), lo23 = _mm256_loadu_si256((const __m256i*)(q + 64));
+  const __m256i hb = _mm256_loadu_si256((const __m256i*)(q + 128));
+  w[0] = _mm256_or_si256(_mm256_and_si256(lo01, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), high));
+  w[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo01, 4), low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), high));
+  w[2] = _mm256_or_si256(_mm256_and_si256(lo23, low), _mm256_and_si256(hb, high));
+  w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo23, 4), low), _mm256_and_si256(_mm256_srli_epi16(hb, 2), high));
+}
+
+// One row's sc_j * (dot_j - 32 s_j) for a Q6_K sub-block (xq: its 16 inputs, s: their sum).
+inline __m256i scaled_q6k(const __m256i (&w)[4], const int8_t* xq, int32_t s, __m256i scv) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  // int16 lanes: 2 pairs of 2*63*127 = 32004 < 2^15 at most before widening
+  const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], bcast4(xq)), _mm256_maddubs_epi16(w[1], bcast4(xq + 4)));
+  const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], bcast4(xq + 8)), _mm256_maddubs_epi16(w[3], bcast4(xq + 12)));
+  const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+  return _mm256_mullo_epi32(_mm256_sub_epi32(dot, _mm256_set1_epi32(32 * s)), scv);
+}
+
 template <int NR>
 void rows_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t r0, float* out,
               int64_t N, int64_t tile, int h) {
   const int64_t nb = rows.K / QK;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 y[NR];
   #pragma GCC unroll 8
   for (int rr = 0; rr < NR; ++rr) y[rr] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t t = tile * nb + blk;
     const uint8_t* q = qs + t * Q6K_BYTES + h * 32;
-    const __m256i low = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(0x30);
     __m256i a[NR];
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) a[rr] = _mm256_setzero_si256();
     for (int j = 0; j < 16; ++j) {
       #pragma GCC unroll 3
       for (int l = 0; l < 3; ++l) _mm_prefetch((const char*)(q + j * 192 + l * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
-      const __m256i lo01 = _mm256_loadu_si256((const __m256i*)(q + j * 192));
-      const __m256i lo23 = _mm256_loadu_si256((const __m256i*)(q + j * 192 + 64));
-      const __m256i hb = _mm256_loadu_si256((const __m256i*)(q + j * 192 + 128));
-      __m256i w[4];  // (low nibble) | (two high bits << 4)
-      w[0] = _mm256_or_si256(_mm256_and_si256(lo01, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), high));
-      w[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo01, 4), low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), high));
-      w[2] = _mm256_or_si256(_mm256_and_si256(lo23, low), _mm256_and_si256(hb, high));
-      w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo23, 4), low), _mm256_and_si256(_mm256_srli_epi16(hb, 2), high));
+      __m256i w[4];
+      unpack_q6k(q + j * 192, w);
       const __m256i scv = widen8(sc + t * 256 + j * 16 + h * 8);
       #pragma GCC unroll 8
-      for (int rr = 0; rr < NR; ++rr) {
-        const int8_t* xq = rows.xq + (r0 + rr) * rows.K + blk * QK + j * 16;
-        const int32_t s = rows.s16[(r0 + rr) * (rows.K / 16) + blk * 16 + j];
-        // int16 lanes: 2 pairs of 2*63*127 = 32004 < 2^15 at most before widening
-        const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], bcast4(xq)), _mm256_maddubs_epi16(w[1], bcast4(xq + 4)));
-        const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], bcast4(xq + 8)), _mm256_maddubs_epi16(w[3], bcast4(xq + 12)));
-        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
-        a[rr] = _mm256_add_epi32(a[rr], _mm256_mullo_epi32(_mm256_sub_epi32(dot, _mm256_set1_epi32(32 * s)), scv));
-      }
+      for (int rr = 0; rr < NR; ++rr)
+        a[rr] = _mm256_add_epi32(a[rr], scaled_q6k(w, rows.xq + (r0 + rr) * rows.K + blk * QK + j * 16,
+                                                   rows.s16[(r0 + rr) * (rows.K / 16) + blk * 16 + j], scv));
     }
     const __m256 dv = half8(d + t * TILE + h * 8);
     #pragma GCC unroll 8
@@ -484,9 +622,6 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows
 // in the same order (its output starts at 0 and gains each super-block's step), so a row's bits do
 // not depend on which path ran it. On the 2-core AVX2 EPYC, one thread, 1536 x 8960, 64 rows:
 // 16.2 -> 13.9 ms (min of 6 alternating runs, 2026-11-27).
-constexpr int64_t PANEL_ROWS = 64;
-constexpr int64_t PANEL_FROM = 16;  // fewer rows (decoding, trees) keep the register-blocked rows_q4k
-
 void panel_q4k(const Q4KWeight& wt, const Rows& rows, int64_t r0, int64_t np, float* out, int64_t N, int64_t tile,
                int h) {
   const int64_t nb = rows.K / QK;
@@ -507,9 +642,9 @@ void panel_q4k(const Q4KWeight& wt, const Rows& rows, int64_t r0, int64_t np, fl
         w[2 * l + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
       }
       const __m256i scv = twice16(wt.sc + t * 128 + j * 16 + h * 8);
-      const int8_t* x0 = rows.xq + r0 * rows.K + blk * QK + j * 32;
+      const int8_t* x0 = rows.panel_x(r0, blk) + j * 32;
       for (int64_t r = 0; r < np; ++r) {
-        const int8_t* xq = x0 + r * rows.K;
+        const int8_t* xq = x0 + r * QK;
         __m256i acc = _mm256_maddubs_epi16(w[0], bcast4(xq));  // int16: as rows_q4k, at most 8 pairs
         #pragma GCC unroll 7
         for (int k = 1; k < 8; ++k) acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(w[k], bcast4(xq + 4 * k)));
@@ -522,7 +657,7 @@ void panel_q4k(const Q4KWeight& wt, const Rows& rows, int64_t r0, int64_t np, fl
     for (int j = 0; j < 8; ++j) mnv[j] = twice16(wt.mn + t * 128 + j * 16 + h * 8);
     const __m256 dv = half8(wt.d + t * TILE + h * 8), dminv = half8(wt.dmin + t * TILE + h * 8);
     for (int64_t r = 0; r < np; ++r) {
-      const int32_t* s16 = rows.s16 + (r0 + r) * (rows.K / 16) + blk * 16;
+      const int32_t* s16 = rows.panel_s16(r0, blk) + r * 16;
       __m256i b = _mm256_setzero_si256();
       for (int j = 0; j < subs; ++j)
         b = _mm256_add_epi32(b, _mm256_madd_epi16(mnv[j], _mm256_set1_epi32(int16_pair(s16[2 * j], s16[2 * j + 1]))));
@@ -536,20 +671,57 @@ void panel_q4k(const Q4KWeight& wt, const Rows& rows, int64_t r0, int64_t np, fl
   }
 }
 
-void tile_q4k(const Q4KWeight& w, const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
+void tile_q4k(const Q4KWeight& w, const Rows& rows, int64_t r0, int64_t nr, bool panel, float* out, int64_t N,
+              int64_t tile) {
   for (int h = 0; h < 2; ++h) {
-    if (R >= PANEL_FROM) {
-      for (int64_t r = 0; r < R; r += PANEL_ROWS) panel_q4k(w, rows, r, std::min(PANEL_ROWS, R - r), out, N, tile, h);
-      continue;
-    }
-    by_row_blocks<4>(R, [&](auto block, int64_t r) { rows_q4k<decltype(block)::value>(w, rows, r, out, N, tile, h); });
+    if (panel)
+      panel_q4k(w, rows, r0, nr, out, N, tile, h);
+    else
+      by_row_blocks<4>(nr, [&](auto block, int64_t r) { rows_q4k<decltype(block)::value>(w, rows, r, out, N, tile, h); });
   }
 }
 
-void tile_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t R, float* out,
-              int64_t N, int64_t tile) {
-  for (int h = 0; h < 2; ++h)
-    by_row_blocks<4>(R, [&](auto block, int64_t r) { rows_q6k<decltype(block)::value>(qs, sc, d, rows, r, out, N, tile, h); });
+// A panel of Q6_K rows, as panel_q4k: rows_q6k's integers and float steps for each row.
+void panel_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t r0, int64_t np,
+               float* out, int64_t N, int64_t tile, int h) {
+  const int64_t nb = rows.K / QK;
+  alignas(32) int32_t sums[PANEL_ROWS * 8];
+  for (int64_t r = 0; r < np; ++r) _mm256_storeu_ps(out + (r0 + r) * N + tile * TILE + h * 8, _mm256_setzero_ps());
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const int64_t t = tile * nb + blk;
+    const uint8_t* q = qs + t * Q6K_BYTES + h * 32;
+    for (int64_t r = 0; r < np; ++r) _mm256_store_si256((__m256i*)(sums + r * 8), _mm256_setzero_si256());
+    for (int j = 0; j < 16; ++j) {
+      #pragma GCC unroll 3
+      for (int l = 0; l < 3; ++l) _mm_prefetch((const char*)(q + j * 192 + l * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
+      __m256i w[4];
+      unpack_q6k(q + j * 192, w);
+      const __m256i scv = widen8(sc + t * 256 + j * 16 + h * 8);
+      const int8_t* x0 = rows.panel_x(r0, blk) + j * 16;
+      const int32_t* s0 = rows.panel_s16(r0, blk) + j;
+      for (int64_t r = 0; r < np; ++r) {
+        __m256i* a = (__m256i*)(sums + r * 8);
+        _mm256_store_si256(a, _mm256_add_epi32(_mm256_load_si256(a), scaled_q6k(w, x0 + r * QK, s0[r * 16], scv)));
+      }
+    }
+    const __m256 dv = half8(d + t * TILE + h * 8);
+    for (int64_t r = 0; r < np; ++r) {
+      const __m256 sx = _mm256_set1_ps(rows.sx[(r0 + r) * nb + blk]);
+      float* y = out + (r0 + r) * N + tile * TILE + h * 8;
+      _mm256_storeu_ps(y, _mm256_add_ps(_mm256_loadu_ps(y), _mm256_mul_ps(_mm256_mul_ps(sx, dv),
+                                                                          _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)(sums + r * 8))))));
+    }
+  }
+}
+
+void tile_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t r0, int64_t nr,
+              bool panel, float* out, int64_t N, int64_t tile) {
+  for (int h = 0; h < 2; ++h) {
+    if (panel)
+      panel_q6k(qs, sc, d, rows, r0, nr, out, N, tile, h);
+    else
+      by_row_blocks<4>(nr, [&](auto block, int64_t r) { rows_q6k<decltype(block)::value>(qs, sc, d, rows, r, out, N, tile, h); });
+  }
 }
 #else
 // The portable path: the same integers and the same float steps per lane, one row at a time.
@@ -593,12 +765,12 @@ inline void accumulate_min(float* y, const uint16_t* d, const uint16_t* dmin, fl
   for (int o = 0; o < TILE; ++o) y[o] = y[o] + ((sx * half(d[o])) * (float)a[o] - (sx * half(dmin[o])) * (float)b[o]);
 }
 
-// One tile of 16 outputs for every row: out [R, N] float at column tile*16.
-void tile_q4k(const Q4KWeight& w, const Rows& rows, int64_t R, float* out, int64_t N, int64_t tile) {
+// One tile of 16 outputs for rows r0 .. r0+nr-1: out [R, N] float at column tile*16 (no panels here).
+void tile_q4k(const Q4KWeight& w, const Rows& rows, int64_t r0, int64_t nr, bool, float* out, int64_t N, int64_t tile) {
   const int64_t nb = rows.K / QK;
   const uint16_t *d = w.d, *dmin = w.dmin;
   alignas(64) int32_t dot[TILE], a[TILE], b[TILE];
-  for (int64_t r = 0; r < R; ++r) {
+  for (int64_t r = r0; r < r0 + nr; ++r) {
     alignas(64) float y[TILE] = {0};
     const int8_t* xq = rows.xq + r * rows.K;
     for (int64_t blk = 0; blk < nb; ++blk) {
@@ -622,11 +794,11 @@ void tile_q4k(const Q4KWeight& w, const Rows& rows, int64_t R, float* out, int64
   }
 }
 
-void tile_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t R, float* out,
-              int64_t N, int64_t tile) {
+void tile_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t r0, int64_t nr, bool,
+              float* out, int64_t N, int64_t tile) {
   const int64_t nb = rows.K / QK;
   alignas(64) int32_t dot[TILE], a[TILE];
-  for (int64_t r = 0; r < R; ++r) {
+  for (int64_t r = r0; r < r0 + nr; ++r) {
     alignas(64) float y[TILE] = {0};
     const int8_t* xq = rows.xq + r * rows.K;
     for (int64_t blk = 0; blk < nb; ++blk) {
@@ -657,7 +829,8 @@ struct ActivationScratch {
   std::vector<int32_t> s16;
 };
 
-// x [R, width] (rows contiguous) with zeros appended up to K, quantised into this thread's scratch.
+// x [R, width] (rows contiguous) with zeros appended up to K, quantised into this thread's scratch,
+// panel-major where the products will run panels.
 Rows quantized_rows(const float* x, int64_t R, int64_t width, int64_t K) {
   TORCH_CHECK(K % QK == 0 && width <= K, "input features must be a multiple of 256, got ", K);
   thread_local ActivationScratch scratch;
@@ -666,10 +839,12 @@ Rows quantized_rows(const float* x, int64_t R, int64_t width, int64_t K) {
     for (int64_t r = 0; r < R; ++r) std::memcpy(scratch.padded.data() + r * K, x + r * width, width * sizeof(float));
     x = scratch.padded.data();
   }
-  scratch.xq.resize(R * K);
+  const bool panel_major = uses_panels(R);
+  const int64_t slots = panel_major ? (R + PANEL_ROWS - 1) / PANEL_ROWS * PANEL_ROWS : R;  // rows' room
+  scratch.xq.resize(slots * K);
   scratch.sx.resize(R * (K / QK));
-  scratch.s16.resize(R * (K / 16));
-  quantize_rows(x, R, K, scratch.xq.data(), scratch.sx.data(), scratch.s16.data());
+  scratch.s16.resize(slots * (K / 16));
+  quantize_rows(x, R, K, panel_major, scratch.xq.data(), scratch.sx.data(), scratch.s16.data());
   return Rows{scratch.xq.data(), scratch.sx.data(), scratch.s16.data(), K};
 }
 
@@ -746,15 +921,21 @@ void products_into(const std::vector<PackedLinear>& linears, const float* x, int
     column[i] = c;
     first_tile[i + 1] = first_tile[i] + linears[i].n / TILE;
   }
-  for_each_dynamic(first_tile[linears.size()], TILE_CHUNK, [&](int64_t k) {
+  // With panels, the work goes panel by panel through every tile: a panel's activations stay in the
+  // core's cache across the tiles (all rows' activations would not, for wide K and long chunks).
+  const bool panels = uses_panels(R);
+  const int64_t tiles = first_tile[linears.size()], spans = panels ? (R + PANEL_ROWS - 1) / PANEL_ROWS : 1;
+  for_each_dynamic(spans * tiles, TILE_CHUNK, [&](int64_t item) {
+    const int64_t k = item % tiles, r0 = panels ? item / tiles * PANEL_ROWS : 0;
+    const int64_t nr = panels ? std::min(PANEL_ROWS, R - r0) : R;
     size_t i = 0;
     while (k >= first_tile[i + 1]) ++i;
     const WeightPointers& w = linears[i].p;
     const int64_t t = k - first_tile[i];
     if (w.q4)
-      tile_q4k(w.w, rows, R, out + column[i], ld, t);
+      tile_q4k(w.w, rows, r0, nr, panels, out + column[i], ld, t);
     else
-      tile_q6k(w.w.qs, reinterpret_cast<const int8_t*>(w.w.sc), w.w.d, rows, R, out + column[i], ld, t);
+      tile_q6k(w.w.qs, reinterpret_cast<const int8_t*>(w.w.sc), w.w.d, rows, r0, nr, panels, out + column[i], ld, t);
   });
   for (size_t i = 0; i < linears.size(); ++i) {
     if (!linears[i].bias.has_value()) continue;
