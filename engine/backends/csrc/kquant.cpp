@@ -1040,6 +1040,64 @@ inline __m512 halving_sums(const __m512 (&lanes)[16]) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), one);
 }
 
+// The scores of keys m0 .. m0+count-1 (count <= 16; slot(m): a key's row) for one query q:
+// attend_scalar's lane sums and halving sum, times the scale, plus bias16 (the mask's; 0 past count).
+template <int DC, typename Slot>
+inline __m512 block_scores(const __m512 (&q)[DC], const float* kp, int64_t m0, int count, const Slot& slot,
+                           __m512 scales, __m512 bias16) {
+  __m512 lanes[16];
+  #pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) {
+    lanes[t] = _mm512_setzero_ps();
+    if (t < count) {
+      const float* kv = kp + static_cast<int64_t>(slot(m0 + t)) * DC * 16;
+      #pragma GCC unroll 16
+      for (int c = 0; c < DC; ++c) lanes[t] = _mm512_add_ps(lanes[t], _mm512_mul_ps(q[c], _mm512_loadu_ps(kv + 16 * c)));
+    }
+  }
+  return _mm512_add_ps(_mm512_mul_ps(halving_sums(lanes), scales), bias16);
+}
+
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+}
+
+// A query head's scores p[0..n-1] -> key_weight's e^(score - top), 16 keys at a time; returns their
+// sum in key order.
+inline float weigh_keys(float* p, int64_t n, float top) {
+  const __m512 topv = _mm512_set1_ps(top), minus_inf = _mm512_set1_ps(-INFINITY);
+  for (int64_t m0 = 0; m0 < n; m0 += 16) {
+    const __mmask16 valid = first_lanes(n - m0);
+    const __m512 score = _mm512_maskz_loadu_ps(valid, p + m0), shifted = _mm512_sub_ps(score, topv);
+    __m512 w = _mm512_mask_mov_ps(fixed_exp::exp_lanes(shifted), _mm512_cmp_ps_mask(shifted, shifted, _CMP_UNORD_Q),
+                                  shifted);
+    w = _mm512_mask_mov_ps(w, _mm512_cmp_ps_mask(score, minus_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
+    _mm512_mask_storeu_ps(p + m0, valid, w);
+  }
+  float total = 0.f;
+  for (int64_t m = 0; m < n; ++m) total = total + p[m];
+  return total;
+}
+
+// acc += p[m] * value(slot(m)) for m in [begin, end), in key order, zero weights skipped.
+template <int DC, typename Slot>
+inline void add_values(__m512 (&acc)[DC], const float* p, int64_t begin, int64_t end, const float* vp, const Slot& slot) {
+  for (int64_t m = begin; m < end; ++m) {
+    if (p[m] == 0.f) continue;
+    const float* vv = vp + static_cast<int64_t>(slot(m)) * DC * 16;
+    const __m512 weight = _mm512_set1_ps(p[m]);
+    #pragma GCC unroll 16
+    for (int c = 0; c < DC; ++c) acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(weight, _mm512_loadu_ps(vv + 16 * c)));
+  }
+}
+
+template <int DC>
+inline void store_divided(const __m512 (&acc)[DC], float total, float* ov) {
+  const __m512 divisor = _mm512_set1_ps(total);
+  #pragma GCC unroll 16
+  for (int c = 0; c < DC; ++c) _mm512_storeu_ps(ov + 16 * c, _mm512_div_ps(acc[c], divisor));
+}
+
 // attend_scalar's operations for the G query heads that share one key/value head, on one row: the
 // visible keys listed once (keys[m]: slot, bias[m]: the mask's bias), 16 keys' scores at a time.
 // DC = D / 16 chunks a head. scores: scratch [G * n], n rounded up to 16.
@@ -1049,7 +1107,8 @@ void attend_group(const float* q0, int64_t q_step, int64_t G, const float* kp, c
                   float* o0, int64_t o_step, std::vector<float>& scores) {
   const int64_t n = static_cast<int64_t>(keys.size()), padded = (n + 15) / 16 * 16;
   scores.resize(G * padded);
-  const __m512 zero = _mm512_setzero_ps(), scales = _mm512_set1_ps(scale);
+  const __m512 scales = _mm512_set1_ps(scale);
+  const auto slot = [&](int64_t m) { return keys[m]; };
   for (int64_t g = 0; g < G; ++g) {
     const float* qv = q0 + g * q_step;
     __m512 q[DC];
@@ -1059,48 +1118,79 @@ void attend_group(const float* q0, int64_t q_step, int64_t G, const float* kp, c
     __m512 tops = _mm512_set1_ps(-INFINITY);
     for (int64_t m0 = 0; m0 < n; m0 += 16) {
       const int count = static_cast<int>(std::min<int64_t>(16, n - m0));
-      __m512 lanes[16];
-      #pragma GCC unroll 16
-      for (int t = 0; t < 16; ++t) {
-        lanes[t] = zero;
-        if (t < count) {
-          const float* kv = kp + static_cast<int64_t>(keys[m0 + t]) * DC * 16;
-          #pragma GCC unroll 16
-          for (int c = 0; c < DC; ++c) lanes[t] = _mm512_add_ps(lanes[t], _mm512_mul_ps(q[c], _mm512_loadu_ps(kv + 16 * c)));
-        }
-      }
-      const __mmask16 valid = count == 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
-      const __m512 s = _mm512_add_ps(_mm512_mul_ps(halving_sums(lanes), scales),
-                                     _mm512_maskz_loadu_ps(valid, bias.data() + m0));
+      const __mmask16 valid = first_lanes(count);
+      const __m512 s = block_scores(q, kp, m0, count, slot, scales, _mm512_maskz_loadu_ps(valid, bias.data() + m0));
       _mm512_storeu_ps(p + m0, s);
       tops = _mm512_mask_max_ps(tops, valid, s, tops);  // a NaN score leaves the maximum alone, as fmax
     }
-    const float top = _mm512_reduce_max_ps(tops);
-    const __m512 topv = _mm512_set1_ps(top), minus_inf = _mm512_set1_ps(-INFINITY);
-    for (int64_t m0 = 0; m0 < n; m0 += 16) {  // key_weight, 16 keys at a time
-      const __mmask16 valid = n - m0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - m0)) - 1);
-      const __m512 score = _mm512_maskz_loadu_ps(valid, p + m0), shifted = _mm512_sub_ps(score, topv);
-      __m512 w = _mm512_mask_mov_ps(fixed_exp::exp_lanes(shifted), _mm512_cmp_ps_mask(shifted, shifted, _CMP_UNORD_Q),
-                                    shifted);
-      w = _mm512_mask_mov_ps(w, _mm512_cmp_ps_mask(score, minus_inf, _CMP_EQ_OQ), zero);
-      _mm512_mask_storeu_ps(p + m0, valid, w);
-    }
-    float total = 0.f;
-    for (int64_t m = 0; m < n; ++m) total = total + p[m];
+    const float total = weigh_keys(p, n, _mm512_reduce_max_ps(tops));
     __m512 acc[DC];
     #pragma GCC unroll 16
-    for (int c = 0; c < DC; ++c) acc[c] = zero;
-    for (int64_t m = 0; m < n; ++m) {
-      if (p[m] == 0.f) continue;
-      const float* vv = vp + static_cast<int64_t>(keys[m]) * DC * 16;
-      const __m512 weight = _mm512_set1_ps(p[m]);
-      #pragma GCC unroll 16
-      for (int c = 0; c < DC; ++c) acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(weight, _mm512_loadu_ps(vv + 16 * c)));
+    for (int c = 0; c < DC; ++c) acc[c] = _mm512_setzero_ps();
+    add_values(acc, p, 0, n, vp, slot);
+    store_divided(acc, total, o0 + g * o_step);
+  }
+}
+
+// Rows of a causal chunk read the same keys, 0 .. their own: ATTEND_TILE rows go together, each
+// block of keys and values read once for all of them and their G heads while it is in L1, instead of
+// once per row and head from a cache level further out (a 3,000-token prompt's keys and values are
+// 3 MB a key/value head). Per (row, head), the same operations in the same order as attend_group
+// with keys 0 .. n-1 and bias 0, so the same bits.
+constexpr int64_t ATTEND_TILE = 8;
+constexpr int64_t VALUE_BLOCK = 32;  // keys whose values are added per pass (16 KB at D = 128)
+
+// Rows 0 .. T-1 of a tile (row r sees keys 0 .. first + r - 1, first >= 1) for the G query heads of
+// one key/value head: query (r, g) at q0 + g * q_head + r * 16 * DC, its output at o0 + r * o_row +
+// g * 16 * DC.
+template <int DC>
+void attend_causal_tile(const float* q0, int64_t q_head, int64_t G, int64_t T, int64_t first, const float* kp,
+                        const float* vp, float scale, float* o0, int64_t o_row) {
+  const int64_t D = 16 * DC, pairs = T * G, longest = first + T - 1, padded = (longest + 15) / 16 * 16;
+  thread_local std::vector<float> scores, totals;
+  thread_local std::vector<__m512> tops, accs;
+  scores.resize(pairs * padded);
+  totals.resize(pairs);
+  tops.assign(pairs, _mm512_set1_ps(-INFINITY));
+  accs.assign(pairs * DC, _mm512_setzero_ps());
+  const __m512 scales = _mm512_set1_ps(scale), zero = _mm512_setzero_ps();
+  const auto slot = [](int64_t m) { return m; };
+  for (int64_t m0 = 0; m0 < longest; m0 += 16)
+    for (int64_t r = 0; r < T; ++r) {
+      const int64_t n = first + r;
+      if (m0 >= n) continue;
+      const int count = static_cast<int>(std::min<int64_t>(16, n - m0));
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t pair = r * G + g;
+        __m512 q[DC];
+        #pragma GCC unroll 16
+        for (int c = 0; c < DC; ++c) q[c] = _mm512_loadu_ps(q0 + g * q_head + r * D + 16 * c);
+        const __m512 s = block_scores(q, kp, m0, count, slot, scales, zero);  // bias 0: still added, as -0 + 0 = +0
+        _mm512_storeu_ps(scores.data() + pair * padded + m0, s);
+        tops[pair] = _mm512_mask_max_ps(tops[pair], first_lanes(count), s, tops[pair]);
+      }
     }
-    const __m512 divisor = _mm512_set1_ps(total);
-    float* ov = o0 + g * o_step;
+  for (int64_t pair = 0; pair < pairs; ++pair)
+    totals[pair] = weigh_keys(scores.data() + pair * padded, first + pair / G, _mm512_reduce_max_ps(tops[pair]));
+  for (int64_t m0 = 0; m0 < longest; m0 += VALUE_BLOCK)
+    for (int64_t r = 0; r < T; ++r) {
+      const int64_t n = first + r;
+      if (m0 >= n) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t pair = r * G + g;
+        __m512 acc[DC];
+        #pragma GCC unroll 16
+        for (int c = 0; c < DC; ++c) acc[c] = accs[pair * DC + c];
+        add_values(acc, scores.data() + pair * padded, m0, std::min(m0 + VALUE_BLOCK, n), vp, slot);
+        #pragma GCC unroll 16
+        for (int c = 0; c < DC; ++c) accs[pair * DC + c] = acc[c];
+      }
+    }
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    __m512 acc[DC];
     #pragma GCC unroll 16
-    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(ov + 16 * c, _mm512_div_ps(acc[c], divisor));
+    for (int c = 0; c < DC; ++c) acc[c] = accs[pair * DC + c];
+    store_divided(acc, totals[pair], o0 + (pair / G) * o_row + (pair % G) * D);
   }
 }
 #elif defined(KQ_AVX2)
@@ -1212,7 +1302,8 @@ void attend_group(const float* q0, int64_t q_step, int64_t G, const float* kp, c
 
 // Attention of one sequence on raw rows: q [H, R, D], keys and values of head h from kp + h * k_head
 // and vp + h * v_head, L rows of D floats each, mask [R, L] additive (nullptr: causal, row i sees
-// keys 0 .. L-R+i), out [R, H, D]. Each (key/value head, row) is one item of work: with AVX-512 or
+// keys 0 .. L-R+i), out [R, H, D]. With AVX-512 and D of 64 or 128, a causal chunk goes by tiles of
+// rows (attend_causal_tile). Otherwise each (key/value head, row) is one item of work: with AVX-512 or
 // AVX2 and D of 64 or 128 its G = H / KVH query heads go together (attend_group), otherwise one
 // head at a time (attend_scalar); the bits are the same.
 void attend(const float* qp, int64_t H, int64_t R, int64_t D, const float* kp, int64_t k_head, const float* vp,
@@ -1220,6 +1311,21 @@ void attend(const float* qp, int64_t H, int64_t R, int64_t D, const float* kp, i
   TORCH_CHECK(D % 16 == 0 && H % KVH == 0, "attention needs D % 16 == 0 and H % KVH == 0");
   const int64_t G = H / KVH;
   const bool causal = mp == nullptr;
+#if defined(KQ_VNNI)
+  if (causal && (D == 64 || D == 128)) {
+    const int64_t tiles = (R + ATTEND_TILE - 1) / ATTEND_TILE;
+    for_each_dynamic(KVH * tiles, 1, [&](int64_t item) {
+      const int64_t kvh = item / tiles, r0 = item % tiles * ATTEND_TILE, T = std::min(ATTEND_TILE, R - r0);
+      const float* q0 = qp + (kvh * G * R + r0) * D;
+      float* o0 = op + (r0 * H + kvh * G) * D;
+      if (D == 64)
+        attend_causal_tile<4>(q0, R * D, G, T, L - R + r0 + 1, kp + kvh * k_head, vp + kvh * v_head, scale, o0, H * D);
+      else
+        attend_causal_tile<8>(q0, R * D, G, T, L - R + r0 + 1, kp + kvh * k_head, vp + kvh * v_head, scale, o0, H * D);
+    });
+    return;
+  }
+#endif
 #if defined(KQ_VNNI) || defined(KQ_AVX2)
   if (D == 64 || D == 128) {
     at::parallel_for(0, KVH * R, 1, [&](int64_t begin, int64_t end) {
