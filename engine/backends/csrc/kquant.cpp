@@ -971,9 +971,14 @@ torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& qs, const 
 
 // ---- attention: one (head, row) at a time, a fixed order over keys and lanes ----------------
 
+// Internal linkage, like the products above: each build of these kernels (the tests load the native,
+// AVX2 and portable ones into one process) keeps its own functions and thread-local scratch, which
+// as template members of external linkage the dynamic linker would merge across the builds.
+namespace {
+
 // Keys or values [KVH, L, D] whose rows are contiguous, any head stride (the leading slots of a
 // growing KV cache's buffer are read where they lie); anything else is copied first.
-static torch::Tensor rows_contiguous(const torch::Tensor& t) {
+torch::Tensor rows_contiguous(const torch::Tensor& t) {
   return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
 }
 
@@ -1016,6 +1021,15 @@ void attend_scalar(const float* qv, const float* kp, const float* vp, const floa
   }
   for (int64_t c = 0; c < D; ++c) ov[c] = acc[c] / total;
 }
+
+// Rows of a causal chunk read the same keys, 0 .. their own: ATTEND_TILE rows go together, each
+// block of keys and values read once for all of them and their G heads while it is in L1, instead of
+// once per row and head from a cache level further out (a 3,000-token prompt's keys and values are
+// 3 MB a key/value head). Per (row, head), the same operations in the same order as attend_group
+// with keys 0 .. n-1 and bias 0, so the same bits.
+constexpr int64_t ATTEND_TILE = 8;
+constexpr int64_t KEY_BLOCK = 16;    // keys scored per pass
+constexpr int64_t VALUE_BLOCK = 32;  // keys whose values are added per pass (16 KB at D = 128)
 
 #if defined(KQ_VNNI)
 // The scores of 16 keys at once: lanes[t] holds key t's 16 lane sums; lane t of the result is
@@ -1132,14 +1146,6 @@ void attend_group(const float* q0, int64_t q_step, int64_t G, const float* kp, c
   }
 }
 
-// Rows of a causal chunk read the same keys, 0 .. their own: ATTEND_TILE rows go together, each
-// block of keys and values read once for all of them and their G heads while it is in L1, instead of
-// once per row and head from a cache level further out (a 3,000-token prompt's keys and values are
-// 3 MB a key/value head). Per (row, head), the same operations in the same order as attend_group
-// with keys 0 .. n-1 and bias 0, so the same bits.
-constexpr int64_t ATTEND_TILE = 8;
-constexpr int64_t VALUE_BLOCK = 32;  // keys whose values are added per pass (16 KB at D = 128)
-
 // Rows 0 .. T-1 of a tile (row r sees keys 0 .. first + r - 1, first >= 1) for the G query heads of
 // one key/value head: query (r, g) at q0 + g * q_head + r * 16 * DC, its output at o0 + r * o_row +
 // g * 16 * DC.
@@ -1211,17 +1217,17 @@ inline __m256 key_weights8(__m256 score, __m256 top) {
 }
 
 // attend_scalar's operations for NH (<= 4) query heads that share one key/value head, on one row,
-// 8 lanes at a time: each key and value is read once for the NH heads. keys[m]: the visible keys'
-// slots, bias[m]: the mask's bias. DC = D / 16 chunks a head. p: scratch [NH * n].
+// 8 lanes at a time, in three phases that can go over the keys in pieces (attend_causal_tile). Each
+// key and value is read once for the NH heads. keys[m]: the visible keys' slots (nullptr: m itself),
+// bias[m]: the mask's bias (nullptr: 0, still added). DC = D / 16 chunks a head.
+
+// Scores of keys [begin, end) into p[h * stride + m], and each head's running maximum top[h].
 template <int DC, int NH>
-void attend_heads(const float* q0, int64_t q_step, const float* kp, const float* vp, const int32_t* keys,
-                  const float* bias, int64_t n, float scale, float* o0, int64_t o_step, float* p) {
+void score_heads(const float* q0, int64_t q_step, const float* kp, const int32_t* keys, const float* bias,
+                 int64_t begin, int64_t end, float scale, float* p, int64_t stride, float* top) {
   const __m256 zero = _mm256_setzero_ps();
-  float top[NH], total[NH];
-  #pragma GCC unroll 4
-  for (int h = 0; h < NH; ++h) top[h] = -INFINITY;
-  for (int64_t m = 0; m < n; ++m) {
-    const float* kv = kp + static_cast<int64_t>(keys[m]) * DC * 16;
+  for (int64_t m = begin; m < end; ++m) {
+    const float* kv = kp + (keys == nullptr ? m : static_cast<int64_t>(keys[m])) * DC * 16;
     __m256 lo[NH], hi[NH];
     #pragma GCC unroll 4
     for (int h = 0; h < NH; ++h) lo[h] = hi[h] = zero;
@@ -1234,37 +1240,46 @@ void attend_heads(const float* q0, int64_t q_step, const float* kp, const float*
         hi[h] = _mm256_add_ps(hi[h], _mm256_mul_ps(_mm256_loadu_ps(q0 + h * q_step + 16 * c + 8), khi));
       }
     }
+    const float b = bias == nullptr ? 0.f : bias[m];
     #pragma GCC unroll 4
     for (int h = 0; h < NH; ++h) {
-      const float s = halving_sum(lo[h], hi[h]) * scale + bias[m];
-      p[h * n + m] = s;
+      const float s = halving_sum(lo[h], hi[h]) * scale + b;
+      p[h * stride + m] = s;
       top[h] = std::fmax(top[h], s);
     }
   }
-  #pragma GCC unroll 4
-  for (int h = 0; h < NH; ++h) {
-    float* ph = p + h * n;
-    const __m256 topv = _mm256_set1_ps(top[h]);
-    int64_t m = 0;
-    for (; m + 8 <= n; m += 8) _mm256_storeu_ps(ph + m, key_weights8(_mm256_loadu_ps(ph + m), topv));
-    for (; m < n; ++m) ph[m] = key_weight(ph[m], top[h]);
-    float sum = 0.f;
-    for (m = 0; m < n; ++m) sum = sum + ph[m];
-    total[h] = sum;
-  }
-  // Values 16 lanes of every head at a time, so the accumulators stay in registers: a pass over the
-  // keys reads one 64-byte piece of each value row.
+}
+
+// One head's scores ph[0..n-1] -> key_weight's weights; returns their sum in key order.
+inline float weigh_keys(float* ph, int64_t n, float top) {
+  const __m256 topv = _mm256_set1_ps(top);
+  int64_t m = 0;
+  for (; m + 8 <= n; m += 8) _mm256_storeu_ps(ph + m, key_weights8(_mm256_loadu_ps(ph + m), topv));
+  for (; m < n; ++m) ph[m] = key_weight(ph[m], top);
+  float sum = 0.f;
+  for (m = 0; m < n; ++m) sum = sum + ph[m];
+  return sum;
+}
+
+// acc[h * 16 DC ..] += the weighted values of keys [begin, end), in key order, 16 lanes of every
+// head at a time so that the accumulators stay in registers over the keys.
+template <int DC, int NH>
+void value_heads(const float* vp, const int32_t* keys, const float* p, int64_t stride, int64_t begin, int64_t end,
+                 float* acc) {
   #pragma GCC unroll 1
   for (int c = 0; c < DC; ++c) {
     __m256 lo[NH], hi[NH];
     #pragma GCC unroll 4
-    for (int h = 0; h < NH; ++h) lo[h] = hi[h] = zero;
-    for (int64_t m = 0; m < n; ++m) {
-      const float* vv = vp + static_cast<int64_t>(keys[m]) * DC * 16 + 16 * c;
+    for (int h = 0; h < NH; ++h) {
+      lo[h] = _mm256_loadu_ps(acc + h * DC * 16 + 16 * c);
+      hi[h] = _mm256_loadu_ps(acc + h * DC * 16 + 16 * c + 8);
+    }
+    for (int64_t m = begin; m < end; ++m) {
+      const float* vv = vp + (keys == nullptr ? m : static_cast<int64_t>(keys[m])) * DC * 16 + 16 * c;
       const __m256 vlo = _mm256_loadu_ps(vv), vhi = _mm256_loadu_ps(vv + 8);
       #pragma GCC unroll 4
       for (int h = 0; h < NH; ++h) {
-        const float w = p[h * n + m];
+        const float w = p[h * stride + m];
         if (w == 0.f) continue;  // as attend_scalar: a zero weight adds nothing, not even a -0 or NaN
         const __m256 weight = _mm256_set1_ps(w);
         lo[h] = _mm256_add_ps(lo[h], _mm256_mul_ps(weight, vlo));
@@ -1273,37 +1288,100 @@ void attend_heads(const float* q0, int64_t q_step, const float* kp, const float*
     }
     #pragma GCC unroll 4
     for (int h = 0; h < NH; ++h) {
-      const __m256 divisor = _mm256_set1_ps(total[h]);
-      _mm256_storeu_ps(o0 + h * o_step + 16 * c, _mm256_div_ps(lo[h], divisor));
-      _mm256_storeu_ps(o0 + h * o_step + 16 * c + 8, _mm256_div_ps(hi[h], divisor));
+      _mm256_storeu_ps(acc + h * DC * 16 + 16 * c, lo[h]);
+      _mm256_storeu_ps(acc + h * DC * 16 + 16 * c + 8, hi[h]);
     }
   }
 }
 
+// ov = acc / total, D = 16 * DC lanes.
+inline void store_divided(const float* acc, float total, float* ov, int64_t D) {
+  const __m256 divisor = _mm256_set1_ps(total);
+  for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(ov + c, _mm256_div_ps(_mm256_loadu_ps(acc + c), divisor));
+}
+
+// The three phases over all n visible keys of one row.
+template <int DC, int NH>
+void attend_heads(const float* q0, int64_t q_step, const float* kp, const float* vp, const int32_t* keys,
+                  const float* bias, int64_t n, float scale, float* o0, int64_t o_step, float* p) {
+  float top[NH];
+  alignas(32) float acc[NH * DC * 16] = {};
+  #pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h) top[h] = -INFINITY;
+  score_heads<DC, NH>(q0, q_step, kp, keys, bias, 0, n, scale, p, n, top);
+  float total[NH];
+  #pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h) total[h] = weigh_keys(p + h * n, n, top[h]);
+  value_heads<DC, NH>(vp, keys, p, n, 0, n, acc);
+  #pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h) store_divided(acc + h * DC * 16, total[h], o0 + h * o_step, DC * 16);
+}
+
 // The G query heads sharing a key/value head, four at a time (attend_heads).
+// f(NH) for the query heads g0 .. g0+NH-1 of G, NH <= 4 a compile-time constant.
+template <typename F>
+void by_head_groups(int64_t G, const F& f) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) switch (std::min<int64_t>(4, G - g0)) {
+      case 4: f(g0, std::integral_constant<int, 4>{}); break;
+      case 3: f(g0, std::integral_constant<int, 3>{}); break;
+      case 2: f(g0, std::integral_constant<int, 2>{}); break;
+      default: f(g0, std::integral_constant<int, 1>{});
+    }
+}
+
+// attend_causal_tile on AVX2 (see the AVX-512 one): attend_heads' phases for each (row, head), over
+// blocks of keys that every row of the tile reads while they are in L1.
+template <int DC>
+void attend_causal_tile(const float* q0, int64_t q_head, int64_t G, int64_t T, int64_t first, const float* kp,
+                        const float* vp, float scale, float* o0, int64_t o_row) {
+  const int64_t D = 16 * DC, longest = first + T - 1, stride = longest;
+  thread_local std::vector<float> scores, tops, accs, totals;
+  scores.resize(T * G * stride);
+  tops.assign(T * G, -INFINITY);
+  accs.assign(T * G * D, 0.f);
+  for (int64_t m0 = 0; m0 < longest; m0 += KEY_BLOCK)
+    for (int64_t r = 0; r < T; ++r) {
+      const int64_t n = first + r;
+      if (m0 < n)
+        by_head_groups(G, [&](int64_t g0, auto heads) {
+          score_heads<DC, decltype(heads)::value>(q0 + g0 * q_head + r * D, q_head, kp, nullptr, nullptr, m0,
+                                                  std::min(m0 + KEY_BLOCK, n), scale,
+                                                  scores.data() + (r * G + g0) * stride, stride, tops.data() + r * G + g0);
+        });
+    }
+  totals.resize(T * G);
+  for (int64_t pair = 0; pair < T * G; ++pair)
+    totals[pair] = weigh_keys(scores.data() + pair * stride, first + pair / G, tops[pair]);
+  for (int64_t m0 = 0; m0 < longest; m0 += VALUE_BLOCK)
+    for (int64_t r = 0; r < T; ++r) {
+      const int64_t n = first + r;
+      if (m0 < n)
+        by_head_groups(G, [&](int64_t g0, auto heads) {
+          value_heads<DC, decltype(heads)::value>(vp, nullptr, scores.data() + (r * G + g0) * stride, stride, m0,
+                                                  std::min(m0 + VALUE_BLOCK, n), accs.data() + (r * G + g0) * D);
+        });
+    }
+  for (int64_t pair = 0; pair < T * G; ++pair)
+    store_divided(accs.data() + pair * D, totals[pair], o0 + (pair / G) * o_row + (pair % G) * D, D);
+}
+
 template <int DC>
 void attend_group(const float* q0, int64_t q_step, int64_t G, const float* kp, const float* vp,
                   const std::vector<int32_t>& keys, const std::vector<float>& bias, float scale,
                   float* o0, int64_t o_step, std::vector<float>& scores) {
   const int64_t n = static_cast<int64_t>(keys.size());
   scores.resize(4 * n);
-  for (int64_t g = 0; g < G; g += 4) {
-    const float* q = q0 + g * q_step;
-    float* o = o0 + g * o_step;
-    switch (std::min<int64_t>(4, G - g)) {
-      case 4: attend_heads<DC, 4>(q, q_step, kp, vp, keys.data(), bias.data(), n, scale, o, o_step, scores.data()); break;
-      case 3: attend_heads<DC, 3>(q, q_step, kp, vp, keys.data(), bias.data(), n, scale, o, o_step, scores.data()); break;
-      case 2: attend_heads<DC, 2>(q, q_step, kp, vp, keys.data(), bias.data(), n, scale, o, o_step, scores.data()); break;
-      default: attend_heads<DC, 1>(q, q_step, kp, vp, keys.data(), bias.data(), n, scale, o, o_step, scores.data());
-    }
-  }
+  by_head_groups(G, [&](int64_t g0, auto heads) {
+    attend_heads<DC, decltype(heads)::value>(q0 + g0 * q_step, q_step, kp, vp, keys.data(), bias.data(), n, scale,
+                                             o0 + g0 * o_step, o_step, scores.data());
+  });
 }
 #endif
 
 // Attention of one sequence on raw rows: q [H, R, D], keys and values of head h from kp + h * k_head
 // and vp + h * v_head, L rows of D floats each, mask [R, L] additive (nullptr: causal, row i sees
-// keys 0 .. L-R+i), out [R, H, D]. With AVX-512 and D of 64 or 128, a causal chunk goes by tiles of
-// rows (attend_causal_tile). Otherwise each (key/value head, row) is one item of work: with AVX-512 or
+// keys 0 .. L-R+i), out [R, H, D]. With AVX-512 or AVX2 and D of 64 or 128, a causal chunk goes by
+// tiles of rows (attend_causal_tile). Otherwise each (key/value head, row) is one item of work: with AVX-512 or
 // AVX2 and D of 64 or 128 its G = H / KVH query heads go together (attend_group), otherwise one
 // head at a time (attend_scalar); the bits are the same.
 void attend(const float* qp, int64_t H, int64_t R, int64_t D, const float* kp, int64_t k_head, const float* vp,
@@ -1311,7 +1389,7 @@ void attend(const float* qp, int64_t H, int64_t R, int64_t D, const float* kp, i
   TORCH_CHECK(D % 16 == 0 && H % KVH == 0, "attention needs D % 16 == 0 and H % KVH == 0");
   const int64_t G = H / KVH;
   const bool causal = mp == nullptr;
-#if defined(KQ_VNNI)
+#if defined(KQ_VNNI) || defined(KQ_AVX2)
   if (causal && (D == 64 || D == 128)) {
     const int64_t tiles = (R + ATTEND_TILE - 1) / ATTEND_TILE;
     for_each_dynamic(KVH * tiles, 1, [&](int64_t item) {
@@ -1361,6 +1439,8 @@ void attend(const float* qp, int64_t H, int64_t R, int64_t D, const float* kp, i
     }
   });
 }
+
+}  // namespace
 
 // q [H, R, D] (contiguous), k and v [KVH, L, D] float32 (see rows_contiguous), mask [R, L]
 // additive (or empty: causal). Returns [R, H, D] (see attend).
