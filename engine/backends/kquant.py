@@ -80,9 +80,13 @@ def compile_kernels(march: str = "native"):
                 extra_ldflags=["-fopenmp"], verbose=os.environ.get("SEQUOIA_VERBOSE_BUILD") == "1")
 
 
+def _source_bytes() -> bytes:
+    return b"".join(s.read_bytes() for s in SOURCES + HEADERS)
+
+
 def kernel_digest() -> str:
     """A digest of the kernels' sources: what a timing of them (a hardware profile) was measured with."""
-    return hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS)).hexdigest()[:12]
+    return hashlib.sha256(_source_bytes()).hexdigest()[:12]
 
 
 def build_key(march: str) -> str:
@@ -94,7 +98,7 @@ def build_key(march: str) -> str:
     from engine.backends.kernels import cpu_flags
 
     cpu = " ".join(sorted(cpu_flags())) + platform.machine() if march == "native" else ""
-    key = b"".join(s.read_bytes() for s in SOURCES + HEADERS) + torch.__version__.encode() \
+    key = _source_bytes() + torch.__version__.encode() \
         + str(SOURCES[0].parent).encode() + cpu.encode()
     return hashlib.sha256(key).hexdigest()[:12]
 

@@ -16,10 +16,14 @@ class PrefillWork:
     each with its tokens to read and a token's cost (``weights``)."""
 
     prompt_tokens: int
-    reused: int  # prompt tokens the target's cache already held
     start: float
     todo: dict[str, int]
     weights: dict[str, float]
+
+    @property
+    def reused(self) -> int:
+        """Prompt tokens the target's cache already held."""
+        return self.prompt_tokens - self.todo.get("target", self.prompt_tokens)
 
     def after(self, role: str, read: int) -> PrefillProgress:
         """The progress once ``role`` has read ``read`` of its tokens."""

@@ -154,7 +154,8 @@ class PrefillProgress:
 
     ``done`` of ``total`` prompt tokens the target has read (those reused from a conversation cache
     count as read); ``fraction`` of the whole prefill's work, the draft's tokens weighed by its
-    share of the target's parameters; ``elapsed_s`` since the prefill began."""
+    layers' matrices over the target's (:func:`engine.core.prefill_progress.prefill_weight`);
+    ``elapsed_s`` since the prefill began."""
 
     done: int
     total: int

@@ -307,7 +307,7 @@ class _DecodeState:
                    if runner is not None]
         firsts = {role: self.cache.reuse(role, prompt) if self.cache is not None else 0 for role, _ in runners}
         self.engine.last_reused_tokens = firsts.get("target", 0)
-        work = PrefillWork(prompt_tokens=len(prompt), reused=firsts.get("target", 0), start=start,
+        work = PrefillWork(prompt_tokens=len(prompt), start=start,
                             todo={role: len(prompt) - firsts[role] for role, _ in runners},
                             weights={role: prefill_weight(self.engine, role) for role, _ in runners})
         with torch.inference_mode():
