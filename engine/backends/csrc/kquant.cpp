@@ -280,14 +280,22 @@ __attribute__((always_inline)) inline void products_q4k(const uint8_t* q, const 
   }
 }
 
+// Per-sub-block bytes of 16 outputs (2K sub-blocks of 16 bytes) as K vectors of int16 pairs for
+// dpwssd: lane l of pairs[k] holds (bytes_2k[l], bytes_2k+1[l]), widened as signed or unsigned.
+template <int K, bool SIGNED>
+inline void byte_pairs(const void* bytes, __m512i (&pairs)[K]) {
+  const auto* b = static_cast<const uint8_t*>(bytes);
+  #pragma GCC unroll 8
+  for (int k = 0; k < K; ++k) {
+    const __m256i both = interleave_bytes(_mm_loadu_si128((const __m128i*)(b + 2 * k * 16)),
+                                          _mm_loadu_si128((const __m128i*)(b + (2 * k + 1) * 16)));
+    pairs[k] = SIGNED ? _mm512_cvtepi8_epi16(both) : _mm512_cvtepu8_epi16(both);
+  }
+}
+
 // The mins' term sum_j mn_j * S_j of one super-block (S_j: the sub-block's activation sum, |S_j| <=
 // 32 * 127) as four int16-pair dot products a row: lane l of mp[k] holds (mn_2k[l], mn_2k+1[l]).
-inline void mins_pairs(const uint8_t* mn, __m512i (&mp)[4]) {
-  #pragma GCC unroll 4
-  for (int k = 0; k < 4; ++k)
-    mp[k] = _mm512_cvtepu8_epi16(interleave_bytes(_mm_loadu_si128((const __m128i*)(mn + 2 * k * 16)),
-                                                  _mm_loadu_si128((const __m128i*)(mn + (2 * k + 1) * 16))));
-}
+inline void mins_pairs(const uint8_t* mn, __m512i (&mp)[4]) { byte_pairs<4, false>(mn, mp); }
 
 // One row's mins' term (s16: its 16 sums of 16 inputs in the super-block).
 inline __m512i mins_q4k(const __m512i (&mp)[4], const int32_t* s16) {
@@ -339,12 +347,7 @@ void rows_q4k(const Q4KWeight& w, const Rows& rows, int64_t r0, float* out, int6
 
 // Q6_K: sum_j sc_j * (dot_j - 32 s_j) = sum_j sc_j * dot_j - 32 * sum_j sc_j * s_j (exact in int32).
 // The second sum, as eight int16-pair dot products a row: lane l of sp[k] holds (sc_2k[l], sc_2k+1[l]).
-inline void scale_pairs(const int8_t* sc, __m512i (&sp)[8]) {
-  #pragma GCC unroll 8
-  for (int k = 0; k < 8; ++k)
-    sp[k] = _mm512_cvtepi8_epi16(interleave_bytes(_mm_loadu_si128((const __m128i*)(sc + 2 * k * 16)),
-                                                  _mm_loadu_si128((const __m128i*)(sc + (2 * k + 1) * 16))));
-}
+inline void scale_pairs(const int8_t* sc, __m512i (&sp)[8]) { byte_pairs<8, true>(sc, sp); }
 
 // -32 * sum_j sc_j * s_j for one row (s16: its 16 sub-block sums), where its products start.
 inline __m512i offsets_q6k(const __m512i (&sp)[8], const int32_t* s16) {
