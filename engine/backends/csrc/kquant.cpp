@@ -238,6 +238,22 @@ inline void unpack_q6k(const uint8_t* q, __m512i (&w)[4]) {
   w[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(lo23, 4), low), _mm512_srli_epi16(hb, 2), high, 0xF8);
 }
 
+// Sub-block j of a super-block (q: its packed quants, sc: its scales): the weights unpacked into w,
+// the weight stream asked for PREFETCH_AHEAD bytes on, the 16 outputs' scales widened to int32.
+inline __m512i subblock_q4k(const uint8_t* q, const uint8_t* sc, int j, __m512i (&w)[8]) {
+  #pragma GCC unroll 4
+  for (int l = 0; l < 4; ++l) _mm_prefetch((const char*)(q + j * 256 + l * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
+  unpack_q4k(q + j * 256, w);
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(sc + j * 16)));
+}
+
+inline __m512i subblock_q6k(const uint8_t* q, const int8_t* sc, int j, __m512i (&w)[4]) {
+  #pragma GCC unroll 3
+  for (int l = 0; l < 3; ++l) _mm_prefetch((const char*)(q + j * 192 + l * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
+  unpack_q6k(q + j * 192, w);
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + j * 16)));
+}
+
 // One row's integer products with an unpacked sub-block (xq: its 32 or 16 inputs), 16 output lanes.
 inline __m512i dot_q4k(const __m512i (&w)[8], const int8_t* xq) {
   __m512i dot = _mm512_setzero_si512();
@@ -269,11 +285,8 @@ template <int NR, int NSUB>
 __attribute__((always_inline)) inline void products_q4k(const uint8_t* q, const uint8_t* sct, const Rows& rows,
                                                         int64_t r0, int64_t blk, __m512i* a) {
   for (int j = 0; j < NSUB; ++j) {
-    #pragma GCC unroll 4
-    for (int l = 0; l < 4; ++l) _mm_prefetch((const char*)(q + j * 256 + l * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
     __m512i w[8];
-    unpack_q4k(q + j * 256, w);
-    const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(sct + j * 16)));
+    const __m512i scv = subblock_q4k(q, sct, j, w);
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr)
       a[rr] = _mm512_add_epi32(a[rr], _mm512_mullo_epi32(dot_q4k(w, rows.xq + (r0 + rr) * rows.K + blk * QK + j * 32), scv));
@@ -372,11 +385,8 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) a[rr] = offsets_q6k(sp, rows.s16 + (r0 + rr) * (rows.K / 16) + blk * 16);
     for (int j = 0; j < 16; ++j) {
-      #pragma GCC unroll 3
-      for (int l = 0; l < 3; ++l) _mm_prefetch((const char*)(q + j * 192 + l * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
       __m512i w[4];
-      unpack_q6k(q + j * 192, w);
-      const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + t * 256 + j * 16)));
+      const __m512i scv = subblock_q6k(q, sc + t * 256, j, w);
       #pragma GCC unroll 8
       for (int rr = 0; rr < NR; ++rr)
         a[rr] = _mm512_add_epi32(a[rr], _mm512_mullo_epi32(dot_q6k(w, rows.xq + (r0 + rr) * rows.K + blk * QK + j * 16), scv));
@@ -406,11 +416,8 @@ void panel_q4k(const Q4KWeight& wt, const Rows& rows, int64_t r0, int64_t np, fl
     const uint8_t* q = wt.quants(tile, nb, blk);
     for (int64_t r = 0; r < np; ++r) _mm512_store_si512(sums + r * TILE, _mm512_setzero_si512());
     for (int j = 0, subs = wt.subblocks(nb, blk); j < subs; ++j) {
-      #pragma GCC unroll 4
-      for (int l = 0; l < 4; ++l) _mm_prefetch((const char*)(q + j * 256 + l * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
       __m512i w[8];
-      unpack_q4k(q + j * 256, w);
-      const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(wt.sc + t * 128 + j * 16)));
+      const __m512i scv = subblock_q4k(q, wt.sc + t * 128, j, w);
       const int8_t* x0 = rows.panel_x(r0, blk) + j * 32;
       #pragma GCC unroll 2
       for (int64_t r = 0; r < np; ++r) {
@@ -454,11 +461,8 @@ void panel_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Row
     for (int64_t r = 0; r < np; ++r)
       _mm512_store_si512(sums + r * TILE, offsets_q6k(sp, rows.panel_s16(r0, blk) + r * 16));
     for (int j = 0; j < 16; ++j) {
-      #pragma GCC unroll 3
-      for (int l = 0; l < 3; ++l) _mm_prefetch((const char*)(q + j * 192 + l * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
       __m512i w[4];
-      unpack_q6k(q + j * 192, w);
-      const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + t * 256 + j * 16)));
+      const __m512i scv = subblock_q6k(q, sc + t * 256, j, w);
       const int8_t* x0 = rows.panel_x(r0, blk) + j * 16;
       #pragma GCC unroll 2
       for (int64_t r = 0; r < np; ++r) {
@@ -574,6 +578,15 @@ inline void unpack_q6k(const uint8_t* q, __m256i (&w)[4]) {
   w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo23, 4), low), _mm256_and_si256(_mm256_srli_epi16(hb, 2), high));
 }
 
+// Sub-block j of a Q6_K super-block for outputs 8h .. 8h+7 (q and sc offset by h): the weights
+// unpacked into w, the weight stream asked for PREFETCH_AHEAD bytes on, the 8 scales widened.
+inline __m256i subblock_q6k(const uint8_t* q, const int8_t* sc, int j, __m256i (&w)[4]) {
+  #pragma GCC unroll 3
+  for (int l = 0; l < 3; ++l) _mm_prefetch((const char*)(q + j * 192 + l * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
+  unpack_q6k(q + j * 192, w);
+  return widen8(sc + j * 16);
+}
+
 // One row's sc_j * (dot_j - 32 s_j) for a Q6_K sub-block (xq: its 16 inputs, s: their sum).
 inline __m256i scaled_q6k(const __m256i (&w)[4], const int8_t* xq, int32_t s, __m256i scv) {
   const __m256i ones = _mm256_set1_epi16(1);
@@ -598,11 +611,8 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) a[rr] = _mm256_setzero_si256();
     for (int j = 0; j < 16; ++j) {
-      #pragma GCC unroll 3
-      for (int l = 0; l < 3; ++l) _mm_prefetch((const char*)(q + j * 192 + l * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
       __m256i w[4];
-      unpack_q6k(q + j * 192, w);
-      const __m256i scv = widen8(sc + t * 256 + j * 16 + h * 8);
+      const __m256i scv = subblock_q6k(q, sc + t * 256 + h * 8, j, w);
       #pragma GCC unroll 8
       for (int rr = 0; rr < NR; ++rr)
         a[rr] = _mm256_add_epi32(a[rr], scaled_q6k(w, rows.xq + (r0 + rr) * rows.K + blk * QK + j * 16,
@@ -695,11 +705,8 @@ void panel_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Row
     const uint8_t* q = qs + t * Q6K_BYTES + h * 32;
     for (int64_t r = 0; r < np; ++r) _mm256_store_si256((__m256i*)(sums + r * 8), _mm256_setzero_si256());
     for (int j = 0; j < 16; ++j) {
-      #pragma GCC unroll 3
-      for (int l = 0; l < 3; ++l) _mm_prefetch((const char*)(q + j * 192 + l * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
       __m256i w[4];
-      unpack_q6k(q + j * 192, w);
-      const __m256i scv = widen8(sc + t * 256 + j * 16 + h * 8);
+      const __m256i scv = subblock_q6k(q, sc + t * 256 + h * 8, j, w);
       const int8_t* x0 = rows.panel_x(r0, blk) + j * 16;
       const int32_t* s0 = rows.panel_s16(r0, blk) + j;
       for (int64_t r = 0; r < np; ++r) {
