@@ -447,6 +447,22 @@ def test_the_native_build_is_keyed_by_the_cpus_instruction_sets(monkeypatch):
     assert kquant.build_key("native") == keys["native"]
 
 
+def test_kernel_march_takes_only_a_path_this_cpu_runs(monkeypatch, caplog):
+    """``$SEQUOIA_KERNEL_MARCH`` picks another path this CPU runs (the AVX2 one measured on an
+    AVX-512 machine); a path it may not run (SIGILL) or a typo is refused with a warning."""
+    monkeypatch.setattr(kquant, "other_marches", lambda: ["x86-64", "x86-64-v3"])
+    for asked, built in (("", "native"), ("native", "native"), ("x86-64-v3", "x86-64-v3"), ("x86-64", "x86-64")):
+        monkeypatch.setenv("SEQUOIA_KERNEL_MARCH", asked)
+        assert kquant.kernel_march() == built
+    monkeypatch.setattr(kquant, "other_marches", lambda: ["x86-64"])
+    for refused in ("x86-64-v3", "x86-64-v4", "znver9; rm -rf /"):
+        monkeypatch.setenv("SEQUOIA_KERNEL_MARCH", refused)
+        with caplog.at_level("WARNING", logger=kquant.log.name):
+            assert kquant.kernel_march() == "native"
+        assert "not a path this CPU runs" in caplog.text
+        caplog.clear()
+
+
 def test_cpu_flags_are_the_flags_line_only(tmp_path, monkeypatch):
     from engine.backends import kernels
 

@@ -57,10 +57,22 @@ def _extension():
     if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
         os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
     try:
-        return compile_kernels("native")
+        return compile_kernels(kernel_march())
     except (OSError, RuntimeError, ImportError) as exc:
         log.warning("the k-quant kernels could not be built (%s); using the pure-torch reference", exc)
         return None
+
+
+def kernel_march() -> str:
+    """The ``-march`` the engine's kernels are built for: ``native``, unless ``$SEQUOIA_KERNEL_MARCH``
+    names another path this CPU runs (:func:`other_marches`: ``x86-64-v3`` runs the AVX2 path on an
+    AVX-512 machine, to measure it there); anything else is refused with a warning."""
+    march = os.environ.get("SEQUOIA_KERNEL_MARCH", "native") or "native"
+    if march != "native" and march not in other_marches():
+        log.warning("SEQUOIA_KERNEL_MARCH=%s is not a path this CPU runs (%s); building for native",
+                    march, ", ".join(["native", *other_marches()]))
+        return "native"
+    return march
 
 
 def compile_kernels(march: str = "native"):

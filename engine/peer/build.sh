@@ -5,8 +5,11 @@
 # cache (see engine/user_cache.py: cache_dir), and a stamp makes a second run instant.
 #
 #   sh engine/peer/build.sh            # PEER_PYTHON=python3 by default (only used for `pip download`)
+#   PEER_ISA=avx2 sh engine/peer/build.sh   # an AVX2-only build in build-avx2/ (no AVX-512), to compare
+#                                           # with the kernels' AVX2 path on an AVX-512 machine
 #
-# Environment: SEQUOIA_CACHE / XDG_CACHE_HOME (where), PEER_PYTHON (which pip), PEER_JOBS (2).
+# Environment: SEQUOIA_CACHE / XDG_CACHE_HOME (where), PEER_PYTHON (which pip), PEER_JOBS (2),
+# PEER_ISA (native, or avx2).
 set -eu
 
 VERSION=0.3.36
@@ -19,20 +22,28 @@ TARGETS="llama-server llama-speculative llama-bench"
 # explicit -mno-* flags win over -march=native whatever their order. Part of the stamp, so changing
 # the recipe rebuilds.
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-RECIPE="$SHA256 native-no-amx"
+ISA=${PEER_ISA:-native}
+case "$ISA" in
+    native) BUILD=build; STAMP_NAME=.built
+            ISA_FLAGS="-DGGML_NATIVE=ON" ;;
+    avx2)   BUILD=build-avx2; STAMP_NAME=.built-avx2
+            ISA_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF" ;;
+    *) echo "peer: PEER_ISA must be native or avx2, not $ISA" >&2; exit 2 ;;
+esac
+RECIPE="$SHA256 $ISA-no-amx"
 
 if [ -n "${SEQUOIA_CACHE:-}" ]; then ROOT=$SEQUOIA_CACHE; else ROOT=${XDG_CACHE_HOME:-$HOME/.cache}/sequoia-chat; fi
 DIR=$ROOT/peer/llama.cpp-$VERSION
-STAMP=$DIR/.built
+STAMP=$DIR/$STAMP_NAME
 PY=${PEER_PYTHON:-python3}
 JOBS=${PEER_JOBS:-2}
 
 all_built() {
-    for t in $TARGETS; do [ -x "$DIR/build/bin/$t" ] || return 1; done
+    for t in $TARGETS; do [ -x "$DIR/$BUILD/bin/$t" ] || return 1; done
 }
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$RECIPE" ] && all_built; then
-    echo "llama.cpp peer already built: $DIR/build/bin"
+    echo "llama.cpp peer already built: $DIR/$BUILD/bin"
     exit 0
 fi
 
@@ -62,11 +73,12 @@ if [ ! -f "$DIR/src/CMakeLists.txt" ]; then
 fi
 
 rm -f "$STAMP"
-echo "peer: building $TARGETS with $JOBS jobs (15 to 25 minutes on 2 cores); log: $DIR/build.log"
-nice -n 19 cmake -S "$DIR/src" -B "$DIR/build" \
+echo "peer: building $TARGETS with $JOBS jobs (15 to 25 minutes on 2 cores); log: $DIR/$BUILD.log"
+# shellcheck disable=SC2086
+nice -n 19 cmake -S "$DIR/src" -B "$DIR/$BUILD" \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF \
-    -DGGML_NATIVE=ON \
+    $ISA_FLAGS \
     -DCMAKE_C_FLAGS="$NO_AMX" \
     -DCMAKE_CXX_FLAGS="$NO_AMX" \
     -DLLAMA_BUILD_TESTS=OFF \
@@ -76,11 +88,11 @@ nice -n 19 cmake -S "$DIR/src" -B "$DIR/build" \
     -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF \
     -DLLAMA_OPENSSL=OFF \
-    >"$DIR/build.log" 2>&1 || { tail -n 30 "$DIR/build.log" >&2; exit 1; }
+    >"$DIR/$BUILD.log" 2>&1 || { tail -n 30 "$DIR/$BUILD.log" >&2; exit 1; }
 # shellcheck disable=SC2086
-nice -n 19 cmake --build "$DIR/build" --config Release -j "$JOBS" --target $TARGETS \
-    >>"$DIR/build.log" 2>&1 || { tail -n 30 "$DIR/build.log" >&2; exit 1; }
+nice -n 19 cmake --build "$DIR/$BUILD" --config Release -j "$JOBS" --target $TARGETS \
+    >>"$DIR/$BUILD.log" 2>&1 || { tail -n 30 "$DIR/$BUILD.log" >&2; exit 1; }
 
-all_built || { echo "peer: build finished but binaries are missing in $DIR/build/bin" >&2; exit 1; }
+all_built || { echo "peer: build finished but binaries are missing in $DIR/$BUILD/bin" >&2; exit 1; }
 echo "$RECIPE" >"$STAMP"
-echo "llama.cpp peer built: $DIR/build/bin"
+echo "llama.cpp peer built: $DIR/$BUILD/bin"
