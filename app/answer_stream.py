@@ -90,7 +90,10 @@ def stream_answer(app, feed: Feed, job: Job, history, message, system, choice, t
         last = run.steps[-1] if run.steps else None
         return status(f"Decoding with {html.escape(who)} · step {len(run.steps)} · {len(tokens)} tokens"
                       + (f" · last step accepted {last.accepted_draft_tokens} of {last.tree_size - 1} drafts"
-                         if last is not None and last.tree_size > 1 else ""))
+                         if last is not None and last.tree_size > 1 else "")
+                      + (f" · the draft is still reading your message ({last.draft_behind:,} tokens to go): "
+                         "until then the target checks its own next token"
+                         if last is not None and last.draft_behind else ""))
 
     yield {c.chatbot: display_messages(history[:-1] + [{"role": "assistant", "content": "…"}]),
            c.msg: "", c.history: history[:-1],
@@ -123,9 +126,13 @@ def stream_answer(app, feed: Feed, job: Job, history, message, system, choice, t
                     notice = dropped_notice(data["dropped"], getattr(app.worker.engine, "max_context", 0))
                 if phase == "main":
                     n = data.get("prompt_tokens")
-                    readers = "the target reads" if who == "the target alone" else "the target and the draft read"
+                    deferred = n is not None and n > getattr(app.worker.engine, "draft_deferral", n)
+                    readers = "the target reads" if who == "the target alone" or deferred \
+                        else "the target and the draft read"
+                    later = "; the draft reads it between the first steps" if deferred and who != "the target alone" \
+                        else ""
                     yield {c.status: status(f"Prefill: {readers} the {n if n is not None else ''}-token prompt "
-                                            f"before the first step ({html.escape(who)})…")}
+                                            f"before the first step{later} ({html.escape(who)})…")}
                 if phase == "main":
                     tc = data.get("tree_choice")
                     if tc is not None:

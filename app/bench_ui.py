@@ -212,7 +212,7 @@ def headless(prompts: list[str], max_new: int, log) -> list[dict]:
         started = time.perf_counter()
         result = engine.generate(ids, max_new_tokens=max_new, temperature=0.0, tree="auto" if tuner else None)
         out.append({"prompt": prompt, "tokens": len(result.tokens), "decode_tokens_per_s": result.tokens_per_second,
-                    "first_token_s": result.prefill_s + (result.steps[0].timings.total_s if result.steps else 0),
+                    "first_token_s": result.first_token_s,
                     "wall_s": time.perf_counter() - started, "tuner": tuner.origin if tuner else None})
         log(f"headless: {out[-1]['tokens']} tokens, {result.tokens_per_second:.2f} tokens/s, first token after "
             f"{out[-1]['first_token_s']:.2f} s")

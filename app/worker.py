@@ -337,7 +337,7 @@ class Worker:
                               "prompt_tokens": len(input_ids), "dropped": dropped}, phase)
         steps, tokens = 0, 0
         finish_reason = None
-        decode_s = 0.0
+        decode_s = reading_s = 0.0
         try:
             for record in stream:
                 if first_token_s is None:
@@ -345,6 +345,7 @@ class Worker:
                 steps += 1
                 tokens += len(record.committed)
                 decode_s += record.timings.total_s
+                reading_s += record.timings.reading_s
                 finish_reason = record.finish_reason or finish_reason
                 job._emit("step", record, phase)
                 if job.cancelled:
@@ -363,7 +364,7 @@ class Worker:
             job._emit("cancelled")
             return None
         result = {"phase": phase, "steps": steps, "tokens": tokens, "seconds": time.perf_counter() - start,
-                  "decode_s": decode_s, "prefill_s": getattr(engine, "last_prefill_s", 0.0),
+                  "decode_s": decode_s, "prefill_s": getattr(engine, "last_prefill_s", 0.0) + reading_s,
                   "first_token_s": first_token_s, "reused_tokens": getattr(engine, "last_reused_tokens", 0),
                   "finish_reason": finish_reason or "length",
                   "tree_choice": choice}

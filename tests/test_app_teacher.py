@@ -318,6 +318,23 @@ def test_a_long_prompt_shows_how_much_of_it_has_been_read(app):
     assert statuses.index(reading[-1]) < max(i for i, s in enumerate(statuses) if "Decoding with" in s or "Sequoia" in s)
 
 
+def test_a_long_prompts_draft_reading_between_steps_is_said(app, monkeypatch):
+    """Past ``draft_deferral`` tokens the prefill status says the draft reads the prompt later, and
+    the steps taken meanwhile say how much it has left."""
+    engine = app.worker.engine
+    monkeypatch.setattr(engine, "draft_deferral", 20)
+    monkeypatch.setattr(engine, "draft_catch_up", 8)
+    message = " ".join(["word"] * 60)
+    updates = list(app.respond(message, [], answer_stream.Run(), "", 0.0, 1.0, 12, 0, "sequoia", 4, 2, False, False,
+                               False))
+    statuses = [u[app.c.status] for u in updates if app.c.status in u]
+    assert any("the target reads the" in s and "the draft reads it between the first steps" in s for s in statuses)
+    behind = [s for s in statuses if "the draft is still reading your message" in s]
+    assert behind and "tokens to go" in behind[0]
+    stats = [u[app.c.stats] for u in updates if app.c.stats in u]
+    assert "of the draft reading your message between the first steps" in stats[-1]
+
+
 def test_the_int4_target_is_named_by_what_it_stores():
     from app.text import model_format
 

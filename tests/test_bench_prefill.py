@@ -26,6 +26,7 @@ def test_the_prefill_bench_times_our_target_and_pair_and_saves_its_figures(tmp_p
     for n in ("40", "90"):
         assert set(report["medians"][n]) == {"ours, target", "ours, target + draft"}
         assert all(len(v) == 2 and min(v) > 0 for k, v in report["runs"][n].items() if k != "llama.cpp")
+        assert len(report["draft_level_s"][n]) == 2
     assert report["ratio_to_llama_cpp"] == {}
     path = tmp_path / "prefill.html"
     bench_prefill.plot(report, path)

@@ -125,3 +125,69 @@ def test_the_prefill_progress_counts_tokens_a_conversation_cache_held(models):
     reports = []
     engine.generate(PROMPT, max_new_tokens=4, tree=Tree.chain(2), cache=cache, on_prefill=reports.append)
     assert reports[0].done > 99 and reports[-1].fraction == 1.0  # only the new tokens are read
+
+
+
+def deferring_engine(models, static: bool = False) -> SpeculativeEngine:
+    """An engine whose draft leaves a prompt of more than 100 tokens for the steps, 16 a step."""
+    engine = engine_for(models, 16, static)
+    engine.draft_deferral, engine.draft_catch_up = 100, 16
+    return engine
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_long_prompts_first_token_waits_for_the_target_alone(models, static):
+    """Past ``draft_deferral`` tokens the draft reads none of the prompt before the first token; it
+    reads up to ``draft_catch_up`` tokens before each later step, the steps taken while it is still
+    behind verify the root alone, and once level it drafts trees again. The answer is the target's
+    greedy one all the same."""
+    engine = deferring_engine(models, static)
+    calls, handles = count_forwards(models)
+    steps, draft_calls = [], []
+    try:
+        for record in engine.stream(PROMPT, max_new_tokens=40, tree=Tree.chain(3)):
+            steps.append(record)
+            draft_calls.append(calls["draft"])
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert draft_calls[0] == 0  # the first token: the target's prefill and one step, no draft forward
+    catching_up = 10  # before step k >= 1 the draft lags 149 + k - 16 (k - 1) tokens: 16 or fewer first at k = 10
+    assert all(len(s.tokens) == 1 for s in steps[:catching_up])
+    assert draft_calls[1:catching_up] == list(range(1, catching_up))  # one 16-token read before each
+    assert [s.draft_behind for s in steps[:catching_up + 1]] == [150 - 15 * k for k in range(catching_up)] + [0]
+    assert len(steps[catching_up].tokens) == 4  # the rest read (15 tokens) before this step, which drafts
+    assert [s.timings.reading_s > 0 for s in steps[:catching_up + 2]] == [False] + [True] * catching_up + [False]
+    answer = [t for s in steps for t in s.committed]
+    assert answer == tm.hf_greedy(models[0], PROMPT, 40)
+    result = engine.generate(PROMPT, max_new_tokens=40, tree=Tree.chain(3))
+    reading = sum(s.timings.reading_s for s in result.steps)  # prompt reading: in prefill_s, not in decode_s
+    assert result.tokens == answer and reading > 0
+    assert result.prefill_s == pytest.approx(engine.last_prefill_s + reading)
+    assert result.decode_s == pytest.approx(sum(s.timings.draft_s + s.timings.verify_s + s.timings.bookkeeping_s
+                                                for s in result.steps))
+    assert result.first_token_s == pytest.approx(engine.last_prefill_s + result.steps[0].timings.total_s)
+    engine.draft_deferral = 10_000  # the draft reads the prompt up front: the same answer
+    assert engine.generate(PROMPT, max_new_tokens=40, tree=Tree.chain(3)).tokens == answer
+
+
+def test_a_deferred_draft_leaves_the_prefill_progress_to_the_target(models):
+    reports = []
+    deferring_engine(models).generate(PROMPT, max_new_tokens=4, tree=Tree.chain(2), on_prefill=reports.append)
+    assert [r.done for r in reports] == [min(16 * (i + 1), 149) for i in range(10)]
+    assert reports[-1].fraction == 1.0
+
+
+def test_a_conversation_cache_keeps_what_a_deferred_draft_has_read(models):
+    """A turn that ends while the draft is still behind records what it read; the next turn's draft
+    starts there, and the answers are the target's greedy ones."""
+    from engine.core.prefix_cache import ConversationCache
+
+    engine = deferring_engine(models)
+    cache = ConversationCache(*models)
+    first = engine.generate(PROMPT, max_new_tokens=3, tree=Tree.chain(2), cache=cache).tokens
+    assert first == tm.hf_greedy(models[0], PROMPT, 3)
+    assert cache.tokens["draft"] == PROMPT[:2 * 16]  # read before the second and the third steps
+    follow_up = PROMPT + first + [9, 4, 1]
+    assert engine.generate(follow_up, max_new_tokens=30, tree=Tree.chain(2), cache=cache).tokens == \
+        tm.hf_greedy(models[0], follow_up, 30)

@@ -5,12 +5,19 @@ repository's own ``engine/`` sources, tokenised with the embedded pair's tokeniz
 in one run and on the same cores:
 
 - ``ours, target``: the app's int4 target reads the prompt (the engine's chunked prefill);
-- ``ours, target + draft``: the target, then the draft, as the app's time to first token pays;
+- ``ours, target + draft``: the prompt's tokens over the pair's time to first token, what the app's
+  user waits (the target's prefill and one step: a draft with a long prompt reads it between the
+  first steps, see ``SpeculativeEngine.draft_deferral``); beside it, the seconds until that draft
+  has read the whole prompt and drafts trees again (``draft level``);
 - ``llama.cpp``: ``llama-server`` on the same ``target.gguf`` (2 threads, prompt cache off), its
   own ``timings.prompt_per_second``, when ``make peer`` has built it.
 
 Rounds alternate ours and llama.cpp's per length, ``--repeats`` times; figures are medians. JSON
 and an HTML plot go to ``results/`` (or ``--out``).
+
+The AVX2 path on an AVX-512 machine: ``PEER_ISA=avx2 make peer`` builds an AVX2-only llama.cpp, and
+``SEQUOIA_KERNEL_MARCH=x86-64-v3 SEQUOIA_PEER_BIN=<cache>/peer/llama.cpp-<version>/build-avx2/bin``
+runs both on AVX2 instructions.
 """
 from __future__ import annotations
 
@@ -45,6 +52,20 @@ def our_prefill_s(engine, prompt: list[int]) -> float:
     return engine.last_prefill_s
 
 
+def pair_first_token_s(engine, prompt: list[int]) -> tuple[float, float | None]:
+    """Seconds from the request to the pair's first token on ``prompt``, and to its first step
+    whose draft drafted (None if it never did within its budget)."""
+    from engine.trees.tree import Tree
+
+    start, first = time.perf_counter(), None
+    budget = len(prompt) // max(1, engine.draft_catch_up) + 8
+    for record in engine.stream(prompt, max_new_tokens=budget, tree=Tree.chain(2)):
+        first = first or time.perf_counter() - start
+        if len(record.tokens) > 1:
+            return first, time.perf_counter() - start
+    return first, None
+
+
 def peer_prompt_rate(server, prompt: list[int]) -> tuple[float, int]:
     """llama-server's ``(prompt tokens/s, prompt tokens)`` for reading ``prompt`` (one token decoded)."""
     from engine.peer.llama_cpp import completion_request
@@ -62,6 +83,7 @@ def run(lengths: list[int], repeats: int, peer: bool, log=print, pair=None) -> d
     from engine.models.loading import load_pair
     from engine.peer.llama_cpp import (DEFAULT_THREADS, PeerConfig, PeerServer, TARGET_ONLY, context_size,
                                        default_ggufs, free_port, peer_binaries, server_command)
+    from engine.backends.kquant import simd_path
     from engine.tuning.profile import cpu_isa
 
     target, draft, tokenizer = pair or load_pair()
@@ -69,6 +91,7 @@ def run(lengths: list[int], repeats: int, peer: bool, log=print, pair=None) -> d
     prompts = {n: code_tokens(tokenizer, n) for n in lengths}
     our_prefill_s(pair, prompts[min(lengths)])  # warm-up: kernels, caches, allocations
     figures = {n: {"ours, target": [], "ours, target + draft": [], "llama.cpp": []} for n in lengths}
+    draft_level = {n: [] for n in lengths}
     binaries, why_not = peer_binaries() if peer else (None, "not asked for (--no-peer)")
     with contextlib.ExitStack() as stack:
         server = None
@@ -79,11 +102,16 @@ def run(lengths: list[int], repeats: int, peer: bool, log=print, pair=None) -> d
             peer_prompt_rate(server, prompts[min(lengths)])  # warm-up
         for round_ in range(repeats):
             for n, prompt in prompts.items():
-                for name, engine in (("ours, target", alone), ("ours, target + draft", pair)):
-                    seconds = our_prefill_s(engine, prompt)
-                    figures[n][name].append((len(prompt) - 1) / seconds)
-                    log(f"round {round_ + 1}, {n} tokens: {name:<22} {figures[n][name][-1]:6.1f} prompt tokens/s "
-                        f"({seconds:.1f} s)", flush=True)
+                seconds = our_prefill_s(alone, prompt)
+                figures[n]["ours, target"].append((len(prompt) - 1) / seconds)
+                log(f"round {round_ + 1}, {n} tokens: {'ours, target':<22} {figures[n]['ours, target'][-1]:6.1f} "
+                    f"prompt tokens/s ({seconds:.1f} s)", flush=True)
+                seconds, level_s = pair_first_token_s(pair, prompt)
+                figures[n]["ours, target + draft"].append((len(prompt) - 1) / seconds)
+                draft_level[n].append(level_s)
+                log(f"round {round_ + 1}, {n} tokens: {'ours, target + draft':<22} "
+                    f"{figures[n]['ours, target + draft'][-1]:6.1f} prompt tokens/s (first token {seconds:.1f} s; "
+                    f"draft level at {level_s if level_s is None else round(level_s, 1)} s)", flush=True)
                 if server is not None:
                     rate, read = peer_prompt_rate(server, prompt)
                     figures[n]["llama.cpp"].append(rate)
@@ -91,9 +119,11 @@ def run(lengths: list[int], repeats: int, peer: bool, log=print, pair=None) -> d
                         f"({read} tokens, {read / rate:.1f} s)", flush=True)
     medians = {n: {name: statistics.median(v) for name, v in row.items() if v} for n, row in figures.items()}
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
-            "isa": cpu_isa(), "threads": torch.get_num_threads(), "repeats": repeats,
-            "peer": "llama.cpp llama-server, same target.gguf" if binaries is not None else why_not,
+            "isa": cpu_isa(), "kernels": simd_path(), "threads": torch.get_num_threads(), "repeats": repeats,
+            "peer": f"llama.cpp llama-server ({binaries.server.parent}), same target.gguf" if binaries is not None
+            else why_not,
             "runs": {str(n): row for n, row in figures.items()}, "medians": {str(n): row for n, row in medians.items()},
+            "draft_level_s": {str(n): v for n, v in draft_level.items()},
             "ratio_to_llama_cpp": {str(n): {name: rate / row["llama.cpp"] for name, rate in row.items()
                                            if name != "llama.cpp"} for n, row in medians.items() if "llama.cpp" in row}}
 
@@ -108,7 +138,7 @@ def plot(report: dict, path: Path) -> None:
                             y=[report["medians"][n].get(name) for n in lengths],
                             text=[f"{report['medians'][n][name]:.1f}" if name in report["medians"][n] else ""
                                   for n in lengths]) for name in names])
-    fig.update_layout(barmode="group", title=f"Prefill, {report['isa']}, {report['threads']} threads ({report['date']})",
+    fig.update_layout(barmode="group", title=f"Prefill, {report['isa']} CPU, {report.get('kernels', '?')} kernels, {report['threads']} threads ({report['date']})",
                       yaxis_title="prompt tokens/s", template="plotly_white", height=480)
     fig.write_html(path)
 
@@ -126,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     path = args.out / f"bench-prefill-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(report, indent=2))
     plot(report, path.with_suffix(".html"))
-    print(f"\nmedian prompt tokens/s ({report['isa']}, {report['threads']} threads; {report['peer']}):")
+    print(f"\nmedian prompt tokens/s ({report['isa']} CPU, {report['kernels']} kernels, {report['threads']} threads; "
+          f"{report['peer']}):")
     for n, row in report["medians"].items():
         ratios = report["ratio_to_llama_cpp"].get(n, {})
         print(f"  {n:>5} tokens: " + ", ".join(

@@ -11,9 +11,13 @@ class StepTimings:
     draft_s: float = 0.0        # draft forwards (catch-up + one per tree level) and child selection
     verify_s: float = 0.0       # the target's forward over the whole tree
     bookkeeping_s: float = 0.0  # acceptance walk and KV-cache compaction
+    # the draft reading a long prompt before this step (its deferred prefill, see StepRecord.draft_behind):
+    # prompt reading, like the prefill, so not in ``total_s``
+    reading_s: float = 0.0
 
     @property
     def total_s(self) -> float:
+        """The step's decoding time (``reading_s`` aside)."""
         return self.draft_s + self.verify_s + self.bookkeeping_s
 
 
@@ -106,6 +110,10 @@ class StepRecord:
     # One entry per committed token, in order, when log-probabilities were asked for
     # (``SpeculativeEngine.stream(..., logprobs=k)``); empty otherwise.
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Prompt tokens the draft had still to read after this step's share: a long prompt's draft
+    # reads it between the first steps (``SpeculativeEngine.draft_deferral``), and a step taken
+    # meanwhile drafts no tree. 0 once the draft is level.
+    draft_behind: int = 0
 
     def __post_init__(self) -> None:
         self.copy_origins = [tuple(o) if o is not None else None for o in self.copy_origins]
@@ -177,12 +185,18 @@ class GenerationResult:
     tokens: list[int]
     steps: list[StepRecord]
     prompt_tokens: int
-    prefill_s: float
+    prefill_s: float  # reading the prompt: both models' prefill, and a deferred draft's reads between steps
     finish_reason: str
 
     @property
     def decode_s(self) -> float:
         return sum(s.timings.total_s for s in self.steps)
+
+    @property
+    def first_token_s(self) -> float:
+        """Seconds to the first token: the prefill up front and the first step (which reads nothing)."""
+        later_reading = sum(s.timings.reading_s for s in self.steps)
+        return self.prefill_s - later_reading + (self.steps[0].timings.total_s if self.steps else 0.0)
 
     @property
     def tokens_per_step(self) -> float:

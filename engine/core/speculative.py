@@ -59,6 +59,12 @@ class SpeculativeEngine:
     """Tree speculative decoding for a target/draft pair of HF causal LMs sharing a vocabulary."""
 
     prefill_chunk = 256  # prompt tokens per prefill forward; ``should_stop`` is consulted between chunks
+    # A draft with more prompt tokens to read than this reads none before the first token: the
+    # first token then waits for the target's prefill alone, and the draft reads ``draft_catch_up``
+    # tokens before each later step until it is level (those steps verify copies or the root alone;
+    # a prefill-sized read keeps its cost near the up-front prefill's, with few such steps).
+    draft_deferral = 256
+    draft_catch_up = 256
     copy_branches = 1    # distinct copied continuations a step verifies at most (each costs its rows)
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None = None,
@@ -122,7 +128,8 @@ class SpeculativeEngine:
             tokens.extend(step.committed)
             prefill_s = self.last_prefill_s
         return GenerationResult(tokens=tokens, steps=steps, prompt_tokens=len(input_ids),
-                                prefill_s=prefill_s, finish_reason=steps[-1].finish_reason or "length")
+                                prefill_s=prefill_s + sum(s.timings.reading_s for s in steps),
+                                finish_reason=steps[-1].finish_reason or "length")
 
     def stream(self, input_ids: list[int], max_new_tokens: int = 64, temperature: float = 0.0,
                top_p: float = 1.0, tree: Tree | str | None = None, seed: int = 0,
@@ -284,6 +291,7 @@ class _DecodeState:
             self.draft_runner.model = draft_for_prompt(engine.draft, prompt)
         self.target_len = 0
         self.draft_len = 0
+        self.draft_reading = False  # a long prompt's draft reads it between the first steps (_catch_up_draft)
         self.steps = 0
         self.generator = torch.Generator(device=engine.device).manual_seed(params.seed)
         self.finished = False
@@ -300,13 +308,18 @@ class _DecodeState:
         each; returns seconds.
 
         With a conversation cache, each model starts after the prefix its cache already holds,
-        and the cache's record grows chunk by chunk (a stopped prefill leaves it valid)."""
+        and the cache's record grows chunk by chunk (a stopped prefill leaves it valid). A draft
+        with more than ``engine.draft_deferral`` tokens to read is left for the steps
+        (:meth:`_catch_up_draft`)."""
         start = time.perf_counter()
         prompt = self.seq[:-1]
         runners = [(role, runner) for role, runner in (("target", self.target_runner), ("draft", self.draft_runner))
                    if runner is not None]
         firsts = {role: self.cache.reuse(role, prompt) if self.cache is not None else 0 for role, _ in runners}
         self.engine.last_reused_tokens = firsts.get("target", 0)
+        if self.draft_runner is not None and len(prompt) - firsts["draft"] > self.engine.draft_deferral:
+            runners = runners[:1]
+            self.draft_len, self.draft_reading = firsts["draft"], True
         work = PrefillWork(prompt_tokens=len(prompt), start=start,
                             todo={role: len(prompt) - firsts[role] for role, _ in runners},
                             weights={role: prefill_weight(self.engine, role) for role, _ in runners})
@@ -322,7 +335,7 @@ class _DecodeState:
                     if on_prefill is not None:
                         on_prefill(work.after(role, min(begin + chunk, len(prompt)) - firsts[role]))
             self.target_len = len(prompt)
-            if self.draft_runner is not None:
+            if len(runners) == 2:
                 self.draft_len = len(prompt)
         return time.perf_counter() - start
 
@@ -334,8 +347,12 @@ class _DecodeState:
         timings = StepTimings()
         prefix = len(self.seq) - 1  # position of the root
         with torch.inference_mode():
+            start, read_from = time.perf_counter(), self.draft_len
+            catching_up = self._catch_up_draft()
             t0 = time.perf_counter()
+            timings.reading_s = t0 - start if self.draft_len != read_from else 0.0
             proposals, drafting = self._plan_copies()
+            drafting = drafting and not catching_up
             model_tree, tokens, draft_probs, draft_dists = self._draft_tree(self.params.tree if drafting else ROOT_ONLY)
             merged = merge_copies(model_tree, tokens, proposals)
             tree, tokens = merged.tree, merged.tokens
@@ -369,9 +386,24 @@ class _DecodeState:
                             verifier_p=[used[n][0] if n in used else None for n in range(len(tokens))],
                             verifier_q=[used[n][1] if n in used else None for n in range(len(tokens))],
                             trace=trace, sources=merged.sources if proposals else [],
-                            copy_origins=merged.origin if proposals else [], token_logprobs=scored)
+                            copy_origins=merged.origin if proposals else [], token_logprobs=scored,
+                            draft_behind=max(0, len(self.seq) - 1 - self.draft_len) if catching_up else 0)
         self.steps += 1
         return record
+
+    def _catch_up_draft(self) -> bool:
+        """While the draft has a long prompt left to read (:meth:`prefill` left it): it reads up to
+        ``engine.draft_catch_up`` more tokens before this step, except before the first step (whose
+        token waits for the target alone). Whether it is still behind: then this step drafts no tree."""
+        if not self.draft_reading:
+            return False
+        if self.steps > 0:
+            end = min(self.draft_len + self.engine.draft_catch_up, len(self.seq) - 1)
+            self.draft_runner.forward(self.seq[self.draft_len:end], start=self.draft_len, logits_to_keep=1, eager=True)
+            synchronize(self.engine.device)  # so that reading_s is the read's own time on a GPU
+            self.draft_len = end
+        self.draft_reading = self.draft_len < len(self.seq) - 1
+        return self.draft_reading
 
     # ----- copies from the context ---------------------------------------------------------
     def _plan_copies(self) -> tuple[list[CopyProposal], bool]:
