@@ -138,7 +138,9 @@ def plot(report: dict, path: Path) -> None:
                             y=[report["medians"][n].get(name) for n in lengths],
                             text=[f"{report['medians'][n][name]:.1f}" if name in report["medians"][n] else ""
                                   for n in lengths]) for name in names])
-    fig.update_layout(barmode="group", title=f"Prefill, {report['isa']} CPU, {report.get('kernels', '?')} kernels, {report['threads']} threads ({report['date']})",
+    title = (f"Prefill, {report['isa']} CPU, {report.get('kernels', '?')} kernels, {report['threads']} threads "
+             f"({report['date']})")
+    fig.update_layout(barmode="group", title=title,
                       yaxis_title="prompt tokens/s", template="plotly_white", height=480)
     fig.write_html(path)
 
