@@ -19,12 +19,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+TOP_P_OUT_OF_RANGE = (["--prompt", "hi", "--top-p", "1.5"], "top_p")
 BAD_INPUT = [
     (["--prompt", "hi", "--tree-size", "0"], "--tree-size"),
     (["--prompt", "   "], "--prompt"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
     (["--prompt", "hi", "--temperature", "-1"], "temperature"),
-    (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
+    TOP_P_OUT_OF_RANGE,
     (["--prompt", "hi", "--tree-size", "5", "--depth", "7"], "--depth"),
     (["--prompt", "hi", "--method", "beam"], "method"),
     (["--prompt", "hi", "--method", "chain", "--tree-size", "8", "--depth", "3"], "--method chain"),
@@ -40,7 +41,7 @@ def test_bad_input_is_one_line_and_exit_2(args, needle, capsys):
     assert err.startswith("error: ") and needle in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("args,needle", [BAD_INPUT[4],
+@pytest.mark.parametrize("args,needle", [TOP_P_OUT_OF_RANGE,
                                          (["--prompt", "hi", "--target", "no-such-org/no-such-model"],
                                           "no-such-org/no-such-model")])
 def test_the_command_prints_one_line_and_exits_2(args, needle):

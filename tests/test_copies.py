@@ -106,6 +106,21 @@ def test_the_policy_stops_copying_what_the_target_rejects_and_copies_alone_what_
         StepPlan(0, True, 2.0, plan_step(CopyStats(), 20, 0, model_tree, 2.0, None).step_cost)
 
 
+def test_deep_copied_tokens_count_at_the_deepest_depth_the_policy_reads():
+    """Tokens at depth 8 and below share one count, the one the estimate of any depth >= 8 reads:
+    nothing is counted where nothing reads it."""
+    from engine.core.copy_policy import DEEPEST, PRIOR_WEIGHT
+
+    stats = CopyStats()
+    stats.observe(match_len=20, length=20, accepted=20)
+    stats.observe(match_len=20, length=20, accepted=10)  # tokens 1..10 kept, the 11th rejected
+    assert max(depth for _, depth in stats.tried) == DEEPEST
+    bucket = next(iter(stats.tried))[0]
+    assert stats.tried[bucket, DEEPEST] == 13 + 4 and stats.kept[bucket, DEEPEST] == 13 + 3
+    assert stats.acceptance(20, 30) == stats.acceptance(20, DEEPEST) == \
+        pytest.approx((16 + PRIOR_WEIGHT * stats.acceptance(20, 7)) / (17 + PRIOR_WEIGHT))
+
+
 # ----- exactness ----------------------------------------------------------------------------------
 LOOPING_PROMPT = [5, 17, 3, 42, 9, 11] * 3 + [5, 17, 3]
 QWEN_SEED = 2  # its greedy answer to LOOPING_PROMPT repeats with period 11: copies get accepted

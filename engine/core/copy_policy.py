@@ -16,6 +16,7 @@ MATCH_BUCKETS = (3, 6, 12, 24)       # a match of m tokens falls in the last buc
 COPY_LENGTHS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
 FIRST_PRIOR = (0.25, 0.45, 0.65, 0.8, 0.9)  # prior acceptance of a copy's first token, per bucket
 NEXT_PRIOR = 0.85                     # prior acceptance of each later token, given the one before
+DEEPEST = 8  # copied tokens at this depth and below share one count: deep tokens are few, and alike
 PRIOR_WEIGHT = 2.0                    # pseudo-observations behind each prior
 # Without a profile: a step of n target rows costs 1 + 0.02 (n - 1) target steps, a draft level 0.3.
 DEFAULT_ROW_COST, DEFAULT_LEVEL_COST = 0.02, 0.3
@@ -38,13 +39,14 @@ class CopyStats:
         unless all were kept)."""
         bucket = bucket_of(match_len)
         for depth in range(1, min(accepted + 1, length) + 1):
-            self.tried[bucket, depth] = self.tried.get((bucket, depth), 0) + 1
+            key = bucket, min(depth, DEEPEST)
+            self.tried[key] = self.tried.get(key, 0) + 1
             if depth <= accepted:
-                self.kept[bucket, depth] = self.kept.get((bucket, depth), 0) + 1
+                self.kept[key] = self.kept.get(key, 0) + 1
 
     def acceptance(self, match_len: int, depth: int) -> float:
         """Estimated P(copied token at ``depth`` kept | the one before kept), prior blended in."""
-        bucket = bucket_of(match_len)
+        bucket, depth = bucket_of(match_len), min(depth, DEEPEST)
         # a depth not tried yet is expected to go as the one above it went: a copy kept whole every
         # time is then tried longer, instead of never being seen past the length it started with
         prior = FIRST_PRIOR[bucket] if depth == 1 else NEXT_PRIOR if depth == 2 else self.acceptance(match_len, depth - 1)
@@ -55,7 +57,7 @@ class CopyStats:
         """Expected copied tokens kept from a chain of ``length``."""
         total, alive = 0.0, 1.0
         for depth in range(1, length + 1):
-            alive *= self.acceptance(match_len, min(depth, 8))
+            alive *= self.acceptance(match_len, depth)
             total += alive
         return total
 
