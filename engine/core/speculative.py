@@ -335,7 +335,7 @@ class _DecodeState:
                     if on_prefill is not None:
                         on_prefill(work.after(role, min(begin + chunk, len(prompt)) - firsts[role]))
             self.target_len = len(prompt)
-            if len(runners) == 2:
+            if self.draft_runner is not None and not self.draft_reading:
                 self.draft_len = len(prompt)
         return time.perf_counter() - start
 
@@ -387,7 +387,7 @@ class _DecodeState:
                             verifier_q=[used[n][1] if n in used else None for n in range(len(tokens))],
                             trace=trace, sources=merged.sources if proposals else [],
                             copy_origins=merged.origin if proposals else [], token_logprobs=scored,
-                            draft_behind=max(0, len(self.seq) - 1 - self.draft_len) if catching_up else 0)
+                            draft_behind=len(self.seq) - 1 - self.draft_len if catching_up else 0)
         self.steps += 1
         return record
 
