@@ -197,7 +197,9 @@ def _browser_pid(browser) -> int:
 
 
 def headless(prompts: list[str], max_new: int, log) -> list[dict]:
-    """The engine alone on the same prompts and settings as the app's defaults (T = 0, tree="auto")."""
+    """The engine alone on the same prompts and settings as the app's defaults (T = 0, tree="auto",
+    copies from the conversation as the app's default has them)."""
+    from app.controls import DEFAULTS
     from engine import SpeculativeEngine
     from engine.models.loading import load_default_pair, pair_name
     from engine.models.prompts import encode_chat
@@ -210,7 +212,8 @@ def headless(prompts: list[str], max_new: int, log) -> list[dict]:
     for prompt in prompts:
         ids = encode_chat(tokenizer, [{"role": "user", "content": prompt}])
         started = time.perf_counter()
-        result = engine.generate(ids, max_new_tokens=max_new, temperature=0.0, tree="auto" if tuner else None)
+        result = engine.generate(ids, max_new_tokens=max_new, temperature=0.0, tree="auto" if tuner else None,
+                                 copies=DEFAULTS["copies"])
         out.append({"prompt": prompt, "tokens": len(result.tokens), "decode_tokens_per_s": result.tokens_per_second,
                     "first_token_s": result.first_token_s,
                     "wall_s": time.perf_counter() - started, "tuner": tuner.origin if tuner else None})

@@ -26,6 +26,7 @@ DEFAULTS = {
     "max_tree_size": 64,
     "max_depth": 16,
     "compare": False,
+    "copies": True,  # free drafts: continuations copied from the conversation, verified beside the draft's
     "highlight": False,
     # the pair (as calibrations name it) whose acceptance calibrations shape DP trees and predictions
     "pair": EMBEDDED_PAIR,

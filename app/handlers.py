@@ -111,7 +111,7 @@ class ChatApp:
 
     def free_drafts(self, session: str) -> tuple[bool, str | None]:
         with self._baselines_lock:
-            copies, expected = self._free_drafts.get(session, (True, ""))
+            copies, expected = self._free_drafts.get(session, (self.options["copies"], ""))
         return copies, expected.strip() and expected or None
 
     # ----- the target alone, measured once per pair and settings -----------------------------------

@@ -90,7 +90,7 @@ def build(app: ChatApp) -> gr.Blocks:
                 c.tree_info = gr.HTML(app.tree_info(o["method"], o["tree_size"], o["depth"], c.auto.value,
                                                      o["temperature"], o["top_p"]), elem_id="sc-tree-info")
             with gr.Accordion("Free drafts", open=False):
-                c.copies = gr.Checkbox(True, label="Copy from the conversation", elem_id="sc-copies",
+                c.copies = gr.Checkbox(o["copies"], label="Copy from the conversation", elem_id="sc-copies",
                                        info="Text the answer repeats from the chat is proposed as free branches "
                                             "beside the draft's (no draft-model cost); the answer stays the target's")
                 c.expected = gr.Textbox("", label="Expected output (edit mode)", lines=3, max_lines=12,
