@@ -126,7 +126,7 @@ def stream_answer(app, feed: Feed, job: Job, history, message, system, choice, t
                     notice = dropped_notice(data["dropped"], getattr(app.worker.engine, "max_context", 0))
                 if phase == "main":
                     n = data.get("prompt_tokens")
-                    deferred = n is not None and n > getattr(app.worker.engine, "draft_deferral", n)
+                    deferred = bool(data.get("draft_later"))
                     readers = "the target reads" if who == "the target alone" or deferred \
                         else "the target and the draft read"
                     later = "; the draft reads it between the first steps" if deferred and who != "the target alone" \

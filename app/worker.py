@@ -13,8 +13,9 @@ Events (``Event.kind``), in order:
 
 - ``queued`` (data: jobs ahead of this one) while waiting;
 - ``started`` (data: ``{"phase", "tree", "tree_choice", "tokenizer", "pair_version", "prompt_tokens",
-  "dropped"}``) when a decoding phase begins; ``dropped``: the oldest messages left out of a
-  conversation that did not fit the context;
+  "dropped", "draft_later"}``) when a decoding phase begins; ``dropped``: the oldest messages left out
+  of a conversation that did not fit the context; ``draft_later``: the draft reads the prompt between
+  the first steps, not before the first token (the engine's decision, its conversation cache counted);
 - ``prefill`` (data: a :class:`~engine.core.records.PrefillProgress`) after each chunk of the prompt's
   prefill;
 - ``step`` (data: a :class:`~engine.core.records.StepRecord`; ``phase`` says which run);
@@ -334,7 +335,8 @@ class Worker:
         choice = getattr(engine, "last_tree_choice", None) if tree == "auto" else None
         job._emit("started", {"phase": phase, "tree": choice.tree if choice else tree, "tree_choice": choice,
                               "tokenizer": self.tokenizer, "pair_version": self.pair_version,
-                              "prompt_tokens": len(input_ids), "dropped": dropped}, phase)
+                              "prompt_tokens": len(input_ids), "dropped": dropped,
+                              "draft_later": bool(getattr(engine, "last_draft_deferred", False))}, phase)
         steps, tokens = 0, 0
         finish_reason = None
         decode_s = reading_s = 0.0

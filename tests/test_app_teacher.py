@@ -320,7 +320,8 @@ def test_a_long_prompt_shows_how_much_of_it_has_been_read(app):
 
 def test_a_long_prompts_draft_reading_between_steps_is_said(app, monkeypatch):
     """Past ``draft_deferral`` tokens the prefill status says the draft reads the prompt later, and
-    the steps taken meanwhile say how much it has left."""
+    the steps taken meanwhile say how much it has left. The next turn's status follows the engine's
+    decision, not the prompt's length: its draft has only the new tokens to read."""
     engine = app.worker.engine
     monkeypatch.setattr(engine, "draft_deferral", 20)
     monkeypatch.setattr(engine, "draft_catch_up", 8)
@@ -333,6 +334,13 @@ def test_a_long_prompts_draft_reading_between_steps_is_said(app, monkeypatch):
     assert behind and "tokens to go" in behind[0]
     stats = [u[app.c.stats] for u in updates if app.c.stats in u]
     assert "of the draft reading your message between the first steps" in stats[-1]
+    # the next turn: the conversation's cache holds the long message, the draft reads the rest up front
+    monkeypatch.setattr(engine, "draft_deferral", 60)
+    history = updates[-1][app.c.history]
+    updates = list(app.respond("And then?", history, answer_stream.Run(), "", 0.0, 1.0, 4, 0, "sequoia", 4, 2, False,
+                               False, False))
+    prefill = [u[app.c.status] for u in updates if app.c.status in u and "Prefill:" in u[app.c.status]]
+    assert prefill and "the target and the draft read" in prefill[0] and "between the first steps" not in prefill[0]
 
 
 def test_the_int4_target_is_named_by_what_it_stores():

@@ -191,3 +191,31 @@ def test_a_conversation_cache_keeps_what_a_deferred_draft_has_read(models):
     follow_up = PROMPT + first + [9, 4, 1]
     assert engine.generate(follow_up, max_new_tokens=30, tree=Tree.chain(2), cache=cache).tokens == \
         tm.hf_greedy(models[0], follow_up, 30)
+
+
+def test_the_engine_says_before_the_prefill_whether_the_draft_reads_later(models):
+    """``last_draft_deferred`` is set when ``stream`` returns (before any forward) and follows what
+    the prefill then does: a conversation cache holding most of a long prompt leaves the draft
+    little to read, so it reads up front; a target-alone run has no draft to defer."""
+    from engine.core.prefix_cache import ConversationCache
+
+    engine = deferring_engine(models)
+    cache = ConversationCache(*models)
+    calls, handles = count_forwards(models)
+    try:
+        stream = engine.stream(PROMPT, max_new_tokens=30, tree=Tree.chain(2), cache=cache)
+        assert engine.last_draft_deferred and calls == {"target": 0, "draft": 0}
+        first = [t for record in stream for t in record.committed]  # the draft catches up on the way
+        follow_up = PROMPT + first + [9, 4, 1]
+        stream = engine.stream(follow_up, max_new_tokens=3, tree=Tree.chain(2), cache=cache)
+        assert not engine.last_draft_deferred
+        drafted_before = calls["draft"]
+        next(stream)
+        assert calls["draft"] > drafted_before  # the draft read its few new tokens before the first token
+    finally:
+        for handle in handles:
+            handle.remove()
+    engine.stream(follow_up, max_new_tokens=3, tree=None)
+    assert not engine.last_draft_deferred
+    engine.stream(follow_up, max_new_tokens=3, tree=Tree.chain(2))  # no cache: the whole prompt to read
+    assert engine.last_draft_deferred

@@ -54,11 +54,15 @@ class ConversationCache:
             self.runners[role] = DynamicRunner(self.models[role])
         return self.runners[role]
 
+    def held(self, role: str, prompt: list[int]) -> int:
+        """How many leading tokens of ``prompt`` the cache of ``role`` holds (nothing is changed)."""
+        return common_prefix(self.tokens[role], prompt)
+
     def reuse(self, role: str, prompt: list[int]) -> int:
         """Keep the longest prefix of ``prompt`` the cache of ``role`` already holds (the rest of the
         cache is cut); how many tokens that is."""
         runner = self.runner(role)
-        keep = common_prefix(self.tokens[role], prompt)
+        keep = self.held(role, prompt)
         if keep == 0:
             runner.reset()
         else:

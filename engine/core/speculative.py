@@ -86,6 +86,7 @@ class SpeculativeEngine:
         self.tuner = tuner
         self.last_tree_choice = None
         self.last_reused_tokens = 0  # prompt tokens the last generation took from a conversation cache
+        self.last_draft_deferred = False  # whether the last generation's draft reads its prompt after the first token
         self.draft = draft.eval() if draft is not None else None
         self.vocab_size = _output_vocab(target)
         if draft is not None and _output_vocab(draft) != self.vocab_size:
@@ -207,7 +208,9 @@ class SpeculativeEngine:
         if cache is not None and not (isinstance(cache, ConversationCache) and cache.belongs_to(self.target, self.draft)):
             raise InvalidParameterError("cache must be a ConversationCache built for this engine's target and draft")
         self.last_reused_tokens = 0
-        return self._steps(_DecodeState(self, list(input_ids), params, cache, prediction), should_stop, on_prefill)
+        state = _DecodeState(self, list(input_ids), params, cache, prediction)
+        self.last_draft_deferred = state.defers_draft()
+        return self._steps(state, should_stop, on_prefill)
 
     def _steps(self, state: "_DecodeState", should_stop: Callable[[], bool] | None = None,
                on_prefill: Callable[[PrefillProgress], None] | None = None) -> Iterator[StepRecord]:
@@ -300,6 +303,15 @@ class _DecodeState:
     def generated(self) -> int:
         return len(self.seq) - self.prompt_len
 
+    def defers_draft(self) -> bool:
+        """Whether the prefill leaves the draft's reading to the first steps: it has more than
+        ``engine.draft_deferral`` prompt tokens to read, its conversation cache's prefix aside."""
+        if self.draft_runner is None:
+            return False
+        prompt = self.seq[:-1]
+        held = self.cache.held("draft", prompt) if self.cache is not None else 0
+        return len(prompt) - held > self.engine.draft_deferral
+
     def prefill(self, should_stop: Callable[[], bool] | None = None,
                 on_prefill: Callable[[PrefillProgress], None] | None = None) -> float:
         """Run the prompt minus its last token through the target, then the draft, in chunks of
@@ -315,9 +327,10 @@ class _DecodeState:
         prompt = self.seq[:-1]
         runners = [(role, runner) for role, runner in (("target", self.target_runner), ("draft", self.draft_runner))
                    if runner is not None]
+        deferred = self.defers_draft()
         firsts = {role: self.cache.reuse(role, prompt) if self.cache is not None else 0 for role, _ in runners}
         self.engine.last_reused_tokens = firsts.get("target", 0)
-        if self.draft_runner is not None and len(prompt) - firsts["draft"] > self.engine.draft_deferral:
+        if deferred:
             runners = runners[:1]
             self.draft_len, self.draft_reading = firsts["draft"], True
         work = PrefillWork(prompt_tokens=len(prompt), start=start,
