@@ -5,10 +5,11 @@ Chromium through Playwright (1440x960), types each bundled prompt into the chat,
 Enter and records, as the answer's text changes on screen: the time to the first visible token
 and the decode rate (the answer's tokens after the first, over the time from the first visible
 token to the last change). It also reads the CPU seconds Chromium and the server spent per answer.
-In the same run, after the app is closed (never two at once on these cores), the headless engine
-decodes the same prompts with the same settings (``tree="auto"``, T = 0), and llama.cpp's
-``llama-server`` does target-only decoding when ``make peer`` has built it. JSON and a plot go to
-``results/`` (or ``--out``).
+After each answer, once the page is idle, the headless engine (in this process) decodes the same
+prompt with the same settings (``tree="auto"``, T = 0, copies): never two at once on these cores,
+and a host whose speed drifts meets both alike. ``--rounds`` sends every prompt again. After the
+app is closed, llama.cpp's ``llama-server`` does target-only decoding when ``make peer`` has built
+it. JSON and a plot go to ``results/`` (or ``--out``).
 """
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,8 +117,10 @@ def start_app(port: int, extra: list[str], log, wait_measure_s: float) -> tuple[
     raise RuntimeError("the app was not ready in time")
 
 
-def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | None) -> list[dict]:
-    """Each prompt through the page; what the screen showed, when, and the CPU it took."""
+def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | None, rounds: int = 1,
+              after_each: Callable[[int], None] | None = None) -> list[dict]:
+    """Each prompt through the page, ``rounds`` times over; what the screen showed, when, and the CPU
+    it took. ``after_each(i)`` runs once the page has settled after the answer to prompt ``i``."""
     from playwright.sync_api import sync_playwright
 
     from app.pair import load_tokenizer
@@ -133,8 +138,8 @@ def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | 
         page.wait_for_selector("#sc-chatbot")
         page.wait_for_timeout(SETTLE_MS)  # as a person reads the page before typing: its first render is done
         box = page.get_by_placeholder("Ask something…")
-        for i, prompt in enumerate(prompts):
-            if i:  # each prompt in a conversation of its own, as the headless engine gets it
+        for n, (i, prompt) in enumerate((i, p) for _ in range(rounds) for i, p in enumerate(prompts)):
+            if n:  # each prompt in a conversation of its own, as the headless engine gets it
                 page.locator("#sc-clear").click()
                 page.wait_for_function("() => /Cleared/.test(document.querySelector('#sc-status').innerText)")
                 page.wait_for_timeout(SETTLE_MS)  # the last answer's charts and tabs are drawn, as a person reads
@@ -160,19 +165,22 @@ def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | 
             page1 = page_metrics(cdp)
             stats = page.locator("#sc-stats").inner_text()
             engine_rate = ENGINE_RATE.search(stats)
-            result = {"prompt": prompt, "tokens": tokens, "first_token_s": None if first is None else (first - sent) / 1000,
+            result = {"prompt": prompt, "prompt_index": i, "tokens": tokens, "first_token_s": None if first is None else (first - sent) / 1000,
                       "decode_tokens_per_s": decode, "updates": shown.updates,
                       "engine_in_app_tokens_per_s": float(engine_rate[1]) if engine_rate else None,
                       "chromium_cpu_s": chrome, "server_cpu_s": server,
                       "page_main_thread_s": {k: page1[k] - page0[k] for k in PAGE_METRICS},
                       "status": page.locator("#sc-status").inner_text(), "stats": stats}
-            log(f"on screen {i + 1}/{len(prompts)}: {tokens} tokens, first after {result['first_token_s'] or float('nan'):.2f} s, "
+            log(f"on screen {i + 1}/{len(prompts)} (round {n // len(prompts) + 1}): {tokens} tokens, first after {result['first_token_s'] or float('nan'):.2f} s, "
                 f"{decode or 0:.2f} tokens/s ({result['engine_in_app_tokens_per_s']} by the engine's own clock), "
                 f"{shown.updates} updates; Chromium {chrome:.1f} s CPU, server {server:.1f} s CPU; page main "
                 f"thread: " + ", ".join(f"{k} {v:.2f} s" for k, v in result["page_main_thread_s"].items()))
             if shots is not None:
                 page.screenshot(path=str(shots / f"bench-ui-{i + 1}.png"))
             results.append(result)
+            if after_each is not None:
+                page.wait_for_timeout(SETTLE_MS)  # the answer's charts are drawn: the page is idle
+                after_each(i)
         browser.close()
     return results
 
@@ -196,30 +204,35 @@ def _browser_pid(browser) -> int:
     return min(candidates, key=lambda c: c.create_time()).pid if candidates else me.pid
 
 
-def headless(prompts: list[str], max_new: int, log) -> list[dict]:
-    """The engine alone on the same prompts and settings as the app's defaults (T = 0, tree="auto",
-    copies from the conversation as the app's default has them)."""
-    from app.controls import DEFAULTS
-    from engine import SpeculativeEngine
-    from engine.models.loading import load_default_pair, pair_name
-    from engine.models.prompts import encode_chat
-    from engine.tuning.optimizer import load_tuner
+class Headless:
+    """The engine alone with the app's defaults (T = 0, tree="auto", copies from the conversation as
+    the app's default has them), in this process: it decodes a prompt while the app waits idle."""
 
-    target, draft, tokenizer = load_default_pair()
-    tuner = load_tuner(pair_name("default-target", "default-draft", draft, target), target)
-    engine = SpeculativeEngine(target, draft, tuner=tuner)
-    out = []
-    for prompt in prompts:
-        ids = encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+    def __init__(self, max_new: int, log) -> None:
+        from engine import SpeculativeEngine
+        from engine.models.loading import load_default_pair, pair_name
+        from engine.tuning.optimizer import load_tuner
+
+        target, draft, self.tokenizer = load_default_pair()
+        self.tuner = load_tuner(pair_name("default-target", "default-draft", draft, target), target)
+        self.engine = SpeculativeEngine(target, draft, tuner=self.tuner)
+        self.max_new, self.log = max_new, log
+
+    def decode(self, prompt: str, index: int) -> dict:
+        """The answer to ``prompt`` (the ``index``-th bundled one): its decode rate and first token."""
+        from app.controls import DEFAULTS
+        from engine.models.prompts import encode_chat
+
+        ids = encode_chat(self.tokenizer, [{"role": "user", "content": prompt}])
         started = time.perf_counter()
-        result = engine.generate(ids, max_new_tokens=max_new, temperature=0.0, tree="auto" if tuner else None,
-                                 copies=DEFAULTS["copies"])
-        out.append({"prompt": prompt, "tokens": len(result.tokens), "decode_tokens_per_s": result.tokens_per_second,
-                    "first_token_s": result.first_token_s,
-                    "wall_s": time.perf_counter() - started, "tuner": tuner.origin if tuner else None})
-        log(f"headless: {out[-1]['tokens']} tokens, {result.tokens_per_second:.2f} tokens/s, first token after "
-            f"{out[-1]['first_token_s']:.2f} s")
-    return out
+        result = self.engine.generate(ids, max_new_tokens=self.max_new, temperature=0.0,
+                                      tree="auto" if self.tuner else None, copies=DEFAULTS["copies"])
+        out = {"prompt": prompt, "prompt_index": index, "tokens": len(result.tokens), "decode_tokens_per_s": result.tokens_per_second,
+               "first_token_s": result.first_token_s, "wall_s": time.perf_counter() - started,
+               "tuner": self.tuner.origin if self.tuner else None}
+        self.log(f"headless: {out['tokens']} tokens, {result.tokens_per_second:.2f} tokens/s, first token after "
+                 f"{out['first_token_s']:.2f} s")
+        return out
 
 
 def peer(prompts: list[str], max_new: int, log) -> list[dict] | str:
@@ -241,9 +254,19 @@ def peer(prompts: list[str], max_new: int, log) -> list[dict] | str:
     return [{"decode_tokens_per_s": r} for r in runs[0].tokens_per_s]
 
 
+def per_prompt(runs: list[dict], key: str) -> list[float | None]:
+    """``key``'s median over the rounds, prompt by prompt (runs in order, ``prompt_index`` naming
+    the prompt; a run without one is a prompt of its own)."""
+    by_prompt: dict[int, list] = {}
+    for i, run in enumerate(runs):
+        by_prompt.setdefault(run.get("prompt_index", i), []).append(run[key])
+    return [median(values) for _, values in sorted(by_prompt.items())]
+
+
 def median(values) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    return values[len(values) // 2] if values else None
+    """The median of the values that are not None (the mean of the middle two for an even count)."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=3, help="bundled chat prompts to send (first N)")
     parser.add_argument("--port", type=int, default=7899)
     parser.add_argument("--out", type=Path, default=ROOT / "results")
+    parser.add_argument("--rounds", type=int, default=1, help="times each prompt is sent (ratios: medians)")
     parser.add_argument("--no-headless", action="store_true", help="skip the headless engine run")
     parser.add_argument("--app-args", default="", help="extra launch.py arguments, e.g. '--no-measure'")
     args = parser.parse_args(argv)
@@ -259,15 +283,18 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     log = lambda line: print(line, flush=True)  # noqa: E731
     prompts = [p["messages"][-1]["content"] for p in load_prompt_set("chat")[: args.prompts]]
+    max_new = 256  # the app's default answer budget
+    solo = None if args.no_headless else Headless(max_new, log)
+    quiet: list[dict] = []
     process, url = start_app(args.port, args.app_args.split(), log, wait_measure_s=300)
-    try:
-        screen = on_screen(url, prompts, process.pid, log, args.out)
+    try:  # each answer on screen, then the headless engine on its prompt: a drifting host meets both alike
+        screen = on_screen(url, prompts, process.pid, log, args.out, rounds=max(1, args.rounds),
+                           after_each=None if solo is None else lambda i: quiet.append(solo.decode(prompts[i], i)))
     finally:
         process.terminate()
         process.wait(30)
-    max_new = 256  # the app's default answer budget
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu(), "threads": os.cpu_count(),
-              "on_screen": screen, "headless": None if args.no_headless else headless(prompts, max_new, log)}
+              "rounds": max(1, args.rounds), "on_screen": screen, "headless": quiet or None}
     report["llama_cpp_target_only"] = peer(prompts, max_new, log)
     summary = {"on_screen_tokens_per_s": median(r["decode_tokens_per_s"] for r in screen),
                "on_screen_first_token_s": median(r["first_token_s"] for r in screen),
@@ -276,10 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     if report["headless"]:
         summary["headless_tokens_per_s"] = median(r["decode_tokens_per_s"] for r in report["headless"])
         summary["headless_first_token_s"] = median(r["first_token_s"] for r in report["headless"])
-        summary["on_screen_over_headless_per_prompt"] = [
-            s["decode_tokens_per_s"] / h["decode_tokens_per_s"] if s["decode_tokens_per_s"] else None
-            for s, h in zip(screen, report["headless"])]
-        summary["on_screen_over_headless"] = median(summary["on_screen_over_headless_per_prompt"])
+        # each answer on screen over the headless answer that followed it, then medians
+        ratios = [{"prompt_index": s["prompt_index"], "ratio": s["decode_tokens_per_s"] / h["decode_tokens_per_s"]
+                   if s["decode_tokens_per_s"] else None} for s, h in zip(screen, report["headless"])]
+        summary["on_screen_over_headless_per_answer"] = [r["ratio"] for r in ratios]
+        summary["on_screen_over_headless_per_prompt"] = per_prompt(ratios, "ratio")
+        summary["on_screen_over_headless"] = median(r["ratio"] for r in ratios)
     if isinstance(report["llama_cpp_target_only"], list):
         summary["llama_cpp_tokens_per_s"] = median(r["decode_tokens_per_s"] for r in report["llama_cpp_target_only"])
         summary["on_screen_over_llama_cpp"] = summary["on_screen_tokens_per_s"] / summary["llama_cpp_tokens_per_s"]
@@ -311,8 +340,8 @@ def _plot(report: dict, path: Path) -> None:
              if isinstance(report["llama_cpp_target_only"], list) else [])]
     for name, runs in rows:
         if runs:
-            fig.add_bar(name=name, x=[f"prompt {i + 1}" for i in range(len(runs))],
-                        y=[r["decode_tokens_per_s"] for r in runs])
+            rates = per_prompt(runs, "decode_tokens_per_s")
+            fig.add_bar(name=name, x=[f"prompt {i + 1}" for i in range(len(rates))], y=rates)
     fig.update_layout(title=f"Decode tokens/s, {report['cpu']} ({report['date']})", barmode="group",
                       yaxis_title="tokens/s")
     fig.write_html(str(path), include_plotlyjs="cdn")

@@ -24,3 +24,12 @@ def test_without_a_live_feed_every_change_counts():
 def test_nothing_visible_is_no_timing():
     shown = on_screen_timing([[100.0, "…", False], [200.0, "  ", False]], "")
     assert shown.first_ms is None and shown.last_ms is None and shown.updates == 0
+
+
+def test_rounds_are_summed_up_prompt_by_prompt():
+    from app.bench_ui import per_prompt
+
+    runs = [{"prompt_index": i % 3, "rate": rate} for i, rate in enumerate([10.0, 20.0, 30.0, 12.0, 18.0, 36.0,
+                                                                              11.0, 25.0, None])]
+    assert per_prompt(runs, "rate") == [11.0, 20.0, 33.0]  # a missing rate is left out of its prompt's median
+    assert per_prompt([{"rate": 1.0}, {"rate": 2.0}], "rate") == [1.0, 2.0]  # one run a prompt (the peer's rows)
