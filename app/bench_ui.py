@@ -31,6 +31,7 @@ URL_LINE = re.compile(r"running at (http://\S+)")
 ENGINE_RATE = re.compile(r"measured ([0-9.]+) tokens/s")  # the stats line: the engine's own step clock
 
 SETTLE_MS = 5000
+POLL_MS = 250  # how often the bench looks whether an answer is done (its samples come from a MutationObserver)
 FINAL_TEXT_JS = """() => { const m = document.querySelectorAll("#sc-chatbot [data-testid='bot']");
   return !document.querySelector('#sc-chatbot .sc-live-text') && m.length && !/^…?$/.test(m[m.length - 1].innerText.trim()); }"""
 BOT_MESSAGES = "#sc-chatbot .message.bot, #sc-chatbot [data-testid='bot']"
@@ -150,11 +151,11 @@ def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | 
             box.fill(prompt)
             sent = page.evaluate("() => performance.now()")
             box.press("Enter")
-            page.wait_for_function(
+            page.wait_for_function(  # looked for a few times a second, as a person would: Playwright's
                 """(before) => document.querySelectorAll("%s").length > before &&
                      /Done|Stopped|failed/.test(document.querySelector('#sc-status').innerText)""" % BOT_MESSAGES,
-                arg=before, timeout=600_000)
-            page.wait_for_function(FINAL_TEXT_JS, timeout=60_000)  # Gradio's Markdown replaced the live text
+                arg=before, timeout=600_000, polling=POLL_MS)  # default (every frame) lays the page out 60 times a second
+            page.wait_for_function(FINAL_TEXT_JS, timeout=60_000, polling=POLL_MS)  # Gradio's Markdown replaced the live text
             page.wait_for_timeout(300)
             samples = page.evaluate("() => window.__sc")
             chrome, server = process_tree_cpu_seconds(browser_pid) - chrome0, process_tree_cpu_seconds(server_pid) - server0
@@ -179,10 +180,28 @@ def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | 
                 page.screenshot(path=str(shots / f"bench-ui-{i + 1}.png"))
             results.append(result)
             if after_each is not None:
-                page.wait_for_timeout(SETTLE_MS)  # the answer's charts are drawn: the page is idle
-                after_each(i)
+                page.wait_for_timeout(SETTLE_MS)  # the answer's charts are drawn
+                wait_quiet(browser_pid, page)     # and the page is idle
+                chrome0, server0 = process_tree_cpu_seconds(browser_pid), process_tree_cpu_seconds(server_pid)
+                after_each(i)  # what the idle page and app took from it, in CPU seconds:
+                result["idle_cpu_s_beside_headless"] = {"chromium": process_tree_cpu_seconds(browser_pid) - chrome0,
+                                                        "server": process_tree_cpu_seconds(server_pid) - server0}
+                log("  beside it the idle page took {chromium:.2f} s of CPU and the idle app {server:.2f} s"
+                    .format(**result["idle_cpu_s_beside_headless"]))
         browser.close()
     return results
+
+
+def wait_quiet(pid: int, page, window_s: float = 1.0, busy_s: float = 0.05, limit_s: float = 20.0) -> float:
+    """Wait until ``pid``'s process tree (Chromium) spends under ``busy_s`` CPU seconds in a
+    ``window_s`` window, at most ``limit_s``; the seconds waited."""
+    started = time.monotonic()
+    while time.monotonic() - started < limit_s:
+        before = process_tree_cpu_seconds(pid)
+        page.wait_for_timeout(window_s * 1000)
+        if process_tree_cpu_seconds(pid) - before < busy_s:
+            break
+    return time.monotonic() - started
 
 
 PAGE_METRICS = ("TaskDuration", "ScriptDuration", "LayoutDuration", "RecalcStyleDuration")
