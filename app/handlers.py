@@ -98,6 +98,7 @@ class ChatApp:
         self._baselines_lock = threading.Lock()
         self._epochs: dict[str, int] = {}  # per session: conversations replaced by Clear or Import
         self._free_drafts: dict[str, tuple[bool, str]] = {}  # per session: copy from the chat, expected output
+        self._free_drafts_lock = threading.Lock()
         self.explain = ExplainView(self)  # the teaching tabs under the chat
         self.feeds = LiveFeeds()  # served by launch (app.live_feed.mount): streaming answers' live records
 
@@ -106,11 +107,11 @@ class ChatApp:
         """This session's free-draft settings for its next answers: whether continuations already in the
         conversation are proposed, and an expected output (edit mode) to copy from."""
         session = getattr(request, "session_hash", None) or "local"
-        with self._baselines_lock:
+        with self._free_drafts_lock:
             self._free_drafts[session] = (bool(copies), str(expected or "")[:MAX_EXPECTED_CHARS])
 
     def free_drafts(self, session: str) -> tuple[bool, str | None]:
-        with self._baselines_lock:
+        with self._free_drafts_lock:
             copies, expected = self._free_drafts.get(session, (self.options["copies"], ""))
         return copies, expected.strip() and expected or None
 
