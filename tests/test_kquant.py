@@ -472,7 +472,27 @@ def test_cpu_flags_are_the_flags_line_only(tmp_path, monkeypatch):
     real_path = kernels.Path
     monkeypatch.setattr(kernels, "Path", lambda p: info if p == "/proc/cpuinfo" else real_path(p))
     kernels.cpu_flags.cache_clear()
+    kernels.cpu_model.cache_clear()
     try:
         assert kernels.cpu_flags() == frozenset({"fpu", "avx2", "f16c"})
+        assert kernels.cpu_model() == "AMD EPYC"
     finally:
         kernels.cpu_flags.cache_clear()
+        kernels.cpu_model.cache_clear()
+
+
+def test_a_profiles_kernel_stamp_names_the_path_and_the_cpu(monkeypatch):
+    """A hardware profile is "measured here" only with these kernels' sources, the path they are
+    built for and this CPU: a profile timed on the AVX2 path of this machine, or on another CPU of
+    the same ISA sharing the home folder, does not price this one's trees."""
+    from engine.backends import kernels
+
+    monkeypatch.setattr(kquant, "other_marches", lambda: ["x86-64", "x86-64-v3"])
+    monkeypatch.delenv("SEQUOIA_KERNEL_MARCH", raising=False)
+    here = kquant.kernel_digest()
+    assert kquant.kernel_digest() == here
+    monkeypatch.setenv("SEQUOIA_KERNEL_MARCH", "x86-64-v3")
+    assert kquant.kernel_digest() != here
+    monkeypatch.delenv("SEQUOIA_KERNEL_MARCH")
+    monkeypatch.setattr(kernels, "cpu_model", lambda: "Another CPU of the same flags")
+    assert kquant.kernel_digest() != here

@@ -39,6 +39,17 @@ def cpu_flags() -> frozenset[str]:
                 frozenset())
 
 
+@functools.cache
+def cpu_model() -> str:
+    """This CPU's model name (the ``model name`` line of Linux's ``/proc/cpuinfo``; empty where it
+    cannot be read)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.partition(":")[2].strip() for line in lines if line.split(":")[0].strip() == "model name"), "")
+
+
 def packing_available() -> bool:
     """True when this torch build has oneDNN's packed linear (x86 CPU builds do)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")

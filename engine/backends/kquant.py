@@ -97,8 +97,14 @@ def _source_bytes() -> bytes:
 
 
 def kernel_digest() -> str:
-    """A digest of the kernels' sources: what a timing of them (a hardware profile) was measured with."""
-    return hashlib.sha256(_source_bytes()).hexdigest()[:12]
+    """What a timing of the kernels (a hardware profile) depends on besides the thread count: their
+    sources, the path they are built for (:func:`kernel_march`) and the CPU that runs them (its model
+    and flags). A profile stamped with another digest was measured with other kernels or on another
+    CPU, even where both share a home folder and a profile's name."""
+    from engine.backends.kernels import cpu_flags, cpu_model
+
+    machine = f"{kernel_march()}|{cpu_model()}|{' '.join(sorted(cpu_flags()))}"
+    return hashlib.sha256(_source_bytes() + machine.encode()).hexdigest()[:12]
 
 
 def build_key(march: str) -> str:

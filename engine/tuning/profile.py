@@ -201,9 +201,14 @@ def device_name(device: torch.device) -> str:
 
 def cpu_isa() -> str:
     """The widest integer vector ISA this CPU advertises that the kernels use: ``avx512vnni``,
-    ``avx2`` or ``generic`` (also where the flags cannot be read)."""
+    ``avx2`` or ``generic`` (also where the flags cannot be read); the narrower one the kernels are
+    built for when ``$SEQUOIA_KERNEL_MARCH`` picks another path (``x86-64-v3``: ``avx2``)."""
     from engine.backends.kernels import cpu_flags
+    from engine.backends.kquant import kernel_march
 
+    march = kernel_march()
+    if march != "native":
+        return {"x86-64-v3": "avx2"}.get(march, "generic")
     flags = cpu_flags()
     if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
         return "avx512vnni"
