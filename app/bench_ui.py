@@ -270,7 +270,7 @@ def peer(prompts: list[str], max_new: int, log) -> list[dict] | str:
                         binaries=binaries, log=lambda *a, **k: log(" ".join(map(str, a))))
     except PeerError as exc:
         return str(exc)
-    return [{"decode_tokens_per_s": r} for r in runs[0].tokens_per_s]
+    return [{"decode_tokens_per_s": r, "binaries": str(binaries.server.parent)} for r in runs[0].tokens_per_s]
 
 
 def per_prompt(runs: list[dict], key: str) -> list[float | None]:
@@ -312,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         process.terminate()
         process.wait(30)
-    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu(), "threads": os.cpu_count(),
+    from engine.backends.kquant import simd_path
+
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu(), "kernels": simd_path(), "threads": os.cpu_count(),
               "rounds": max(1, args.rounds), "on_screen": screen, "headless": quiet or None}
     report["llama_cpp_target_only"] = peer(prompts, max_new, log)
     summary = {"on_screen_tokens_per_s": median(r["decode_tokens_per_s"] for r in screen),
@@ -361,7 +363,8 @@ def _plot(report: dict, path: Path) -> None:
         if runs:
             rates = per_prompt(runs, "decode_tokens_per_s")
             fig.add_bar(name=name, x=[f"prompt {i + 1}" for i in range(len(rates))], y=rates)
-    fig.update_layout(title=f"Decode tokens/s, {report['cpu']} ({report['date']})", barmode="group",
+    fig.update_layout(title=f"Decode tokens/s, {report['cpu']}, kernels {report.get('kernels')} ({report['date']})",
+                      barmode="group",
                       yaxis_title="tokens/s")
     fig.write_html(str(path), include_plotlyjs="cdn")
 
