@@ -236,7 +236,20 @@ def stats_line(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None 
         else:
             parts.append(f"≈{ratio:.2f}× the target alone (target alone estimated from the device profile: "
                          f"{baseline_tokens_per_s:.1f} tokens/s; Compare or “Measure” measures it)")
+        if ratio < 1.0:
+            parts.append(why_slower(s["tokens_per_step"], expected_tokens))
     return " · ".join(parts)
+
+
+def why_slower(tokens_per_step: float, expected_tokens: float | None) -> str:
+    """Why an answer came out slower than the target alone: its drafts were kept less than the
+    calibration predicts (the tree was sized for more), or each step cost more than measured."""
+    if expected_tokens is not None and tokens_per_step < 0.85 * expected_tokens:
+        return (f"slower than the target alone on this answer: its drafts were kept less than predicted "
+                f"({tokens_per_step:.2f} tokens/step, against {expected_tokens:.2f}); a longer answer, or one "
+                f"that repeats the conversation, keeps more")
+    return ("slower than the target alone on this answer: its steps cost more than when the target alone was "
+            "timed (this page's drawing, or another program, shared the cores)")
 
 
 def _percent(x: float) -> str:

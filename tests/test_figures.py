@@ -246,6 +246,19 @@ def test_stats_line():
     assert traces(fig, "speedup")[0].name == "measured speedup (running)"
     assert "measured at launch" in traces(fig, "speedup")[0].hovertemplate
     assert figures.stats_line([]) == "No steps yet."
+    assert "slower than" not in line + estimated + at_launch
+
+
+def test_a_stats_line_below_the_target_alone_says_why():
+    """8 tokens in 0.24 s (33.3 tokens/s) against a faster target alone: fewer tokens a step than
+    predicted, or steps that cost more than the target alone's timing."""
+    kept_less = figures.stats_line(steps(), baseline_tokens_per_s=40.0, expected_tokens=3.5)
+    assert "**0.83× the target alone**" in kept_less
+    assert "drafts were kept less than predicted (2.67 tokens/step, against 3.50)" in kept_less
+    as_predicted = figures.stats_line(steps(), baseline_tokens_per_s=40.0, expected_tokens=2.7,
+                                      baseline_source=figures.MEASURED_AT_START)
+    assert "its steps cost more than when the target alone was timed" in as_predicted
+    assert "kept less" not in as_predicted
 
 
 # ----- conversation functions ------------------------------------------------------------------
