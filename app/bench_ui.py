@@ -250,7 +250,7 @@ class Headless:
                "first_token_s": result.first_token_s, "wall_s": time.perf_counter() - started,
                "tuner": self.tuner.origin if self.tuner else None}
         self.log(f"headless: {out['tokens']} tokens, {result.tokens_per_second:.2f} tokens/s, first token after "
-                 f"{out['first_token_s']:.2f} s")
+                 f"{out['first_token_s']:.2f} s (profile: {out['tuner']})")
         return out
 
 
@@ -303,10 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda line: print(line, flush=True)  # noqa: E731
     prompts = [p["messages"][-1]["content"] for p in load_prompt_set("chat")[: args.prompts]]
     max_new = 256  # the app's default answer budget
-    solo = None if args.no_headless else Headless(max_new, log)
     quiet: list[dict] = []
     process, url = start_app(args.port, args.app_args.split(), log, wait_measure_s=300)
-    try:  # each answer on screen, then the headless engine on its prompt: a drifting host meets both alike
+    try:
+        # loaded once the app is ready: a first start's measurement of this machine is the profile both use
+        solo = None if args.no_headless else Headless(max_new, log)
+        # each answer on screen, then the headless engine on its prompt: a drifting host meets both alike
         screen = on_screen(url, prompts, process.pid, log, args.out, rounds=max(1, args.rounds),
                            after_each=None if solo is None else lambda i: quiet.append(solo.decode(prompts[i], i)))
     finally:
