@@ -140,8 +140,9 @@ def test_on_a_phone_the_chat_comes_right_after_the_tree(url, browser):
     try:
         page.goto(url)
         page.wait_for_selector("#sc-msg textarea", timeout=60_000)
-        tops = page.evaluate("""() => ['#sc-tree', '#sc-chatbot', '#sc-msg', '#sc-steps'].map(
-            s => document.querySelector(s).getBoundingClientRect().top)""")
+        parts = "['#sc-tree', '#sc-chatbot', '#sc-msg', '#sc-steps']"  # mounted one by one, under load in any order
+        page.wait_for_function(f"() => {parts}.every(s => document.querySelector(s))", timeout=60_000)
+        tops = page.evaluate(f"() => {parts}.map(s => document.querySelector(s).getBoundingClientRect().top)")
         assert tops[0] < tops[1] < tops[2] < tops[3], tops  # tree, chat, message box, then the chart
         assert page.evaluate("() => document.scrollingElement.scrollWidth <= innerWidth")
     finally:
