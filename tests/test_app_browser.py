@@ -78,15 +78,17 @@ def test_chat_tree_replay_and_stop(server, page):
     worker, _ = server
     page.get_by_label("Compare with the target alone").check()
     page.get_by_label("Colour draft vs. target tokens").check()
+    worker.engine.delay = 0.15  # slow enough that the checks below see the answer while it streams
     page.fill("#sc-msg textarea", "Explain <b>speculative</b> decoding & trees")
     page.keyboard.press("Enter")
 
-    # streamed text and a live tree (inline SVG while the answer streams) with nodes
-    page.wait_for_function("() => { const b = document.querySelectorAll('#sc-chatbot .bot'); "
-                           "return b.length && b[b.length - 1].innerText.trim().length > 3; }", timeout=90_000)
+    # streamed text over the live feed, and a live tree (inline SVG while the answer streams) with nodes
+    page.wait_for_function("() => { const t = document.querySelector('#sc-chatbot .sc-live-text'); "
+                           "return t && t.innerText.trim().length > 3; }", timeout=90_000)
     page.wait_for_function("() => document.querySelectorAll('#sc-live-tree g.sc-node').length >= 3", timeout=90_000)
     shot(page, "1-streaming")
-    assert page.locator("#sc-chatbot .sc-live-text").count() == 1  # the text came over the live feed
+    assert page.locator("#sc-chatbot .sc-live-text").count() == 1
+    worker.engine.delay = 0.03
     user = page.locator("#sc-chatbot .user").last.inner_text()
     assert "<b>speculative</b> decoding & trees" in user  # shown as typed, not as HTML
 
@@ -133,6 +135,7 @@ def test_chat_tree_replay_and_stop(server, page):
 
 
 def test_empty_message_and_clear(server, page):
+    assert support.wait_until(lambda: server[0].busy == 0, 60), "the previous answer is still decoding"
     page.fill("#sc-msg textarea", "   ")
     page.keyboard.press("Enter")
     expect(page.locator("#sc-status")).to_contain_text("Empty message ignored", timeout=10_000)
