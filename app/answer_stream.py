@@ -93,7 +93,10 @@ def stream_answer(app, feed: Feed, job: Job, history, message, system, choice, t
                          if last is not None and last.tree_size > 1 else "")
                       + (f" · the draft is still reading your message ({last.draft_behind:,} tokens to go): "
                          "until then the target checks its own next token"
-                         if last is not None and last.draft_behind else ""))
+                         if last is not None and last.draft_behind else "")
+                      + (" · drafting paused: this answer keeps too few drafts to pay, so the target writes alone "
+                         "(a step now and then still drafts, to see if that changes)"
+                         if last is not None and last.draft_paused else ""))
 
     yield {c.chatbot: display_messages(history[:-1] + [{"role": "assistant", "content": "…"}]),
            c.msg: "", c.history: history[:-1],

@@ -191,6 +191,7 @@ def summarise(steps: Sequence[StepRecord]) -> dict:
     return {
         "steps": len(steps), "tokens": tokens, "seconds": total_s,
         "reading_s": sum(s.timings.reading_s for s in steps),
+        "paused": sum(1 for s in steps if s.draft_paused),
         "tokens_per_s": tokens / total_s if total_s > 0 else 0.0,
         "tokens_per_step": tokens / len(steps) if steps else 0.0,
         "accepted_per_step": accepted / len(steps) if steps else 0.0,
@@ -223,6 +224,9 @@ def stats_line(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None 
     if expected_tokens is not None and s["acceptance_rate"] is not None:
         parts.append(f"predicted {expected_tokens:.2f} tokens/step")
     parts.append(f"time: draft {_percent(s['draft_share'])} · verify {_percent(s['verify_share'])}")
+    if s["paused"]:
+        parts.append(f"drafting paused on {s['paused']} of {s['steps']} steps (this answer kept too few drafts "
+                     "for them to pay, so the target wrote alone there)")
     if s["reading_s"] > 0:
         parts.append(f"besides, {s['reading_s']:.1f} s of the draft reading your message between the first steps "
                      "(prompt reading, as the prefill, so not in tokens/s)")

@@ -168,7 +168,8 @@ def step_title(step: StepRecord) -> str:
     drafted = step.tree_size - 1
     committed = len(step.committed)
     if drafted == 0:
-        return f"Step {step.index + 1}: the target alone wrote {committed} token{'' if committed == 1 else 's'} (no draft)"
+        why = " (drafting paused: this answer's drafts were not paying)" if step.draft_paused else " (no draft)"
+        return f"Step {step.index + 1}: the target alone wrote {committed} token{'' if committed == 1 else 's'}{why}"
     accepted = len(step.accepted) - 1
     used = step.accepted_draft_tokens
     copies = step.sources.count("copy") if step.sources else 0

@@ -1,9 +1,9 @@
 """app.figures and app.conversation: pure functions, tested on hand-made step records."""
 from __future__ import annotations
 
-import re
-
+import dataclasses
 import json
+import re
 
 import pytest
 
@@ -259,6 +259,19 @@ def test_a_stats_line_below_the_target_alone_says_why():
                                       baseline_source=figures.MEASURED_AT_START)
     assert "its steps cost more than when the target alone was timed" in as_predicted
     assert "kept less" not in as_predicted
+
+
+def test_steps_the_draft_gate_paused_are_named_so():
+    from app.tree_figures import step_title
+
+    paused = StepRecord(index=3, tokens=[100], parents=[-1], ranks=[0], draft_probs=[1.0], target_probs=[1.0],
+                        accepted=[0], committed=[101], timings=StepTimings(verify_s=0.05), draft_paused=True)
+    assert step_title(paused) == ("Step 4: the target alone wrote 1 token "
+                                  "(drafting paused: this answer's drafts were not paying)")
+    line = figures.stats_line(steps() + [paused], baseline_tokens_per_s=10.0)
+    assert "drafting paused on 1 of 4 steps" in line
+    assert "drafting paused" not in figures.stats_line(steps(), baseline_tokens_per_s=10.0)
+    assert "(no draft)" in step_title(dataclasses.replace(paused, draft_paused=False))
 
 
 # ----- conversation functions ------------------------------------------------------------------

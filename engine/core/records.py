@@ -114,6 +114,9 @@ class StepRecord:
     # reads it between the first steps (``SpeculativeEngine.draft_deferral``), and a step taken
     # meanwhile drafts no tree. 0 once the draft is level.
     draft_behind: int = 0
+    # tree="auto" and this answer's drafts were not paying (engine.core.draft_gate): the target
+    # decoded this step alone
+    draft_paused: bool = False
 
     def __post_init__(self) -> None:
         self.copy_origins = [tuple(o) if o is not None else None for o in self.copy_origins]

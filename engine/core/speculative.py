@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.copy_policy import CopyStats, StepClock, plan_step
+from engine.core.draft_gate import DraftGate
 from engine.core.logprobs import check_logprobs, committed_logprobs
 from engine.core.prefill_progress import PrefillWork, prefill_weight
 from engine.core.prefix_cache import ConversationCache
@@ -49,6 +50,7 @@ class DecodeParams:
     copies: bool = False  # propose continuations copied from the context beside the draft's tree
     room: int | None = None  # nodes the context holds beyond prompt + answer + ``tree`` (None: no limit)
     logprobs: int | None = None  # report each committed token's logprob and this many alternatives (None: off)
+    gated: bool = False  # the optimizer's pick (tree="auto"): a step drafts only while drafting pays (DraftGate)
 
     @property
     def greedy(self) -> bool:
@@ -66,6 +68,7 @@ class SpeculativeEngine:
     draft_deferral = 256
     draft_catch_up = 256
     copy_branches = 1    # distinct copied continuations a step verifies at most (each costs its rows)
+    gate_drafts = True   # tree="auto" drafts only while the answer's own steps say it pays (core.draft_gate)
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None = None,
                  stop_token_ids: list[int] | None = None, tuner=None, static_cache: bool | None = None,
@@ -232,7 +235,8 @@ class SpeculativeEngine:
             raise InvalidParameterError(f"input_ids must be integers in [0, {self.vocab_size})")
         check_params(max_new_tokens, temperature, top_p, seed, method)
         threshold = check_confidence(confidence)
-        if isinstance(tree, str) and tree == "auto":
+        auto = isinstance(tree, str) and tree == "auto"
+        if auto:
             tree = self._auto_tree(temperature, top_p, method)
             if confidence is None:
                 threshold = self.last_tree_choice.confidence
@@ -251,7 +255,8 @@ class SpeculativeEngine:
                 f"exceeds {what} of {limit} tokens: shorten the prompt or lower max_new_tokens")
         stops = _stop_set(stop_token_ids) if stop_token_ids is not None else self.stop_token_ids
         return DecodeParams(max_new_tokens, float(temperature), float(top_p), tree, seed, stops, method,
-                            confidence=threshold, room=limit - needed if limit else None)
+                            confidence=threshold, room=limit - needed if limit else None,
+                            gated=auto and self.gate_drafts and tree.depth > 0)
 
 
     def _auto_tree(self, temperature: float, top_p: float, method: str) -> Tree:
@@ -277,6 +282,9 @@ class _DecodeState:
         self.engine, self.params, self.cache = engine, params, cache
         self.index = ContextIndex() if params.copies else None
         self.clock = StepClock()  # this generation's measured step costs (its context length's)
+        choice = engine.last_tree_choice
+        self.gate = DraftGate(choice.expected_tokens, choice.step_time_s, engine.tuner.profile.token_time()) \
+            if params.gated else None
         if self.index is not None:
             self.index.sync(prompt)
             if prediction:
@@ -366,6 +374,8 @@ class _DecodeState:
             timings.reading_s = t0 - start if self.draft_len != read_from else 0.0
             proposals, drafting = self._plan_copies()
             drafting = drafting and not catching_up
+            paused = drafting and not proposals and self.gate is not None and not self.gate.drafts()
+            drafting = drafting and not paused
             model_tree, tokens, draft_probs, draft_dists = self._draft_tree(self.params.tree if drafting else ROOT_ONLY)
             merged = merge_copies(model_tree, tokens, proposals)
             tree, tokens = merged.tree, merged.tokens
@@ -386,6 +396,7 @@ class _DecodeState:
             self._compact(model_tree, prefix, accepted, merged)
             committed = self._commit([tokens[a] for a in accepted[1:]] + [bonus])
             self._record()
+            self._gate(paused, drafting and not proposals and model_tree.size > 1, model_tree, len(committed))
             scored = [] if self.params.logprobs is None else \
                 committed_logprobs(target_logits, accepted, committed, self.params.logprobs)
             t3 = time.perf_counter()
@@ -400,7 +411,8 @@ class _DecodeState:
                             verifier_q=[used[n][1] if n in used else None for n in range(len(tokens))],
                             trace=trace, sources=merged.sources if proposals else [],
                             copy_origins=merged.origin if proposals else [], token_logprobs=scored,
-                            draft_behind=len(self.seq) - 1 - self.draft_len if catching_up else 0)
+                            draft_behind=len(self.seq) - 1 - self.draft_len if catching_up else 0,
+                            draft_paused=paused)
         self.steps += 1
         return record
 
@@ -417,6 +429,16 @@ class _DecodeState:
             self.draft_len = end
         self.draft_reading = self.draft_len < len(self.seq) - 1
         return self.draft_reading
+
+    def _gate(self, paused: bool, drafted: bool, model_tree: Tree, committed: int) -> None:
+        """Tell the draft gate (tree="auto") how this step went: paused, or the draft's tree alone
+        (copies aside) drafted ``model_tree`` and committed ``committed`` tokens."""
+        if self.gate is None:
+            return
+        if paused:
+            self.gate.pause()
+        elif drafted:
+            self.gate.observe(committed, model_tree, model_tree.size, self.engine.tuner.profile)
 
     # ----- copies from the context ---------------------------------------------------------
     def _plan_copies(self) -> tuple[list[CopyProposal], bool]:
