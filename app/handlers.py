@@ -35,6 +35,7 @@ from .conversation import (
     highlight_html,
     import_conversation,
     import_steps,
+    longest_token_chars,
 )
 from .explain_view import ExplainView
 from .live_feed import LiveFeeds
@@ -101,6 +102,8 @@ class ChatApp:
         self._free_drafts_lock = threading.Lock()
         self.explain = ExplainView(self)  # the teaching tabs under the chat
         self.feeds = LiveFeeds()  # served by launch (app.live_feed.mount): streaming answers' live records
+        if getattr(worker, "tokenizer", None) is not None:  # read once now (0.1 s), not before the first answer
+            longest_token_chars(worker.tokenizer)
 
     # ----- free drafts: copies from the conversation and an expected output --------------------------
     def set_free_drafts(self, copies, expected, request: gr.Request | None = None) -> None:

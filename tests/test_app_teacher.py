@@ -375,6 +375,14 @@ def test_exports_in_the_same_second_never_share_a_file_and_the_folder_goes_with_
     assert not folder.exists()
 
 
+def test_the_vocabularys_longest_entry_is_read_when_the_app_starts_not_before_the_first_answer(app):
+    from app import conversation
+
+    conversation._LONGEST.pop(app.worker.tokenizer, None)
+    handlers.ChatApp(app.worker)
+    assert app.worker.tokenizer in conversation._LONGEST  # the first answer's fit_context finds it there
+
+
 @pytest.mark.parametrize("replace", ["clear", "import"])
 def test_clear_or_import_during_an_answer_is_not_undone_by_it(app, replace, tmp_path):
     """The answer's last update carried the old conversation and put it back after Clear/Import."""
