@@ -69,10 +69,15 @@ def kernel_march() -> str:
     AVX-512 machine, to measure it there); anything else is refused with a warning."""
     march = os.environ.get("SEQUOIA_KERNEL_MARCH", "native") or "native"
     if march != "native" and march not in other_marches():
-        log.warning("SEQUOIA_KERNEL_MARCH=%s is not a path this CPU runs (%s); building for native",
-                    march, ", ".join(["native", *other_marches()]))
+        if march not in _REFUSED_MARCHES:  # said once, not at every profile stamp and build
+            _REFUSED_MARCHES.add(march)
+            log.warning("SEQUOIA_KERNEL_MARCH=%s is not a path this CPU runs (%s); building for native",
+                        march, ", ".join(["native", *other_marches()]))
         return "native"
     return march
+
+
+_REFUSED_MARCHES: set[str] = set()
 
 
 def compile_kernels(march: str = "native"):
