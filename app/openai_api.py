@@ -44,6 +44,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.jobs import TERMINAL, Event, Job, QueueFull
+from app.growing_text import GrowingText
 from app.openai_logprobs import LogprobTrail, Scored, chat_logprobs, legacy_logprobs
 from app.openai_requests import APIError, ChatCall, model_id, parse_body, parse_chat, parse_completion, read_body
 from app.worker import Worker
@@ -64,7 +65,8 @@ class Answer:
 
     def __init__(self, tokenizer, stops: list[str], logprobs: bool = False) -> None:
         self.tokenizer, self.stops = tokenizer, stops
-        self.tokens: list[int] = []
+        self.growing = GrowingText(tokenizer)
+        self.tokens: list[int] = self.growing.tokens
         self.records: list = []
         self.text = ""
         self.sent = 0
@@ -74,10 +76,10 @@ class Answer:
     def add(self, record) -> str:
         """Take one step's record; the text that may be sent now."""
         self.records.append(record)
-        self.tokens.extend(record.committed)
-        self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        ends = self.growing.extend(record.committed, each=self.trail is not None)
+        self.text = self.growing.text
         if self.trail is not None:
-            self.trail.extend(self.tokenizer, self.tokens, record, self.text)
+            self.trail.extend(self.tokenizer, record, self.text, ends)
         cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
             self.text, self.stopped = self.text[:cut], True

@@ -85,19 +85,18 @@ class LogprobTrail:
         self.end = 0  # where the last token's text ends in the answer
         self.open = False  # the last token ended inside a character (its text ends in U+FFFD)
 
-    def extend(self, tokenizer, tokens: list[int], record, text: str) -> None:
-        """Score ``record``'s committed tokens, the last ones of ``tokens`` (the answer so far,
-        whose text, cut by no stop string, is ``text``)."""
+    def extend(self, tokenizer, record, text: str, ends: list[tuple[int, bool]]) -> None:
+        """Score ``record``'s committed tokens, the answer's last ones: its text so far (cut by no
+        stop string) is ``text``, and ``ends`` says, per committed token, how long the answer's
+        text is up to it and whether that ends inside a character
+        (:meth:`app.growing_text.GrowingText.extend`)."""
         texts = token_texts(tokenizer)
-        first = len(tokens) - len(record.committed)
-        for i, scored in enumerate(record.token_logprobs):
-            n = first + i + 1  # tokens up to this one; the last one's text is known
-            upto = text if n == len(tokens) else tokenizer.decode(tokens[:n], skip_special_tokens=True)
+        for i, (scored, (length, ragged)) in enumerate(zip(record.token_logprobs, ends)):
             name, raw = texts(scored.token)
             inside = self.open and bool(raw) and 0x80 <= raw[0] < 0xC0  # it goes on spelling a character
             start = max(0, self.end - 1) if inside else self.end
-            self.end, self.open = max(self.end, min(len(upto), len(text))), upto.endswith("\ufffd")
-            if record.finish_reason == "stop" and n == len(tokens):
+            self.end, self.open = max(self.end, min(length, len(text))), ragged
+            if record.finish_reason == "stop" and i == len(ends) - 1:
                 continue  # the stop token that ended the answer: no text, not shown
             top = [(*texts(t), _finite(v)) for t, v in scored.top]
             self.pending.append(Scored(name, raw, _finite(scored.logprob), top, start, self.end))

@@ -338,6 +338,79 @@ def test_a_character_spelled_by_byte_tokens_is_released_whole():
     assert answer.logprobs(text=True)["text_offset"] == [0, 2, 2, 2, 2, 3]
 
 
+def exact_ends(tok, tokens: list[int]) -> list[tuple[int, bool]]:
+    """Per token, the length of the answer's text up to it and whether that ends inside a character,
+    decoding the whole prefix each time (the trail's reference)."""
+    out = []
+    for n in range(1, len(tokens) + 1):
+        text = tok.decode(tokens[:n], skip_special_tokens=True)
+        out.append((len(text), text.endswith("\ufffd")))
+    return out
+
+
+class CountingTokenizer:
+    """``tok``, counting the tokens its ``decode`` is given."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.decoded = tok, 0
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def decode(self, ids, **kwargs):
+        self.decoded += len(ids)
+        return self.tok.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_token_offsets_inside_a_step_are_those_of_the_whole_prefix_and_cost_no_square(seed):
+    """Answers of prose, code, emoji spelled byte by byte, CJK and special tokens, cut into steps of
+    1-9 tokens at random: each entry ends where decoding the whole prefix says, while the trail
+    decodes a bounded number of tokens a token, not the prefix."""
+    import random
+
+    tok = support.tokenizer()
+    rng = random.Random(seed)
+    pieces = [tok.encode(t, add_special_tokens=False) for t in
+              ("Here is the code:\n", "def f(x):\n    return x * 2  # twice\n", " 漢字とかな", " ok.", "  spaced  out ")]
+    pieces += [byte_tokens(tok, "😀".encode()), byte_tokens(tok, "é".encode()), [tok.convert_tokens_to_ids("<|im_start|>")]]
+    tokens = [t for _ in range(60) for t in rng.choice(pieces)]
+    counting = CountingTokenizer(tok)
+    answer = openai_api.Answer(counting, [], logprobs=True)
+    done = 0
+    while done < len(tokens):
+        step = tokens[done:done + rng.randint(1, 9)]
+        answer.add(record(step))
+        done += len(step)
+        assert answer.growing.text == tok.decode(tokens[:done], skip_special_tokens=True)
+    entries = answer.trail.pending + answer.trail.released
+    reference, end, opened = exact_ends(tok, tokens), 0, False
+    for entry, (length, ragged) in zip(entries, reference):
+        inside = opened and bool(entry.raw) and 0x80 <= entry.raw[0] < 0xC0
+        assert (entry.start, entry.end) == (max(0, end - 1) if inside else end, max(end, length))
+        end, opened = max(end, length), ragged
+    assert len(entries) == len(tokens)
+    assert counting.decoded < 40 * len(tokens), (counting.decoded, len(tokens))  # the whole prefix: ~len² / 2
+
+
+def test_growing_text_falls_back_to_the_whole_prefix_where_a_window_would_differ():
+    """A decoder whose text depends on where decoding starts (it numbers the words it writes): the
+    window's text does not begin with the anchor's, so the whole prefix is decoded."""
+    from app.growing_text import GrowingText
+
+    class Numbering:
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(f"{i}:{t}" for i, t in enumerate(ids))
+
+    growing, tokens = GrowingText(Numbering()), []
+    for step in ([5, 6], [7], [8, 9, 10], [11]):
+        tokens += step
+        ends = growing.extend(step, each=True)
+        assert growing.text == Numbering().decode(tokens)
+        assert [length for length, _ in ends] == [len(Numbering().decode(tokens[:n]))
+                                                 for n in range(len(tokens) - len(step) + 1, len(tokens) + 1)]
+
+
 def test_a_token_reaching_into_a_stop_string_is_not_shown():
     tok = support.tokenizer()
     answer = openai_api.Answer(tok, ["o w"], logprobs=True)
