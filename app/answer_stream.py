@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import gradio as gr
 
+from engine.core.draft_gate import priced_speedup
 from engine.core.records import PrefillProgress
 from engine.trees.tree import Tree
 
@@ -35,6 +36,7 @@ class Run:
     predicted: float | None = None
     baseline: float | None = None
     baseline_source: str = figures.MEASURED  # of ``baseline``: see ``figures.BASELINE_WORDS``
+    priced: float | None = None         # its speedup as the device profile prices its steps
     scale: float = 1.0                  # figure font scale (presentation mode)
     main: dict | None = None
     compare: dict | None = None
@@ -206,6 +208,8 @@ def stream_answer(app, feed: Feed, job: Job, history, message, system, choice, t
         if tree is None or method == "autoregressive":
             app.record_baseline(temperature, top_p, run.main)
     run.baseline, run.baseline_source = app.baseline(temperature, top_p)
+    tuner = app.worker.tuner
+    run.priced = priced_speedup(run.steps, tuner.profile) if tuner is not None and run.steps else None
     if terminal.kind == "done":
         if run.compare is not None:
             run.identical = compare_tokens == tokens
@@ -264,7 +268,7 @@ def run_views(app, run: Run, index: int | None, highlight: bool, tokenizer=None)
         out[c.steps_plot] = figures.steps_figure(run.steps, run.baseline, run.expected, run.predicted,
                                                  highlight=run.steps[index].index,
                                                  baseline_source=run.baseline_source)
-        out[c.stats] = figures.stats_line(run.steps, run.baseline, run.baseline_source, run.expected)
+        out[c.stats] = figures.stats_line(run.steps, run.baseline, run.baseline_source, run.expected, run.priced)
     out[c.compare_md] = gr.update(value=compare_markdown(run), visible=run.compare is not None)
     tokenizer = tokenizer or app.worker.tokenizer
     out[c.highlight_view] = gr.update(value=highlight_html(tokenizer, run.steps, current=index),

@@ -203,12 +203,14 @@ def summarise(steps: Sequence[StepRecord]) -> dict:
 
 
 def stats_line(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None = None,
-               baseline_source: str = "measured", expected_tokens: float | None = None) -> str:
+               baseline_source: str = "measured", expected_tokens: float | None = None,
+               priced_speedup: float | None = None) -> str:
     """One Markdown line: tokens/s, tokens/step, acceptance, draft/verify time split, speedup.
 
     Every figure says what it is: *measured* (this answer's steps, or a run of the target alone),
     *estimated* (the target-alone rate from the device profile, ``baseline_source="estimated"``)
-    or *predicted* (``expected_tokens``, from the acceptance calibration)."""
+    or *predicted* (``expected_tokens``, from the acceptance calibration). ``priced_speedup``
+    (:func:`engine.core.draft_gate.priced_speedup`) explains a measured ratio below 1."""
     if not steps:
         return "No steps yet."
     s = summarise(steps)
@@ -241,19 +243,29 @@ def stats_line(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None 
             parts.append(f"≈{ratio:.2f}× the target alone (target alone estimated from the device profile: "
                          f"{baseline_tokens_per_s:.1f} tokens/s; Compare or “Measure” measures it)")
         if ratio < 1.0:
-            parts.append(why_slower(s["tokens_per_step"], expected_tokens))
+            parts.append(why_slower(s["tokens_per_step"], expected_tokens, priced_speedup))
     return " · ".join(parts)
 
 
-def why_slower(tokens_per_step: float, expected_tokens: float | None) -> str:
+def why_slower(tokens_per_step: float, expected_tokens: float | None, priced_speedup: float | None = None) -> str:
     """Why an answer came out slower than the target alone: its drafts were kept less than the
-    calibration predicts (the tree was sized for more), or each step cost more than measured."""
-    if expected_tokens is not None and tokens_per_step < 0.85 * expected_tokens:
-        return (f"slower than the target alone on this answer: its drafts were kept less than predicted "
-                f"({tokens_per_step:.2f} tokens/step, against {expected_tokens:.2f}); a longer answer, or one "
-                f"that repeats the conversation, keeps more")
-    return ("slower than the target alone on this answer: its steps cost more than when the target alone was "
-            "timed (this page's drawing, or another program, shared the cores)")
+    calibration predicts (the tree was sized for more), or each step cost more than measured; and,
+    with ``priced_speedup``, whether its steps beat the target alone as this machine's profile
+    prices them (then the page and the host took a margin that was there)."""
+    kept_less = expected_tokens is not None and tokens_per_step < 0.85 * expected_tokens
+    if kept_less:
+        head = (f"slower than the target alone on this answer: its drafts were kept less than predicted "
+                f"({tokens_per_step:.2f} tokens/step, against {expected_tokens:.2f})")
+    else:
+        head = ("slower than the target alone on this answer: its steps cost more than when the target alone was "
+                "timed (this page's drawing, or another program, shared the cores)")
+    if priced_speedup is not None and priced_speedup >= 1.0:
+        taker = "this page's drawing and the host took that thin a margin" if kept_less else "the difference is theirs"
+        return (f"{head}; priced by this machine's profile its steps are {priced_speedup:.2f}× the target alone, "
+                f"so {taker} (Compare races both in this page)")
+    if kept_less:
+        return f"{head}; a longer answer, or one that repeats the conversation, keeps more"
+    return head
 
 
 def _percent(x: float) -> str:

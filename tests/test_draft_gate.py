@@ -74,6 +74,27 @@ def test_the_gate_keeps_drafting_while_steps_pay():
     assert gate.speedup() > 1.5 and gate.paused_steps == 0
 
 
+def test_an_answer_is_priced_by_its_steps_the_drafts_levels_and_its_rows():
+    from engine import StepRecord
+    from engine.core.draft_gate import priced_speedup
+
+    def step(parents, committed, sources=()):
+        n = len(parents)
+        return StepRecord(index=0, tokens=list(range(n)), parents=list(parents), ranks=[0] + [1] * (n - 1),
+                          draft_probs=[1.0] * n, target_probs=[1.0] * n, accepted=[0], committed=list(committed),
+                          sources=list(sources))
+
+    chain = step([-1, 0, 1], [7, 8, 9])                               # two levels drafted, three rows
+    alone = step([-1], [7])                                            # a paused step
+    copied = step([-1, 0, 0, 2], [7, 8], ["root", "draft", "copy", "copy"])  # one draft level beside a copy
+    alone_s = PROFILE.target_time(1) + PROFILE.step_overhead
+    seconds = (PROFILE.draft_time(2) + PROFILE.draft_time(1) + PROFILE.target_time(3) + alone_s
+               + PROFILE.draft_time(2) + PROFILE.target_time(4) + PROFILE.step_overhead)
+    assert priced_speedup([chain, alone, copied], PROFILE) == pytest.approx(6 * alone_s / seconds)
+    assert priced_speedup([alone], PROFILE) == pytest.approx(1.0)
+    assert priced_speedup([], PROFILE) is None
+
+
 def test_a_draft_kept_less_than_calibrated_is_paused_and_the_output_is_the_targets(target):
     engine = tuned_engine(target, tm.perturbed(target, 0.3, seed=1))
     result = engine.generate(PROMPT, max_new_tokens=40, tree="auto")

@@ -258,7 +258,13 @@ def test_a_stats_line_below_the_target_alone_says_why():
     as_predicted = figures.stats_line(steps(), baseline_tokens_per_s=40.0, expected_tokens=2.7,
                                       baseline_source=figures.MEASURED_AT_START)
     assert "its steps cost more than when the target alone was timed" in as_predicted
-    assert "kept less" not in as_predicted
+    assert "kept less" not in as_predicted and "priced" not in as_predicted
+    thin = figures.stats_line(steps(), baseline_tokens_per_s=40.0, expected_tokens=3.5, priced_speedup=1.03)
+    assert ("kept less than predicted (2.67 tokens/step, against 3.50); priced by this machine's profile its steps "
+            "are 1.03× the target alone, so this page's drawing and the host took that thin a margin") in thin
+    assert "a longer answer" not in thin
+    assert "priced" not in figures.stats_line(steps(), baseline_tokens_per_s=40.0, expected_tokens=3.5,
+                                              priced_speedup=0.9)  # no margin to take: not said
 
 
 def test_steps_the_draft_gate_paused_are_named_so():

@@ -21,7 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from collections.abc import Sequence
+
 from engine.core.copy_policy import draft_cost
+from engine.core.records import StepRecord
+from engine.trees.copies import SOURCE_COPY
 from engine.trees.tree import Tree
 
 PRIOR_STEPS = 8.0  # the prediction counts as this many drafting steps: one poor step is no evidence
@@ -58,7 +62,7 @@ class DraftGate:
         """A drafting step committed ``tokens`` from ``drafted`` (the draft's tree as drafted),
         verifying ``rows`` target rows; priced by ``profile``
         (:class:`engine.tuning.profile.HardwareProfile`)."""
-        cost = draft_cost(drafted, profile) + profile.target_time(rows) + profile.step_overhead
+        cost = step_cost(drafted, rows, profile)
         self.tokens = self.decay * self.tokens + tokens
         self.cost = self.decay * self.cost + cost
         self.paused_run = 0
@@ -67,3 +71,29 @@ class DraftGate:
         """The next step decodes with the target alone."""
         self.paused_steps += 1
         self.paused_run += 1
+
+
+def step_cost(drafted: Tree, rows: int, profile) -> float:
+    """The profile's seconds for a step that drafted ``drafted`` (the draft's own tree; root only:
+    no draft forward) and verified ``rows`` target rows."""
+    drafting = draft_cost(drafted, profile) if drafted.size > 1 else 0.0
+    return drafting + profile.target_time(rows) + profile.step_overhead
+
+
+def drafted_tree(step: StepRecord) -> Tree:
+    """The draft's own tree of a recorded step: its nodes less those copied from the context
+    (which hang from the root and cost the draft nothing)."""
+    if not step.sources or SOURCE_COPY not in step.sources:
+        return Tree.from_parents(step.parents)
+    kept = [i for i, source in enumerate(step.sources) if source != SOURCE_COPY]
+    index = {node: i for i, node in enumerate(kept)}
+    return Tree.from_parents([-1 if step.parents[node] < 0 else index[step.parents[node]] for node in kept])
+
+
+def priced_speedup(steps: Sequence[StepRecord], profile) -> float | None:
+    """An answer's speedup over the target alone as ``profile`` prices its steps: its tokens at the
+    target alone's step time over its steps' priced seconds. Neither the page nor the host's speed
+    that hour enters it, which a measured ratio's both sides do only when timed together."""
+    tokens = sum(len(step.committed) for step in steps)
+    seconds = sum(step_cost(drafted_tree(step), step.tree_size, profile) for step in steps)
+    return tokens * profile.token_time() / seconds if tokens and seconds > 0 else None
