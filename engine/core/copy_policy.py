@@ -82,6 +82,12 @@ def draft_cost(tree: Tree, profile: object | None) -> float:
     return sum(profile.draft_time(width + 1 if level == 0 else width) for level, width in enumerate(widths))
 
 
+def step_cost(drafted: Tree, rows: int, profile: object) -> float:
+    """The profile's seconds for a step whose draft drafted ``drafted`` (the draft's own tree; root
+    only: no draft forward) and whose target verified ``rows`` rows, the step overhead included."""
+    return profile.target_time(rows) + draft_cost(drafted, profile) + profile.step_overhead
+
+
 def unmeasured_target_time(rows: int, profile: object | None) -> float:
     """Verifying ``rows`` as the profile says (with its step overhead), or in target steps without one."""
     return profile.target_time(rows) + profile.step_overhead if profile is not None \

@@ -19,11 +19,10 @@ whatever tree it drafts.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from collections.abc import Sequence
-
-from engine.core.copy_policy import draft_cost
+from engine.core.copy_policy import step_cost
 from engine.core.records import StepRecord
 from engine.trees.copies import SOURCE_COPY
 from engine.trees.tree import Tree
@@ -71,13 +70,6 @@ class DraftGate:
         """The next step decodes with the target alone."""
         self.paused_steps += 1
         self.paused_run += 1
-
-
-def step_cost(drafted: Tree, rows: int, profile) -> float:
-    """The profile's seconds for a step that drafted ``drafted`` (the draft's own tree; root only:
-    no draft forward) and verified ``rows`` target rows."""
-    drafting = draft_cost(drafted, profile) if drafted.size > 1 else 0.0
-    return drafting + profile.target_time(rows) + profile.step_overhead
 
 
 def drafted_tree(step: StepRecord) -> Tree:

@@ -282,9 +282,10 @@ class _DecodeState:
         self.engine, self.params, self.cache = engine, params, cache
         self.index = ContextIndex() if params.copies else None
         self.clock = StepClock()  # this generation's measured step costs (its context length's)
-        choice = engine.last_tree_choice
-        self.gate = DraftGate(choice.expected_tokens, choice.step_time_s, engine.tuner.profile.token_time()) \
-            if params.gated else None
+        self.gate = None
+        if params.gated:  # the pick this generation decodes with is the engine's last choice
+            choice = engine.last_tree_choice
+            self.gate = DraftGate(choice.expected_tokens, choice.step_time_s, engine.tuner.profile.token_time())
         if self.index is not None:
             self.index.sync(prompt)
             if prediction:

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.core.copy_policy import draft_cost
+from engine.core.copy_policy import step_cost
 from engine.trees import dp
 from engine.trees.tree import Tree
 from engine.tuning.acceptance import nearest_calibration, nearest_setting
@@ -54,7 +54,7 @@ def candidate_sizes(max_size: int) -> list[int]:
 
 def predict(tree: Tree, acceptance, profile: HardwareProfile) -> TreeChoice:
     tokens = tree.expected_tokens(acceptance)
-    step = profile.target_time(tree.size) + draft_cost(tree, profile) + profile.step_overhead
+    step = step_cost(tree, tree.size, profile)
     return TreeChoice(tree, tree.size, tree.depth, tokens, step, tokens * profile.token_time() / step)
 
 
