@@ -28,26 +28,27 @@ class GrowingText:
         length of the text up to it and whether that ends inside a character."""
         self.tokens.extend(new)
         first = len(self.tokens) - len(new)
+        known, known_text = self._anchor
+        begin = max(0, known - WINDOW)
+        head = self._decode(self.tokens[begin:known])  # the same for every prefix of this step
+
+        def text_at(n: int) -> str:
+            tail = self._decode(self.tokens[begin:n])
+            if not (tail.startswith(head) and known_text.endswith(head.lstrip(RAGGED))):
+                return self._decode(self.tokens[:n])
+            return known_text + tail[len(head):]
+
         ends = []
         if each:
             for n in range(first + 1, len(self.tokens)):
-                text = self._text_at(n)
+                text = text_at(n)
                 ends.append((len(text), text.endswith(RAGGED)))
-        self.text = self._text_at(len(self.tokens))
+        self.text = text_at(len(self.tokens))
         if new and each:
             ends.append((len(self.text), self.text.endswith(RAGGED)))
         if not self.text.endswith(RAGGED):
             self._anchor = (len(self.tokens), self.text)
         return ends
-
-    def _text_at(self, n: int) -> str:
-        known, known_text = self._anchor
-        begin = max(0, known - WINDOW)
-        head = self._decode(self.tokens[begin:known])
-        tail = self._decode(self.tokens[begin:n])
-        if not (tail.startswith(head) and known_text.endswith(head.lstrip(RAGGED))):
-            return self._decode(self.tokens[:n])
-        return known_text + tail[len(head):]
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True) if tokens else ""
