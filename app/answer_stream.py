@@ -160,6 +160,11 @@ def stream_answer(app, feed: Feed, job: Job, history, message, system, choice, t
             elif kind == "finished":
                 if event.phase == "main":
                     run.main = data
+                    if feed.subscribed:  # the answer is whole: its last tokens show now, not after Compare's run
+                        text = tokenizer.decode(tokens, skip_special_tokens=True)
+                        if text != fed_text:
+                            feed.put(**text_record(text, fed_text))
+                            fed_text = text
                 else:
                     run.compare = data
             elif kind in ("done", "cancelled", "error"):
@@ -177,7 +182,9 @@ def stream_answer(app, feed: Feed, job: Job, history, message, system, choice, t
                 feed.put(**record)
                 last_text, dirty_text = now, False
             continue
-        if terminal is None and dirty_text and now - last_text >= o["text_interval"]:
+        # Compare's race is drawn at the plots' pace: its target alone should pay the page what an answer does
+        pace = o["text_interval"] if phase == "main" else o["plot_interval"]
+        if terminal is None and dirty_text and now - last_text >= pace:
             update = {}
             answer["content"] = tokenizer.decode(tokens, skip_special_tokens=True)
             if phase == "main":
