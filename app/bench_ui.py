@@ -10,6 +10,11 @@ prompt with the same settings (``tree="auto"``, T = 0, copies): never two at onc
 and a host whose speed drifts meets both alike. ``--rounds`` sends every prompt again. After the
 app is closed, llama.cpp's ``llama-server`` does target-only decoding when ``make peer`` has built
 it. JSON and a plot go to ``results/`` (or ``--out``).
+
+With ``--compare`` the page's own Compare runs after each answer: the target alone decodes the same
+prompt in the same page, and the bench records Compare's verdict (the answer's speed over the
+target alone's, both as this page drew them) beside the stats line's, whose baseline it then is.
+Chromium's and the server's CPU per answer then include that second decode.
 """
 from __future__ import annotations
 
@@ -29,6 +34,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 URL_LINE = re.compile(r"running at (http://\S+)")
 ENGINE_RATE = re.compile(r"measured ([0-9.]+) tokens/s")  # the stats line: the engine's own step clock
+STATS_SPEEDUP = re.compile(r"([0-9.]+)× the target alone")   # the stats line's first: its headline
+COMPARE_SPEEDUP = re.compile(r"speculative ([0-9.]+)× the target alone")
+COMPARE_RATES = re.compile(r"decoding\s+([0-9.]+) tokens/s\s+([0-9.]+) tokens/s")
+COMPARE_BOX = "Compare with the target alone"
 
 SETTLE_MS = 5000
 POLL_MS = 250  # how often the bench looks whether an answer is done (its samples come from a MutationObserver)
@@ -77,6 +86,17 @@ def on_screen_timing(samples: list, final_text: str) -> ScreenTiming:
     return ScreenTiming(visible[0][0], last, len(changes) + 1, final_text)
 
 
+def page_speedups(stats: str, compare: str) -> dict:
+    """What the page said of the answer's speed-up: the stats line's headline (× the target alone)
+    and, when Compare ran, its verdict with the two decode rates it raced in the page (None where
+    the page did not say)."""
+    headline, verdict, rates = STATS_SPEEDUP.search(stats), COMPARE_SPEEDUP.search(compare), COMPARE_RATES.search(compare)
+    return {"stats_line_speedup": float(headline[1]) if headline else None,
+            "compare_speedup": float(verdict[1]) if verdict else None,
+            "compare_tokens_per_s": float(rates[1]) if rates else None,
+            "compare_target_alone_tokens_per_s": float(rates[2]) if rates else None}
+
+
 def process_tree_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and all its descendants (children still running)."""
     import psutil
@@ -119,9 +139,10 @@ def start_app(port: int, extra: list[str], log, wait_measure_s: float) -> tuple[
 
 
 def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | None, rounds: int = 1,
-              after_each: Callable[[int], None] | None = None) -> list[dict]:
+              after_each: Callable[[int], None] | None = None, compare: bool = False) -> list[dict]:
     """Each prompt through the page, ``rounds`` times over; what the screen showed, when, and the CPU
-    it took. ``after_each(i)`` runs once the page has settled after the answer to prompt ``i``."""
+    it took. ``after_each(i)`` runs once the page has settled after the answer to prompt ``i``;
+    ``compare`` ticks the page's Compare first."""
     from playwright.sync_api import sync_playwright
 
     from app.pair import load_tokenizer
@@ -138,6 +159,8 @@ def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | 
         page.goto(url)
         page.wait_for_selector("#sc-chatbot")
         page.wait_for_timeout(SETTLE_MS)  # as a person reads the page before typing: its first render is done
+        if compare:  # in the settings sidebar, open at this width
+            page.get_by_label(COMPARE_BOX).check()
         box = page.get_by_placeholder("Ask something…")
         for n, (i, prompt) in enumerate((i, p) for _ in range(rounds) for i, p in enumerate(prompts)):
             if n:  # each prompt in a conversation of its own, as the headless engine gets it
@@ -166,16 +189,20 @@ def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | 
             page1 = page_metrics(cdp)
             stats = page.locator("#sc-stats").inner_text()
             engine_rate = ENGINE_RATE.search(stats)
+            said = page_speedups(stats, page.locator("#sc-compare").inner_text() if compare else "")
             result = {"prompt": prompt, "prompt_index": i, "tokens": tokens, "first_token_s": None if first is None else (first - sent) / 1000,
                       "decode_tokens_per_s": decode, "updates": shown.updates,
                       "engine_in_app_tokens_per_s": float(engine_rate[1]) if engine_rate else None,
                       "chromium_cpu_s": chrome, "server_cpu_s": server,
                       "page_main_thread_s": {k: page1[k] - page0[k] for k in PAGE_METRICS},
-                      "status": page.locator("#sc-status").inner_text(), "stats": stats}
+                      "status": page.locator("#sc-status").inner_text(), "stats": stats, **said}
             log(f"on screen {i + 1}/{len(prompts)} (round {n // len(prompts) + 1}): {tokens} tokens, first after {result['first_token_s'] or float('nan'):.2f} s, "
                 f"{decode or 0:.2f} tokens/s ({result['engine_in_app_tokens_per_s']} by the engine's own clock), "
                 f"{shown.updates} updates; Chromium {chrome:.1f} s CPU, server {server:.1f} s CPU; page main "
-                f"thread: " + ", ".join(f"{k} {v:.2f} s" for k, v in result["page_main_thread_s"].items()))
+                f"thread: " + ", ".join(f"{k} {v:.2f} s" for k, v in result["page_main_thread_s"].items())
+                + f"; the stats line said {said['stats_line_speedup']}× the target alone"
+                + (f", Compare {said['compare_speedup']}× ({said['compare_tokens_per_s']} against "
+                   f"{said['compare_target_alone_tokens_per_s']} tokens/s)" if compare else ""))
             if shots is not None:
                 page.screenshot(path=str(shots / f"bench-ui-{i + 1}.png"))
             results.append(result)
@@ -296,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="times each prompt is sent (ratios: medians)")
     parser.add_argument("--no-headless", action="store_true", help="skip the headless engine run")
     parser.add_argument("--app-args", default="", help="extra launch.py arguments, e.g. '--no-measure'")
+    parser.add_argument("--compare", action="store_true",
+                        help="tick the page's Compare: after each answer the target alone decodes it in the page too")
     args = parser.parse_args(argv)
     from engine.models.prompts import load_prompt_set
 
@@ -310,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         solo = None if args.no_headless else Headless(max_new, log)
         # each answer on screen, then the headless engine on its prompt: a drifting host meets both alike
         screen = on_screen(url, prompts, process.pid, log, args.out, rounds=max(1, args.rounds),
-                           after_each=None if solo is None else lambda i: quiet.append(solo.decode(prompts[i], i)))
+                           after_each=None if solo is None else lambda i: quiet.append(solo.decode(prompts[i], i)),
+                           compare=args.compare)
     finally:
         process.terminate()
         process.wait(30)
@@ -322,7 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"on_screen_tokens_per_s": median(r["decode_tokens_per_s"] for r in screen),
                "on_screen_first_token_s": median(r["first_token_s"] for r in screen),
                "engine_in_app_tokens_per_s": median(r["engine_in_app_tokens_per_s"] for r in screen),
-               "chromium_cpu_s_per_answer": median(r["chromium_cpu_s"] for r in screen)}
+               "chromium_cpu_s_per_answer": median(r["chromium_cpu_s"] for r in screen),
+               "stats_line_speedup_per_answer": [r["stats_line_speedup"] for r in screen]}
+    if args.compare:
+        summary["compare_speedup_per_answer"] = [r["compare_speedup"] for r in screen]
+        summary["compare_speedup"] = median(r["compare_speedup"] for r in screen)
+        summary["compare_target_alone_tokens_per_s"] = median(r["compare_target_alone_tokens_per_s"] for r in screen)
     if report["headless"]:
         summary["headless_tokens_per_s"] = median(r["decode_tokens_per_s"] for r in report["headless"])
         summary["headless_first_token_s"] = median(r["first_token_s"] for r in report["headless"])
@@ -358,7 +393,10 @@ def _plot(report: dict, path: Path) -> None:
     import plotly.graph_objects as go
 
     fig = go.Figure()
-    rows = [("on screen (Chromium)", report["on_screen"]), ("headless engine", report["headless"] or []),
+    alone = [{**r, "decode_tokens_per_s": r["compare_target_alone_tokens_per_s"]} for r in report["on_screen"]
+             if r.get("compare_target_alone_tokens_per_s") is not None]
+    rows = [("on screen (Chromium)", report["on_screen"]), ("the target alone in the page (Compare)", alone),
+            ("headless engine", report["headless"] or []),
             ("llama.cpp target-only", report["llama_cpp_target_only"]
              if isinstance(report["llama_cpp_target_only"], list) else [])]
     for name, runs in rows:
