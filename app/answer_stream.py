@@ -84,6 +84,13 @@ def stream_answer(app, feed: Feed, job: Job, history, message, system, choice, t
     queued = f"Waiting for the engine: {position} request{'s' if position != 1 else ''} ahead of yours." \
         if position else "Starting: preparing the prompt for the engine…"
 
+    def feed_level(text: str) -> None:
+        """Bring the page's text level with ``text`` (the answer so far), if it is behind."""
+        nonlocal fed_text
+        if text != fed_text:
+            feed.put(**text_record(text, fed_text))
+            fed_text = text
+
     def status(text, kind="info"):
         return status_html(html.escape(notice) + ("<br>" if notice and text else "") + text,
                            "warn" if notice and kind == "info" else kind)
@@ -161,10 +168,7 @@ def stream_answer(app, feed: Feed, job: Job, history, message, system, choice, t
                 if event.phase == "main":
                     run.main = data
                     if feed.subscribed:  # the answer is whole: its last tokens show now, not after Compare's run
-                        text = tokenizer.decode(tokens, skip_special_tokens=True)
-                        if text != fed_text:
-                            feed.put(**text_record(text, fed_text))
-                            fed_text = text
+                        feed_level(tokenizer.decode(tokens, skip_special_tokens=True))
                 else:
                     run.compare = data
             elif kind in ("done", "cancelled", "error"):
@@ -204,8 +208,8 @@ def stream_answer(app, feed: Feed, job: Job, history, message, system, choice, t
 
     # ----- the end of the answer ------------------------------------------------------------
     answer["content"] = tokenizer.decode(tokens, skip_special_tokens=True)
-    if feed.subscribed and fed_text and answer["content"] != fed_text:  # the steps since the last record
-        feed.put(**text_record(answer["content"], fed_text))
+    if feed.subscribed and fed_text:  # the steps since the last record
+        feed_level(answer["content"])
     feed.close()
     update = {}
     kind = "ok"
