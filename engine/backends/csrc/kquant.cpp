@@ -56,6 +56,8 @@ constexpr int64_t PREFETCH_AHEAD = 2048;
 // keep the register-blocked row kernels. Either way a row's bits are the same. One thread, 64-512
 // rows, on a 2-core AVX-512 Xeon (2026-11-28): Q6_K 1536 x 8960 106 -> 119 G multiply-adds/s with
 // VNNI, 48 -> 58 on its AVX2 build; Q4_K 8960 x 1536 unchanged with VNNI (124), 62 -> 66 on AVX2.
+// Then, with the rows' sums paired once (quantize_rows' p16, p32) and Q6_K's AVX2 scales in madd:
+// Q4_K 119-135 -> 138-148 with VNNI, 63-67 -> 88-93 on AVX2; Q6_K 119-127 -> 124-136 and 58 -> 74-76.
 constexpr int64_t PANEL_ROWS = 64;
 constexpr int64_t PANEL_FROM = 16;
 #if defined(KQ_VNNI) || defined(KQ_AVX2)
@@ -148,13 +150,21 @@ inline int64_t block_slot(int64_t r, int64_t b, int64_t nb, bool panel_major) {
   return panel_major ? (r / PANEL_ROWS * nb + b) * PANEL_ROWS + r % PANEL_ROWS : r * nb + b;
 }
 
-// x [R, K] float -> xq int8 and s16 int32 (sums of 16 xq) at block_slot, sx [R, K/256] float.
-void quantize_rows(const float* x, int64_t R, int64_t K, bool panel_major, int8_t* xq, float* sx, int32_t* s16) {
+// x [R, K] float -> at block_slot: xq int8, s16 int32 (sums of 16 xq), and the same sums two at a
+// time as int16 pairs (int16_pair) for the products that take pairs: p16 (8 a super-block, adjacent
+// sums of 16: a Q6_K offset) and p32 (4, adjacent sums of 32, |.| <= 32 * 127: a Q4_K mins' term);
+// sx [R, K/256] float. The pairs are made once here, not again for every tile of outputs.
+void quantize_rows(const float* x, int64_t R, int64_t K, bool panel_major, int8_t* xq, float* sx, int32_t* s16,
+                   int32_t* p16, int32_t* p32) {
   const int64_t nb = K / QK;
   for (int64_t r = 0; r < R; ++r)
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t slot = block_slot(r, b, nb, panel_major);
+      const int32_t* sums = s16 + slot * 16;
       sx[r * nb + b] = quantize_block(x + r * K + b * QK, xq + slot * QK, s16 + slot * 16) / 127.f;
+      for (int k = 0; k < 8; ++k) p16[slot * 8 + k] = int16_pair(sums[2 * k], sums[2 * k + 1]);
+      for (int k = 0; k < 4; ++k)
+        p32[slot * 4 + k] = int16_pair(sums[4 * k] + sums[4 * k + 1], sums[4 * k + 2] + sums[4 * k + 3]);
     }
 }
 
@@ -162,11 +172,14 @@ struct Rows {
   const int8_t* xq;
   const float* sx;
   const int32_t* s16;
+  const int32_t* p16;  // per super-block 8 and 4 int16 pairs of the sums (quantize_rows)
+  const int32_t* p32;
   int64_t K;
   // Panel-major rows: super-block blk of the panel starting at row r0 (a multiple of PANEL_ROWS), its
-  // rows QK bytes (16 sums) apart.
+  // rows QK bytes (their pairs 8 and 4 int32) apart.
   const int8_t* panel_x(int64_t r0, int64_t blk) const { return xq + block_slot(r0, blk, K / QK, true) * QK; }
-  const int32_t* panel_s16(int64_t r0, int64_t blk) const { return s16 + block_slot(r0, blk, K / QK, true) * 16; }
+  const int32_t* panel_p16(int64_t r0, int64_t blk) const { return p16 + block_slot(r0, blk, K / QK, true) * 8; }
+  const int32_t* panel_p32(int64_t r0, int64_t blk) const { return p32 + block_slot(r0, blk, K / QK, true) * 4; }
 };
 
 // A Q4_K weight's tensors. Its quants are tile-major: a tile's super-blocks one after the other, each
@@ -310,12 +323,11 @@ inline void byte_pairs(const void* bytes, __m512i (&pairs)[K]) {
 // 32 * 127) as four int16-pair dot products a row: lane l of mp[k] holds (mn_2k[l], mn_2k+1[l]).
 inline void mins_pairs(const uint8_t* mn, __m512i (&mp)[4]) { byte_pairs<4, false>(mn, mp); }
 
-// One row's mins' term (s16: its 16 sums of 16 inputs in the super-block).
-inline __m512i mins_q4k(const __m512i (&mp)[4], const int32_t* s16) {
+// One row's mins' term (p32: its 4 pairs of 32-input sums in the super-block).
+inline __m512i mins_q4k(const __m512i (&mp)[4], const int32_t* p32) {
   __m512i b = _mm512_setzero_si512();
   #pragma GCC unroll 4
-  for (int k = 0; k < 4; ++k)
-    b = _mm512_dpwssd_epi32(b, mp[k], _mm512_set1_epi32(int16_pair(s16[4 * k] + s16[4 * k + 1], s16[4 * k + 2] + s16[4 * k + 3])));
+  for (int k = 0; k < 4; ++k) b = _mm512_dpwssd_epi32(b, mp[k], _mm512_set1_epi32(p32[k]));
   return b;
 }
 
@@ -344,7 +356,7 @@ void rows_q4k(const Q4KWeight& w, const Rows& rows, int64_t r0, float* out, int6
     __m512i mp[4], b[NR];
     mins_pairs(mn + t * 128, mp);
     #pragma GCC unroll 8
-    for (int rr = 0; rr < NR; ++rr) b[rr] = mins_q4k(mp, rows.s16 + (r0 + rr) * (rows.K / 16) + blk * 16);
+    for (int rr = 0; rr < NR; ++rr) b[rr] = mins_q4k(mp, rows.p32 + ((r0 + rr) * nb + blk) * 4);
     const __m512 dv = half16(d + t * TILE), dminv = half16(dmin + t * TILE);
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) {
@@ -362,11 +374,11 @@ void rows_q4k(const Q4KWeight& w, const Rows& rows, int64_t r0, float* out, int6
 // The second sum, as eight int16-pair dot products a row: lane l of sp[k] holds (sc_2k[l], sc_2k+1[l]).
 inline void scale_pairs(const int8_t* sc, __m512i (&sp)[8]) { byte_pairs<8, true>(sc, sp); }
 
-// -32 * sum_j sc_j * s_j for one row (s16: its 16 sub-block sums), where its products start.
-inline __m512i offsets_q6k(const __m512i (&sp)[8], const int32_t* s16) {
+// -32 * sum_j sc_j * s_j for one row (p16: its 8 pairs of sub-block sums), where its products start.
+inline __m512i offsets_q6k(const __m512i (&sp)[8], const int32_t* p16) {
   __m512i a = _mm512_setzero_si512();
   #pragma GCC unroll 8
-  for (int k = 0; k < 8; ++k) a = _mm512_dpwssd_epi32(a, sp[k], _mm512_set1_epi32(int16_pair(s16[2 * k], s16[2 * k + 1])));
+  for (int k = 0; k < 8; ++k) a = _mm512_dpwssd_epi32(a, sp[k], _mm512_set1_epi32(p16[k]));
   return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(a, 5));
 }
 
@@ -383,7 +395,7 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows
     __m512i a[NR], sp[8];
     scale_pairs(sc + t * 256, sp);
     #pragma GCC unroll 8
-    for (int rr = 0; rr < NR; ++rr) a[rr] = offsets_q6k(sp, rows.s16 + (r0 + rr) * (rows.K / 16) + blk * 16);
+    for (int rr = 0; rr < NR; ++rr) a[rr] = offsets_q6k(sp, rows.p16 + ((r0 + rr) * nb + blk) * 8);
     for (int j = 0; j < 16; ++j) {
       __m512i w[4];
       const __m512i scv = subblock_q6k(q, sc + t * 256, j, w);
@@ -429,7 +441,7 @@ void panel_q4k(const Q4KWeight& wt, const Rows& rows, int64_t r0, int64_t np, fl
     mins_pairs(wt.mn + t * 128, mp);
     const __m512 dv = half16(wt.d + t * TILE), dminv = half16(wt.dmin + t * TILE);
     for (int64_t r = 0; r < np; ++r) {
-      const __m512i b = mins_q4k(mp, rows.panel_s16(r0, blk) + r * 16);
+      const __m512i b = mins_q4k(mp, rows.panel_p32(r0, blk) + r * 4);
       const __m512 sx = _mm512_set1_ps(rows.sx[(r0 + r) * nb + blk]);
       const __m512 step = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(sx, dv), _mm512_cvtepi32_ps(_mm512_load_si512(sums + r * TILE))),
                                         _mm512_mul_ps(_mm512_mul_ps(sx, dminv), _mm512_cvtepi32_ps(b)));
@@ -459,7 +471,7 @@ void panel_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Row
     __m512i sp[8];
     scale_pairs(sc + t * 256, sp);
     for (int64_t r = 0; r < np; ++r)
-      _mm512_store_si512(sums + r * TILE, offsets_q6k(sp, rows.panel_s16(r0, blk) + r * 16));
+      _mm512_store_si512(sums + r * TILE, offsets_q6k(sp, rows.panel_p16(r0, blk) + r * 8));
     for (int j = 0; j < 16; ++j) {
       __m512i w[4];
       const __m512i scv = subblock_q6k(q, sc + t * 256, j, w);
@@ -510,6 +522,22 @@ inline __m256i twice16(const uint8_t* p) {
   return _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
 }
 
+// The mins' term sum_j mn_j * S_j of one super-block for outputs 8h .. 8h+7 (mn offset by 8h): lane o
+// of mp[k] holds (mn_2k, mn_2k+1) of output o as int16, the pairs of quantize_rows' p32.
+inline void mins_pairs(const uint8_t* mn, __m256i (&mp)[4]) {
+  #pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k)
+    mp[k] = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(mn + 2 * k * 16))),
+                            _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(mn + (2 * k + 1) * 16))), 16));
+}
+
+// One row's mins' term (p32: its 4 pairs of 32-input sums in the super-block; a half tail's are 0).
+inline __m256i mins_q4k(const __m256i (&mp)[4], const int32_t* p32) {
+  return _mm256_add_epi32(
+      _mm256_add_epi32(_mm256_madd_epi16(mp[0], _mm256_set1_epi32(p32[0])), _mm256_madd_epi16(mp[1], _mm256_set1_epi32(p32[1]))),
+      _mm256_add_epi32(_mm256_madd_epi16(mp[2], _mm256_set1_epi32(p32[2])), _mm256_madd_epi16(mp[3], _mm256_set1_epi32(p32[3]))));
+}
+
 // Outputs 8h .. 8h+7 of a tile (byte offset 32h of each 64-byte load) for rows r0 .. r0+NR-1.
 template <int NR>
 void rows_q4k(const Q4KWeight& wt, const Rows& rows, int64_t r0, float* out, int64_t N, int64_t tile, int h) {
@@ -523,9 +551,9 @@ void rows_q4k(const Q4KWeight& wt, const Rows& rows, int64_t r0, float* out, int
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t t = tile * nb + blk;
     const uint8_t* q = wt.quants(tile, nb, blk) + h * 32;
-    __m256i a[NR], b[NR];
+    __m256i a[NR];
     #pragma GCC unroll 8
-    for (int rr = 0; rr < NR; ++rr) a[rr] = b[rr] = _mm256_setzero_si256();
+    for (int rr = 0; rr < NR; ++rr) a[rr] = _mm256_setzero_si256();
     for (int j = 0, subs = wt.subblocks(nb, blk); j < subs; ++j) {
       __m256i acc[NR];
       #pragma GCC unroll 8
@@ -543,16 +571,15 @@ void rows_q4k(const Q4KWeight& wt, const Rows& rows, int64_t r0, float* out, int
           acc[rr] = _mm256_add_epi16(acc[rr], _mm256_maddubs_epi16(w1, bcast4(xq + 4)));
         }
       }
-      // sc * (pair sums) and mn * (the two 16-input sums of xq, each |.| <= 16*127): exact in int32
-      const __m256i scv = twice16(sc + t * 128 + j * 16 + h * 8), mnv = twice16(mn + t * 128 + j * 16 + h * 8);
+      const __m256i scv = twice16(sc + t * 128 + j * 16 + h * 8);  // sc * (pair sums): exact in int32
       #pragma GCC unroll 8
-      for (int rr = 0; rr < NR; ++rr) {
-        const int32_t* s16 = rows.s16 + (r0 + rr) * (rows.K / 16) + blk * 16;
-        const __m256i sums = _mm256_set1_epi32(int16_pair(s16[2 * j], s16[2 * j + 1]));
-        a[rr] = _mm256_add_epi32(a[rr], _mm256_madd_epi16(acc[rr], scv));
-        b[rr] = _mm256_add_epi32(b[rr], _mm256_madd_epi16(mnv, sums));
-      }
+      for (int rr = 0; rr < NR; ++rr) a[rr] = _mm256_add_epi32(a[rr], _mm256_madd_epi16(acc[rr], scv));
     }
+    // The mins' term, made after the products so that the rows' accumulators stay in registers.
+    __m256i mp[4], b[NR];
+    mins_pairs(mn + t * 128 + h * 8, mp);
+    #pragma GCC unroll 8
+    for (int rr = 0; rr < NR; ++rr) b[rr] = mins_q4k(mp, rows.p32 + ((r0 + rr) * nb + blk) * 4);
     const __m256 dv = half8(d + t * TILE + h * 8), dminv = half8(dmin + t * TILE + h * 8);
     #pragma GCC unroll 8
     for (int rr = 0; rr < NR; ++rr) {
@@ -665,15 +692,11 @@ void panel_q4k(const Q4KWeight& wt, const Rows& rows, int64_t r0, int64_t np, fl
         _mm256_store_si256(a, _mm256_add_epi32(_mm256_load_si256(a), _mm256_madd_epi16(acc, scv)));
       }
     }
-    __m256i mnv[8];
-    #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) mnv[j] = twice16(wt.mn + t * 128 + j * 16 + h * 8);
+    __m256i mp[4];
+    mins_pairs(wt.mn + t * 128 + h * 8, mp);
     const __m256 dv = half8(wt.d + t * TILE + h * 8), dminv = half8(wt.dmin + t * TILE + h * 8);
     for (int64_t r = 0; r < np; ++r) {
-      const int32_t* s16 = rows.panel_s16(r0, blk) + r * 16;
-      __m256i b = _mm256_setzero_si256();
-      for (int j = 0; j < subs; ++j)
-        b = _mm256_add_epi32(b, _mm256_madd_epi16(mnv[j], _mm256_set1_epi32(int16_pair(s16[2 * j], s16[2 * j + 1]))));
+      const __m256i b = mins_q4k(mp, rows.panel_p32(r0, blk) + r * 4);
       const __m256 sx = _mm256_set1_ps(rows.sx[(r0 + r) * nb + blk]);
       const __m256i a = _mm256_load_si256((const __m256i*)(sums + r * 8));
       const __m256 step = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(sx, dv), _mm256_cvtepi32_ps(a)),
@@ -694,7 +717,13 @@ void tile_q4k(const Q4KWeight& w, const Rows& rows, int64_t r0, int64_t nr, bool
   }
 }
 
-// A panel of Q6_K rows, as panel_q4k: rows_q6k's integers and float steps for each row.
+// 8 int32 lanes (signed, |v| < 2^15) -> each lane's value twice as int16 (v, v), for madd_epi16.
+inline __m256i twice16_signed(__m256i v) { return _mm256_blend_epi16(v, _mm256_slli_epi32(v, 16), 0xAA); }
+
+// A panel of Q6_K rows, as panel_q4k. A row's integers are rows_q6k's sum_j sc_j * (dot_j - 32 s_j),
+// made (exactly, in int32) as -32 * sum_j sc_j s_j, eight pair products from p16 where the row's sums
+// start, plus sum_j sc_j * dot_j with each half sub-block's int16 pair sums scaled in one madd
+// (instead of widening, offsetting and a 32-bit multiply per sub-block); its float step is rows_q6k's.
 void panel_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t r0, int64_t np,
                float* out, int64_t N, int64_t tile, int h) {
   const int64_t nb = rows.K / QK;
@@ -703,15 +732,33 @@ void panel_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Row
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t t = tile * nb + blk;
     const uint8_t* q = qs + t * Q6K_BYTES + h * 32;
-    for (int64_t r = 0; r < np; ++r) _mm256_store_si256((__m256i*)(sums + r * 8), _mm256_setzero_si256());
-    for (int j = 0; j < 16; ++j) {
-      __m256i w[4];
-      const __m256i scv = subblock_q6k(q, sc + t * 256 + h * 8, j, w);
+    const int8_t* scb = sc + t * 256 + h * 8;
+    __m256i sp[8];  // lane o of sp[k]: (sc_2k, sc_2k+1) of output 8h + o, as the pairs of p16
+    #pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k)
+      sp[k] = _mm256_blend_epi16(widen8(scb + 2 * k * 16), _mm256_slli_epi32(widen8(scb + (2 * k + 1) * 16), 16), 0xAA);
+    for (int64_t r = 0; r < np; ++r) {
+      const int32_t* p16 = rows.panel_p16(r0, blk) + r * 8;
+      __m256i o = _mm256_setzero_si256();
+      #pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) o = _mm256_add_epi32(o, _mm256_madd_epi16(sp[k], _mm256_set1_epi32(p16[k])));
+      _mm256_store_si256((__m256i*)(sums + r * 8), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(o, 5)));
+    }
+    for (int j = 0; j < 16; j += 2) {  // two sub-blocks a pass: each row's sums read and written once
+      __m256i w0[4], w1[4];
+      const __m256i sc0 = twice16_signed(subblock_q6k(q, scb, j, w0)), sc1 = twice16_signed(subblock_q6k(q, scb, j + 1, w1));
       const int8_t* x0 = rows.panel_x(r0, blk) + j * 16;
-      const int32_t* s0 = rows.panel_s16(r0, blk) + j;
       for (int64_t r = 0; r < np; ++r) {
+        const int8_t* xq = x0 + r * QK;
+        // int16 lanes: 2 pairs of 2*63*127 = 32004 < 2^15 at most, as scaled_q6k
+        const __m256i lo0 = _mm256_add_epi16(_mm256_maddubs_epi16(w0[0], bcast4(xq)), _mm256_maddubs_epi16(w0[1], bcast4(xq + 4)));
+        const __m256i hi0 = _mm256_add_epi16(_mm256_maddubs_epi16(w0[2], bcast4(xq + 8)), _mm256_maddubs_epi16(w0[3], bcast4(xq + 12)));
+        const __m256i lo1 = _mm256_add_epi16(_mm256_maddubs_epi16(w1[0], bcast4(xq + 16)), _mm256_maddubs_epi16(w1[1], bcast4(xq + 20)));
+        const __m256i hi1 = _mm256_add_epi16(_mm256_maddubs_epi16(w1[2], bcast4(xq + 24)), _mm256_maddubs_epi16(w1[3], bcast4(xq + 28)));
+        const __m256i dots = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(lo0, sc0), _mm256_madd_epi16(hi0, sc0)),
+                                              _mm256_add_epi32(_mm256_madd_epi16(lo1, sc1), _mm256_madd_epi16(hi1, sc1)));
         __m256i* a = (__m256i*)(sums + r * 8);
-        _mm256_store_si256(a, _mm256_add_epi32(_mm256_load_si256(a), scaled_q6k(w, x0 + r * QK, s0[r * 16], scv)));
+        _mm256_store_si256(a, _mm256_add_epi32(_mm256_load_si256(a), dots));
       }
     }
     const __m256 dv = half8(d + t * TILE + h * 8);
@@ -837,6 +884,8 @@ struct ActivationScratch {
   std::vector<int8_t> xq;
   std::vector<float> sx;
   std::vector<int32_t> s16;
+  std::vector<int32_t> p16;
+  std::vector<int32_t> p32;
 };
 
 // x [R, width] (rows contiguous) with zeros appended up to K, quantised into this thread's scratch,
@@ -854,8 +903,11 @@ Rows quantized_rows(const float* x, int64_t R, int64_t width, int64_t K) {
   scratch.xq.resize(slots * K);
   scratch.sx.resize(R * (K / QK));
   scratch.s16.resize(slots * (K / 16));
-  quantize_rows(x, R, K, panel_major, scratch.xq.data(), scratch.sx.data(), scratch.s16.data());
-  return Rows{scratch.xq.data(), scratch.sx.data(), scratch.s16.data(), K};
+  scratch.p16.resize(slots * (K / QK) * 8);
+  scratch.p32.resize(slots * (K / QK) * 4);
+  quantize_rows(x, R, K, panel_major, scratch.xq.data(), scratch.sx.data(), scratch.s16.data(), scratch.p16.data(),
+                scratch.p32.data());
+  return Rows{scratch.xq.data(), scratch.sx.data(), scratch.s16.data(), scratch.p16.data(), scratch.p32.data(), K};
 }
 
 torch::Tensor flat_rows(const torch::Tensor& x) {
@@ -1210,10 +1262,9 @@ void attend_causal_tile(const float* q0, int64_t q_head, int64_t G, int64_t T, i
   }
 }
 #elif defined(KQ_AVX2)
-// attend_scalar's halving sum of 16 lanes held as lanes 0-7 (lo) and 8-15 (hi): the same additions of
-// the same pairs (i + i+8, i + i+4, i + i+2, i + i+1).
-inline float halving_sum(__m256 lo, __m256 hi) {
-  const __m256 eight = _mm256_add_ps(lo, hi);
+// attend_scalar's halving sum of 16 lanes after its first step (eight: lanes i + i+8, i = 0..7): the
+// same additions of the same pairs (i + i+4, i + i+2, i + i+1).
+inline float halving_sum(__m256 eight) {
   const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
   const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
@@ -1231,29 +1282,71 @@ inline __m256 key_weights8(__m256 score, __m256 top) {
 // key and value is read once for the NH heads. keys[m]: the visible keys' slots (nullptr: m itself),
 // bias[m]: the mask's bias (nullptr: 0, still added). DC = D / 16 chunks a head.
 
-// Scores of keys [begin, end) into p[h * stride + m], and each head's running maximum top[h].
+// The scores of 8 keys at once: eight[t] holds key t's lanes i + i+8 (i = 0..7); lane t of the result
+// is attend_scalar's halving sum of key t (then i + i+4, i + i+2, i + i+1: the same additions of the
+// same pairs, two keys or more per instruction), put back in key order.
+inline __m256 halving_sums(const __m256 (&eight)[8]) {
+  __m256 four[4], two[2];
+  #pragma GCC unroll 4
+  for (int t = 0; t < 4; ++t)  // [key 2t lanes 0-3 | key 2t+1 lanes 0-3], each lane i summed with i+4
+    four[t] = _mm256_add_ps(_mm256_permute2f128_ps(eight[2 * t], eight[2 * t + 1], 0x20),
+                            _mm256_permute2f128_ps(eight[2 * t], eight[2 * t + 1], 0x31));
+  #pragma GCC unroll 2
+  for (int t = 0; t < 2; ++t)  // lanes 0-1 of four keys, each summed with lane i+2
+    two[t] = _mm256_add_ps(_mm256_shuffle_ps(four[2 * t], four[2 * t + 1], 0x44),
+                           _mm256_shuffle_ps(four[2 * t], four[2 * t + 1], 0xEE));
+  const __m256 one = _mm256_add_ps(_mm256_shuffle_ps(two[0], two[1], 0x88), _mm256_shuffle_ps(two[0], two[1], 0xDD));
+  // lanes now hold keys 0, 2, 4, 6, 1, 3, 5, 7
+  return _mm256_permutevar8x32_ps(one, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// Key m's lane sums for one head (q: its query), lanes i + i+8 added: halving_sum's first step.
+template <int DC>
+inline __m256 key_lanes(const float* q, const float* kv) {
+  __m256 lo = _mm256_setzero_ps(), hi = lo;
+  #pragma GCC unroll 8
+  for (int c = 0; c < DC; ++c) {
+    lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(q + 16 * c), _mm256_loadu_ps(kv + 16 * c)));
+    hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(q + 16 * c + 8), _mm256_loadu_ps(kv + 16 * c + 8)));
+  }
+  return _mm256_add_ps(lo, hi);
+}
+
+// Scores of keys [begin, end) into p[h * stride + m], and each head's running maximum top[h]; eight
+// keys a pass (halving_sums), the rest one at a time, each score the same bits either way.
 template <int DC, int NH>
 void score_heads(const float* q0, int64_t q_step, const float* kp, const int32_t* keys, const float* bias,
                  int64_t begin, int64_t end, float scale, float* p, int64_t stride, float* top) {
-  const __m256 zero = _mm256_setzero_ps();
-  for (int64_t m = begin; m < end; ++m) {
-    const float* kv = kp + (keys == nullptr ? m : static_cast<int64_t>(keys[m])) * DC * 16;
-    __m256 lo[NH], hi[NH];
-    #pragma GCC unroll 4
-    for (int h = 0; h < NH; ++h) lo[h] = hi[h] = zero;
-    #pragma GCC unroll 8
-    for (int c = 0; c < DC; ++c) {
-      const __m256 klo = _mm256_loadu_ps(kv + 16 * c), khi = _mm256_loadu_ps(kv + 16 * c + 8);
-      #pragma GCC unroll 4
-      for (int h = 0; h < NH; ++h) {
-        lo[h] = _mm256_add_ps(lo[h], _mm256_mul_ps(_mm256_loadu_ps(q0 + h * q_step + 16 * c), klo));
-        hi[h] = _mm256_add_ps(hi[h], _mm256_mul_ps(_mm256_loadu_ps(q0 + h * q_step + 16 * c + 8), khi));
-      }
+  const auto key = [&](int64_t m) { return kp + (keys == nullptr ? m : static_cast<int64_t>(keys[m])) * DC * 16; };
+  const __m256 scales = _mm256_set1_ps(scale);
+  __m256 tops[NH];
+  #pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h) tops[h] = _mm256_set1_ps(-INFINITY);
+  int64_t m = begin;
+  for (; m + 8 <= end; m += 8) {
+    const __m256 bias8 = bias == nullptr ? _mm256_setzero_ps() : _mm256_loadu_ps(bias + m);
+    #pragma GCC unroll 1
+    for (int h = 0; h < NH; ++h) {
+      __m256 eight[8];
+      #pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) eight[t] = key_lanes<DC>(q0 + h * q_step, key(m + t));
+      const __m256 s = _mm256_add_ps(_mm256_mul_ps(halving_sums(eight), scales), bias8);
+      _mm256_storeu_ps(p + h * stride + m, s);
+      tops[h] = _mm256_max_ps(s, tops[h]);  // a NaN score leaves the maximum alone, as fmax
     }
+  }
+  #pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, tops[h]);
+    for (int t = 0; t < 8; ++t) top[h] = std::fmax(top[h], lanes[t]);
+  }
+  for (; m < end; ++m) {
+    const float* kv = key(m);
     const float b = bias == nullptr ? 0.f : bias[m];
     #pragma GCC unroll 4
     for (int h = 0; h < NH; ++h) {
-      const float s = halving_sum(lo[h], hi[h]) * scale + b;
+      const float s = halving_sum(key_lanes<DC>(q0 + h * q_step, kv)) * scale + b;
       p[h * stride + m] = s;
       top[h] = std::fmax(top[h], s);
     }
