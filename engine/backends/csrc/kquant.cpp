@@ -614,14 +614,33 @@ inline __m256i subblock_q6k(const uint8_t* q, const int8_t* sc, int j, __m256i (
   return widen8(sc + j * 16);
 }
 
-// One row's sc_j * (dot_j - 32 s_j) for a Q6_K sub-block (xq: its 16 inputs, s: their sum).
-inline __m256i scaled_q6k(const __m256i (&w)[4], const int8_t* xq, int32_t s, __m256i scv) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  // int16 lanes: 2 pairs of 2*63*127 = 32004 < 2^15 at most before widening
+// 8 int32 lanes (signed, |v| < 2^15) -> each lane's value twice as int16 (v, v), for madd_epi16.
+inline __m256i twice16_signed(__m256i v) { return _mm256_blend_epi16(v, _mm256_slli_epi32(v, 16), 0xAA); }
+
+// A Q6_K super-block's integers sum_j sc_j * (dot_j - 32 s_j) are made (exactly, in int32) as
+// -32 * sum_j sc_j s_j, where a row's sums start (offsets_q6k), plus sum_j sc_j * dot_j (scaled_q6k):
+// no widening, offsetting or 32-bit multiply per sub-block.
+// Lane o of sp[k]: (sc_2k, sc_2k+1) of output 8h + o (sc offset by 8h), as the pairs of p16.
+inline void scale_pairs(const int8_t* sc, __m256i (&sp)[8]) {
+  #pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k)
+    sp[k] = _mm256_blend_epi16(widen8(sc + 2 * k * 16), _mm256_slli_epi32(widen8(sc + (2 * k + 1) * 16), 16), 0xAA);
+}
+
+// -32 * sum_j sc_j * s_j for one row (p16: its 8 pairs of sub-block sums).
+inline __m256i offsets_q6k(const __m256i (&sp)[8], const int32_t* p16) {
+  __m256i o = _mm256_setzero_si256();
+  #pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) o = _mm256_add_epi32(o, _mm256_madd_epi16(sp[k], _mm256_set1_epi32(p16[k])));
+  return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(o, 5));
+}
+
+// One row's sc_j * dot_j for a Q6_K sub-block (xq: its 16 inputs; sc2: twice16_signed of the scales).
+inline __m256i scaled_q6k(const __m256i (&w)[4], const int8_t* xq, __m256i sc2) {
+  // int16 lanes: 2 pairs of 2*63*127 = 32004 < 2^15 at most, then each half scaled in one madd
   const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], bcast4(xq)), _mm256_maddubs_epi16(w[1], bcast4(xq + 4)));
   const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], bcast4(xq + 8)), _mm256_maddubs_epi16(w[3], bcast4(xq + 12)));
-  const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
-  return _mm256_mullo_epi32(_mm256_sub_epi32(dot, _mm256_set1_epi32(32 * s)), scv);
+  return _mm256_add_epi32(_mm256_madd_epi16(lo, sc2), _mm256_madd_epi16(hi, sc2));
 }
 
 template <int NR>
@@ -634,16 +653,20 @@ void rows_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t t = tile * nb + blk;
     const uint8_t* q = qs + t * Q6K_BYTES + h * 32;
+    const int8_t* scb = sc + t * 256 + h * 8;
     __m256i a[NR];
-    #pragma GCC unroll 8
-    for (int rr = 0; rr < NR; ++rr) a[rr] = _mm256_setzero_si256();
+    {
+      __m256i sp[8];
+      scale_pairs(scb, sp);
+      #pragma GCC unroll 8
+      for (int rr = 0; rr < NR; ++rr) a[rr] = offsets_q6k(sp, rows.p16 + ((r0 + rr) * nb + blk) * 8);
+    }
     for (int j = 0; j < 16; ++j) {
       __m256i w[4];
-      const __m256i scv = subblock_q6k(q, sc + t * 256 + h * 8, j, w);
+      const __m256i sc2 = twice16_signed(subblock_q6k(q, scb, j, w));
       #pragma GCC unroll 8
       for (int rr = 0; rr < NR; ++rr)
-        a[rr] = _mm256_add_epi32(a[rr], scaled_q6k(w, rows.xq + (r0 + rr) * rows.K + blk * QK + j * 16,
-                                                   rows.s16[(r0 + rr) * (rows.K / 16) + blk * 16 + j], scv));
+        a[rr] = _mm256_add_epi32(a[rr], scaled_q6k(w, rows.xq + (r0 + rr) * rows.K + blk * QK + j * 16, sc2));
     }
     const __m256 dv = half8(d + t * TILE + h * 8);
     #pragma GCC unroll 8
@@ -717,13 +740,7 @@ void tile_q4k(const Q4KWeight& w, const Rows& rows, int64_t r0, int64_t nr, bool
   }
 }
 
-// 8 int32 lanes (signed, |v| < 2^15) -> each lane's value twice as int16 (v, v), for madd_epi16.
-inline __m256i twice16_signed(__m256i v) { return _mm256_blend_epi16(v, _mm256_slli_epi32(v, 16), 0xAA); }
-
-// A panel of Q6_K rows, as panel_q4k. A row's integers are rows_q6k's sum_j sc_j * (dot_j - 32 s_j),
-// made (exactly, in int32) as -32 * sum_j sc_j s_j, eight pair products from p16 where the row's sums
-// start, plus sum_j sc_j * dot_j with each half sub-block's int16 pair sums scaled in one madd
-// (instead of widening, offsetting and a 32-bit multiply per sub-block); its float step is rows_q6k's.
+// A panel of Q6_K rows, as panel_q4k: rows_q6k's integers (offsets_q6k, scaled_q6k) and float steps.
 void panel_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows& rows, int64_t r0, int64_t np,
                float* out, int64_t N, int64_t tile, int h) {
   const int64_t nb = rows.K / QK;
@@ -733,30 +750,17 @@ void panel_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Row
     const int64_t t = tile * nb + blk;
     const uint8_t* q = qs + t * Q6K_BYTES + h * 32;
     const int8_t* scb = sc + t * 256 + h * 8;
-    __m256i sp[8];  // lane o of sp[k]: (sc_2k, sc_2k+1) of output 8h + o, as the pairs of p16
-    #pragma GCC unroll 8
-    for (int k = 0; k < 8; ++k)
-      sp[k] = _mm256_blend_epi16(widen8(scb + 2 * k * 16), _mm256_slli_epi32(widen8(scb + (2 * k + 1) * 16), 16), 0xAA);
-    for (int64_t r = 0; r < np; ++r) {
-      const int32_t* p16 = rows.panel_p16(r0, blk) + r * 8;
-      __m256i o = _mm256_setzero_si256();
-      #pragma GCC unroll 8
-      for (int k = 0; k < 8; ++k) o = _mm256_add_epi32(o, _mm256_madd_epi16(sp[k], _mm256_set1_epi32(p16[k])));
-      _mm256_store_si256((__m256i*)(sums + r * 8), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(o, 5)));
-    }
+    __m256i sp[8];
+    scale_pairs(scb, sp);
+    for (int64_t r = 0; r < np; ++r)
+      _mm256_store_si256((__m256i*)(sums + r * 8), offsets_q6k(sp, rows.panel_p16(r0, blk) + r * 8));
     for (int j = 0; j < 16; j += 2) {  // two sub-blocks a pass: each row's sums read and written once
       __m256i w0[4], w1[4];
       const __m256i sc0 = twice16_signed(subblock_q6k(q, scb, j, w0)), sc1 = twice16_signed(subblock_q6k(q, scb, j + 1, w1));
       const int8_t* x0 = rows.panel_x(r0, blk) + j * 16;
       for (int64_t r = 0; r < np; ++r) {
         const int8_t* xq = x0 + r * QK;
-        // int16 lanes: 2 pairs of 2*63*127 = 32004 < 2^15 at most, as scaled_q6k
-        const __m256i lo0 = _mm256_add_epi16(_mm256_maddubs_epi16(w0[0], bcast4(xq)), _mm256_maddubs_epi16(w0[1], bcast4(xq + 4)));
-        const __m256i hi0 = _mm256_add_epi16(_mm256_maddubs_epi16(w0[2], bcast4(xq + 8)), _mm256_maddubs_epi16(w0[3], bcast4(xq + 12)));
-        const __m256i lo1 = _mm256_add_epi16(_mm256_maddubs_epi16(w1[0], bcast4(xq + 16)), _mm256_maddubs_epi16(w1[1], bcast4(xq + 20)));
-        const __m256i hi1 = _mm256_add_epi16(_mm256_maddubs_epi16(w1[2], bcast4(xq + 24)), _mm256_maddubs_epi16(w1[3], bcast4(xq + 28)));
-        const __m256i dots = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(lo0, sc0), _mm256_madd_epi16(hi0, sc0)),
-                                              _mm256_add_epi32(_mm256_madd_epi16(lo1, sc1), _mm256_madd_epi16(hi1, sc1)));
+        const __m256i dots = _mm256_add_epi32(scaled_q6k(w0, xq, sc0), scaled_q6k(w1, xq + 16, sc1));
         __m256i* a = (__m256i*)(sums + r * 8);
         _mm256_store_si256(a, _mm256_add_epi32(_mm256_load_si256(a), dots));
       }
