@@ -160,8 +160,8 @@ void quantize_rows(const float* x, int64_t R, int64_t K, bool panel_major, int8_
   for (int64_t r = 0; r < R; ++r)
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t slot = block_slot(r, b, nb, panel_major);
-      const int32_t* sums = s16 + slot * 16;
-      sx[r * nb + b] = quantize_block(x + r * K + b * QK, xq + slot * QK, s16 + slot * 16) / 127.f;
+      int32_t* sums = s16 + slot * 16;
+      sx[r * nb + b] = quantize_block(x + r * K + b * QK, xq + slot * QK, sums) / 127.f;
       for (int k = 0; k < 8; ++k) p16[slot * 8 + k] = int16_pair(sums[2 * k], sums[2 * k + 1]);
       for (int k = 0; k < 4; ++k)
         p32[slot * 4 + k] = int16_pair(sums[4 * k] + sums[4 * k + 1], sums[4 * k + 2] + sums[4 * k + 3]);
@@ -1283,7 +1283,7 @@ inline __m256 key_weights8(__m256 score, __m256 top) {
 
 // attend_scalar's operations for NH (<= 4) query heads that share one key/value head, on one row,
 // 8 lanes at a time, in three phases that can go over the keys in pieces (attend_causal_tile). Each
-// key and value is read once for the NH heads. keys[m]: the visible keys' slots (nullptr: m itself),
+// value is read once for the NH heads; a block of 8 keys once a head, from L1. keys[m]: the visible keys' slots (nullptr: m itself),
 // bias[m]: the mask's bias (nullptr: 0, still added). DC = D / 16 chunks a head.
 
 // The scores of 8 keys at once: eight[t] holds key t's lanes i + i+8 (i = 0..7); lane t of the result
