@@ -189,6 +189,26 @@ def test_every_path_lets_a_nan_score_show(every_path):
             assert out[0].isfinite().all() and out[1:].isnan().all(), (path, dim)
 
 
+def test_every_path_keeps_a_zero_weight_from_an_infinite_value(every_path):
+    """A key whose weight underflows to 0 adds nothing, not 0 * inf = NaN: the portable path skips it,
+    and the vector paths that add zero weights without a test (when every value is finite) must see
+    the infinite value and skip it too. Causal chunks (rows 1 to 40 over keys around the value blocks)
+    and a tree mask, a value of inf or NaN at a key every row sees with weight 0."""
+    generator = torch.Generator().manual_seed(11)
+    for heads, kv_heads, dim in ((12, 2, 128), (6, 3, 32)):
+        for length, rows, bad in ((40, 3, float("inf")), (70, 40, float("nan")), (33, 1, -float("inf"))):
+            q = torch.rand(heads, rows, dim, generator=generator) + 0.5  # positive: key 5 scores far below the rest
+            k = torch.randn(kv_heads, length, dim, generator=generator)
+            k[:, 5] = -1000.0
+            v = torch.randn(kv_heads, length, dim, generator=generator)
+            v[:, 5, dim // 2] = bad
+            for mask in (torch.empty(0), torch.zeros(rows, length)):
+                outs = {path: ext.attention(q, k, v, mask, dim ** -0.5) for path, ext in every_path.items()}
+                for path, out in outs.items():
+                    assert out.isfinite().all(), (path, dim, length, rows, mask.numel())
+                    assert torch.equal(out, outs["portable"]), (path, dim, length, rows, mask.numel())
+
+
 def test_every_path_normalises_as_the_models_rms_norm_bit_for_bit(every_path):
     """The layers' RMSNorm by hand around ATen's sum equals the models' own formula (Qwen2RMSNorm,
     LlamaRMSNorm) bit for bit: widths of the default pair and odd ones, 1 to 17 rows, tiny, large

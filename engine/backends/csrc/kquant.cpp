@@ -22,6 +22,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <string>
@@ -1097,6 +1098,37 @@ constexpr int64_t ATTEND_TILE = 8;
 constexpr int64_t KEY_BLOCK = 16;    // keys scored per pass
 constexpr int64_t VALUE_BLOCK = 32;  // keys whose values are added per pass (16 KB at D = 128)
 
+// The sum in key order of p[0 .. n-1] (attend_scalar's total of the weights).
+inline float sum_in_order(const float* p, int64_t n) {
+  float total = 0.f;
+  for (int64_t m = 0; m < n; ++m) total = total + p[m];
+  return total;
+}
+
+// totals[i] = sum_in_order(p + i * stride, length(i)) for i < count. Eight sums go side by side over
+// the keys they all have, so that each one's chain of additions (the same, one after another)
+// overlaps the others' instead of waiting on its own latency; then each sum's own tail.
+template <typename Length>
+void sums_in_order(const float* p, int64_t stride, int64_t count, const Length& length, float* totals) {
+  int64_t i0 = 0;
+  for (; i0 + 8 <= count; i0 += 8) {
+    int64_t n[8];
+    for (int i = 0; i < 8; ++i) n[i] = length(i0 + i);
+    const int64_t common = *std::min_element(n, n + 8);
+    const float* p0 = p + i0 * stride;
+    float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t m = 0; m < common; ++m) {
+      #pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) s[i] = s[i] + p0[i * stride + m];
+    }
+    for (int i = 0; i < 8; ++i) {
+      for (int64_t m = common; m < n[i]; ++m) s[i] = s[i] + p0[i * stride + m];
+      totals[i0 + i] = s[i];
+    }
+  }
+  for (; i0 < count; ++i0) totals[i0] = sum_in_order(p + i0 * stride, length(i0));
+}
+
 #if defined(KQ_VNNI)
 // The scores of 16 keys at once: lanes[t] holds key t's 16 lane sums; lane t of the result is
 // attend_scalar's halving sum of lanes[t] (i + i+8, i + i+4, i + i+2, i + i+1: the same additions of
@@ -1142,9 +1174,8 @@ inline __mmask16 first_lanes(int64_t count) {
   return count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
 }
 
-// A query head's scores p[0..n-1] -> key_weight's e^(score - top), 16 keys at a time; returns their
-// sum in key order.
-inline float weigh_keys(float* p, int64_t n, float top) {
+// A query head's scores p[0..n-1] -> key_weight's e^(score - top), 16 keys at a time.
+inline void weigh_keys(float* p, int64_t n, float top) {
   const __m512 topv = _mm512_set1_ps(top), minus_inf = _mm512_set1_ps(-INFINITY);
   for (int64_t m0 = 0; m0 < n; m0 += 16) {
     const __mmask16 valid = first_lanes(n - m0);
@@ -1154,9 +1185,6 @@ inline float weigh_keys(float* p, int64_t n, float top) {
     w = _mm512_mask_mov_ps(w, _mm512_cmp_ps_mask(score, minus_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
     _mm512_mask_storeu_ps(p + m0, valid, w);
   }
-  float total = 0.f;
-  for (int64_t m = 0; m < n; ++m) total = total + p[m];
-  return total;
 }
 
 // acc += p[m] * value(slot(m)) for m in [begin, end), in key order, zero weights skipped.
@@ -1203,7 +1231,8 @@ void attend_group(const float* q0, int64_t q_step, int64_t G, const float* kp, c
       _mm512_storeu_ps(p + m0, s);
       tops = _mm512_mask_max_ps(tops, valid, s, tops);  // a NaN score leaves the maximum alone, as fmax
     }
-    const float total = weigh_keys(p, n, _mm512_reduce_max_ps(tops));
+    weigh_keys(p, n, _mm512_reduce_max_ps(tops));
+    const float total = sum_in_order(p, n);
     __m512 acc[DC];
     #pragma GCC unroll 16
     for (int c = 0; c < DC; ++c) acc[c] = _mm512_setzero_ps();
@@ -1242,8 +1271,10 @@ void attend_causal_tile(const float* q0, int64_t q_head, int64_t G, int64_t T, i
         tops[pair] = _mm512_mask_max_ps(tops[pair], first_lanes(count), s, tops[pair]);
       }
     }
+  const auto visible = [&](int64_t pair) { return first + pair / G; };
   for (int64_t pair = 0; pair < pairs; ++pair)
-    totals[pair] = weigh_keys(scores.data() + pair * padded, first + pair / G, _mm512_reduce_max_ps(tops[pair]));
+    weigh_keys(scores.data() + pair * padded, visible(pair), _mm512_reduce_max_ps(tops[pair]));
+  sums_in_order(scores.data(), padded, pairs, visible, totals.data());
   for (int64_t m0 = 0; m0 < longest; m0 += VALUE_BLOCK)
     for (int64_t r = 0; r < T; ++r) {
       const int64_t n = first + r;
@@ -1316,6 +1347,26 @@ inline __m256 key_lanes(const float* q, const float* kv) {
   return _mm256_add_ps(lo, hi);
 }
 
+// key_lanes of the four keys at k0, k0 + 16 DC, ..: each the same additions in the same order, the
+// query's chunk loaded once for the four.
+template <int DC>
+inline void key_lanes4(const float* q, const float* k0, __m256 (&out)[4]) {
+  __m256 lo[4], hi[4];
+  #pragma GCC unroll 4
+  for (int t = 0; t < 4; ++t) lo[t] = hi[t] = _mm256_setzero_ps();
+  #pragma GCC unroll 8
+  for (int c = 0; c < DC; ++c) {
+    const __m256 qlo = _mm256_loadu_ps(q + 16 * c), qhi = _mm256_loadu_ps(q + 16 * c + 8);
+    #pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      lo[t] = _mm256_add_ps(lo[t], _mm256_mul_ps(qlo, _mm256_loadu_ps(k0 + t * DC * 16 + 16 * c)));
+      hi[t] = _mm256_add_ps(hi[t], _mm256_mul_ps(qhi, _mm256_loadu_ps(k0 + t * DC * 16 + 16 * c + 8)));
+    }
+  }
+  #pragma GCC unroll 4
+  for (int t = 0; t < 4; ++t) out[t] = _mm256_add_ps(lo[t], hi[t]);
+}
+
 // Scores of keys [begin, end) into p[h * stride + m], and each head's running maximum top[h]; eight
 // keys a pass (halving_sums), the rest one at a time, each score the same bits either way.
 template <int DC, int NH>
@@ -1332,8 +1383,13 @@ void score_heads(const float* q0, int64_t q_step, const float* kp, const int32_t
     #pragma GCC unroll 1
     for (int h = 0; h < NH; ++h) {
       __m256 eight[8];
-      #pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t) eight[t] = key_lanes<DC>(q0 + h * q_step, key(m + t));
+      if (keys == nullptr) {  // consecutive keys
+        key_lanes4<DC>(q0 + h * q_step, key(m), reinterpret_cast<__m256(&)[4]>(eight[0]));
+        key_lanes4<DC>(q0 + h * q_step, key(m + 4), reinterpret_cast<__m256(&)[4]>(eight[4]));
+      } else {
+        #pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) eight[t] = key_lanes<DC>(q0 + h * q_step, key(m + t));
+      }
       const __m256 s = _mm256_add_ps(_mm256_mul_ps(halving_sums(eight), scales), bias8);
       _mm256_storeu_ps(p + h * stride + m, s);
       tops[h] = _mm256_max_ps(s, tops[h]);  // a NaN score leaves the maximum alone, as fmax
@@ -1357,15 +1413,41 @@ void score_heads(const float* q0, int64_t q_step, const float* kp, const int32_t
   }
 }
 
-// One head's scores ph[0..n-1] -> key_weight's weights; returns their sum in key order.
-inline float weigh_keys(float* ph, int64_t n, float top) {
+// One head's scores ph[0..n-1] -> key_weight's weights.
+inline void weigh_keys(float* ph, int64_t n, float top) {
   const __m256 topv = _mm256_set1_ps(top);
   int64_t m = 0;
   for (; m + 8 <= n; m += 8) _mm256_storeu_ps(ph + m, key_weights8(_mm256_loadu_ps(ph + m), topv));
   for (; m < n; ++m) ph[m] = key_weight(ph[m], top);
-  float sum = 0.f;
-  for (m = 0; m < n; ++m) sum = sum + ph[m];
-  return sum;
+}
+
+// Whether adding w * value for every weight w of heads 0 .. NH-1 over keys [begin, end) gives
+// attend_scalar's bits although it skips zero weights: so it does when no weight is 0 (NaN is not),
+// and when every value is finite, since then a zero weight adds a signed zero to a sum that is
+// never -0 (it starts at +0), which leaves it unchanged.
+template <int DC, int NH>
+bool zero_weights_harmless(const float* vp, const int32_t* keys, const float* p, int64_t stride, int64_t begin,
+                           int64_t end) {
+  __m256 zero = _mm256_setzero_ps();
+  bool scalar_zero = false;
+  #pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h) {
+    int64_t m = begin;
+    for (; m + 8 <= end; m += 8)
+      zero = _mm256_or_ps(zero, _mm256_cmp_ps(_mm256_loadu_ps(p + h * stride + m), _mm256_setzero_ps(), _CMP_EQ_OQ));
+    for (; m < end; ++m) scalar_zero |= p[h * stride + m] == 0.f;
+  }
+  if (!scalar_zero && _mm256_testz_ps(zero, zero)) return true;
+  __m256 finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  for (int64_t m = begin; m < end; ++m) {
+    const float* vv = vp + (keys == nullptr ? m : static_cast<int64_t>(keys[m])) * DC * 16;
+    #pragma GCC unroll 16
+    for (int c = 0; c < 2 * DC; ++c) {  // v - v is 0 for a finite v, NaN for inf and NaN
+      const __m256 v = _mm256_loadu_ps(vv + 8 * c);
+      finite = _mm256_and_ps(finite, _mm256_cmp_ps(_mm256_sub_ps(v, v), _mm256_setzero_ps(), _CMP_EQ_OQ));
+    }
+  }
+  return _mm256_movemask_ps(finite) == 0xFF;
 }
 
 // acc[h * 16 DC ..] += the weighted values of keys [begin, end), in key order, 16 lanes of every
@@ -1373,6 +1455,7 @@ inline float weigh_keys(float* ph, int64_t n, float top) {
 template <int DC, int NH>
 void value_heads(const float* vp, const int32_t* keys, const float* p, int64_t stride, int64_t begin, int64_t end,
                  float* acc) {
+  const bool unchecked = zero_weights_harmless<DC, NH>(vp, keys, p, stride, begin, end);
   #pragma GCC unroll 1
   for (int c = 0; c < DC; ++c) {
     __m256 lo[NH], hi[NH];
@@ -1381,18 +1464,30 @@ void value_heads(const float* vp, const int32_t* keys, const float* p, int64_t s
       lo[h] = _mm256_loadu_ps(acc + h * DC * 16 + 16 * c);
       hi[h] = _mm256_loadu_ps(acc + h * DC * 16 + 16 * c + 8);
     }
-    for (int64_t m = begin; m < end; ++m) {
-      const float* vv = vp + (keys == nullptr ? m : static_cast<int64_t>(keys[m])) * DC * 16 + 16 * c;
-      const __m256 vlo = _mm256_loadu_ps(vv), vhi = _mm256_loadu_ps(vv + 8);
-      #pragma GCC unroll 4
-      for (int h = 0; h < NH; ++h) {
-        const float w = p[h * stride + m];
-        if (w == 0.f) continue;  // as attend_scalar: a zero weight adds nothing, not even a -0 or NaN
-        const __m256 weight = _mm256_set1_ps(w);
-        lo[h] = _mm256_add_ps(lo[h], _mm256_mul_ps(weight, vlo));
-        hi[h] = _mm256_add_ps(hi[h], _mm256_mul_ps(weight, vhi));
+    if (unchecked)  // no test and no scalar weight a key and head: the weight broadcast straight from memory
+      for (int64_t m = begin; m < end; ++m) {
+        const float* vv = vp + (keys == nullptr ? m : static_cast<int64_t>(keys[m])) * DC * 16 + 16 * c;
+        const __m256 vlo = _mm256_loadu_ps(vv), vhi = _mm256_loadu_ps(vv + 8);
+        #pragma GCC unroll 4
+        for (int h = 0; h < NH; ++h) {
+          const __m256 weight = _mm256_broadcast_ss(p + h * stride + m);
+          lo[h] = _mm256_add_ps(lo[h], _mm256_mul_ps(weight, vlo));
+          hi[h] = _mm256_add_ps(hi[h], _mm256_mul_ps(weight, vhi));
+        }
       }
-    }
+    else
+      for (int64_t m = begin; m < end; ++m) {
+        const float* vv = vp + (keys == nullptr ? m : static_cast<int64_t>(keys[m])) * DC * 16 + 16 * c;
+        const __m256 vlo = _mm256_loadu_ps(vv), vhi = _mm256_loadu_ps(vv + 8);
+        #pragma GCC unroll 4
+        for (int h = 0; h < NH; ++h) {
+          const float w = p[h * stride + m];
+          if (w == 0.f) continue;  // as attend_scalar: a zero weight adds nothing, not even a -0 or NaN
+          const __m256 weight = _mm256_set1_ps(w);
+          lo[h] = _mm256_add_ps(lo[h], _mm256_mul_ps(weight, vlo));
+          hi[h] = _mm256_add_ps(hi[h], _mm256_mul_ps(weight, vhi));
+        }
+      }
     #pragma GCC unroll 4
     for (int h = 0; h < NH; ++h) {
       _mm256_storeu_ps(acc + h * DC * 16 + 16 * c, lo[h]);
@@ -1418,17 +1513,22 @@ void attend_heads(const float* q0, int64_t q_step, const float* kp, const float*
   score_heads<DC, NH>(q0, q_step, kp, keys, bias, 0, n, scale, p, n, top);
   float total[NH];
   #pragma GCC unroll 4
-  for (int h = 0; h < NH; ++h) total[h] = weigh_keys(p + h * n, n, top[h]);
+  for (int h = 0; h < NH; ++h) {
+    weigh_keys(p + h * n, n, top[h]);
+    total[h] = sum_in_order(p + h * n, n);
+  }
   value_heads<DC, NH>(vp, keys, p, n, 0, n, acc);
   #pragma GCC unroll 4
   for (int h = 0; h < NH; ++h) store_divided(acc + h * DC * 16, total[h], o0 + h * o_step, DC * 16);
 }
 
-// The G query heads sharing a key/value head, four at a time (attend_heads).
+// The G query heads sharing a key/value head, at most four at a time (attend_heads), in groups as
+// even as they go (6 = 3 + 3: two values and six accumulators in registers, not 4 + 2).
 // f(NH) for the query heads g0 .. g0+NH-1 of G, NH <= 4 a compile-time constant.
 template <typename F>
 void by_head_groups(int64_t G, const F& f) {
-  for (int64_t g0 = 0; g0 < G; g0 += 4) switch (std::min<int64_t>(4, G - g0)) {
+  const int64_t groups = (G + 3) / 4;
+  for (int64_t i = 0, g0 = 0; i < groups; g0 += (G - g0) / (groups - i), ++i) switch ((G - g0) / (groups - i)) {
       case 4: f(g0, std::integral_constant<int, 4>{}); break;
       case 3: f(g0, std::integral_constant<int, 3>{}); break;
       case 2: f(g0, std::integral_constant<int, 2>{}); break;
@@ -1457,8 +1557,9 @@ void attend_causal_tile(const float* q0, int64_t q_head, int64_t G, int64_t T, i
         });
     }
   totals.resize(T * G);
-  for (int64_t pair = 0; pair < T * G; ++pair)
-    totals[pair] = weigh_keys(scores.data() + pair * stride, first + pair / G, tops[pair]);
+  const auto visible = [&](int64_t pair) { return first + pair / G; };
+  for (int64_t pair = 0; pair < T * G; ++pair) weigh_keys(scores.data() + pair * stride, visible(pair), tops[pair]);
+  sums_in_order(scores.data(), stride, T * G, visible, totals.data());
   for (int64_t m0 = 0; m0 < longest; m0 += VALUE_BLOCK)
     for (int64_t r = 0; r < T; ++r) {
       const int64_t n = first + r;
