@@ -1347,6 +1347,14 @@ inline __m256 key_lanes(const float* q, const float* kv) {
   return _mm256_add_ps(lo, hi);
 }
 
+// The largest of v's lanes (none NaN). A maximum's bits do not depend on the order it is taken in,
+// but for the sign of a zero, which leaves every e^(score - top) the same.
+inline float largest_lane(__m256 v) {
+  const __m128 four = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_max_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_max_ss(two, _mm_movehdup_ps(two)));
+}
+
 // key_lanes of the four keys at k0, k0 + 16 DC, ..: each the same additions in the same order, the
 // query's chunk loaded once for the four.
 template <int DC>
@@ -1396,10 +1404,9 @@ void score_heads(const float* q0, int64_t q_step, const float* kp, const int32_t
     }
   }
   #pragma GCC unroll 4
-  for (int h = 0; h < NH; ++h) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, tops[h]);
-    for (int t = 0; t < 8; ++t) top[h] = std::fmax(top[h], lanes[t]);
+  for (int h = 0; h < NH; ++h) {  // no NaN here (_mm256_max_ps kept the maximum), so a comparison, not fmax's call
+    const float lanes_top = largest_lane(tops[h]);
+    if (lanes_top > top[h]) top[h] = lanes_top;
   }
   for (; m < end; ++m) {
     const float* kv = key(m);
@@ -1408,7 +1415,7 @@ void score_heads(const float* q0, int64_t q_step, const float* kp, const int32_t
     for (int h = 0; h < NH; ++h) {
       const float s = halving_sum(key_lanes<DC>(q0 + h * q_step, kv)) * scale + b;
       p[h * stride + m] = s;
-      top[h] = std::fmax(top[h], s);
+      if (s > top[h]) top[h] = s;  // as fmax: a NaN score leaves the maximum alone
     }
   }
 }
