@@ -1481,30 +1481,29 @@ void value_heads(const float* vp, const int32_t* keys, const float* p, int64_t s
       lo[h] = _mm256_loadu_ps(acc + h * DC * 16 + 16 * c);
       hi[h] = _mm256_loadu_ps(acc + h * DC * 16 + 16 * c + 8);
     }
-    if (unchecked)  // no test and no scalar weight a key and head: the weight broadcast straight from memory
+    const auto add = [&](auto test_zero) {
       for (int64_t m = begin; m < end; ++m) {
         const float* vv = vp + (keys == nullptr ? m : static_cast<int64_t>(keys[m])) * DC * 16 + 16 * c;
         const __m256 vlo = _mm256_loadu_ps(vv), vhi = _mm256_loadu_ps(vv + 8);
         #pragma GCC unroll 4
         for (int h = 0; h < NH; ++h) {
-          const __m256 weight = _mm256_broadcast_ss(p + h * stride + m);
+          __m256 weight;
+          if constexpr (decltype(test_zero)::value) {
+            const float w = p[h * stride + m];
+            if (w == 0.f) continue;  // as attend_scalar: a zero weight adds nothing, not even a -0 or NaN
+            weight = _mm256_set1_ps(w);
+          } else {
+            weight = _mm256_broadcast_ss(p + h * stride + m);  // no test, no scalar: straight from memory
+          }
           lo[h] = _mm256_add_ps(lo[h], _mm256_mul_ps(weight, vlo));
           hi[h] = _mm256_add_ps(hi[h], _mm256_mul_ps(weight, vhi));
         }
       }
+    };
+    if (unchecked)
+      add(std::false_type{});
     else
-      for (int64_t m = begin; m < end; ++m) {
-        const float* vv = vp + (keys == nullptr ? m : static_cast<int64_t>(keys[m])) * DC * 16 + 16 * c;
-        const __m256 vlo = _mm256_loadu_ps(vv), vhi = _mm256_loadu_ps(vv + 8);
-        #pragma GCC unroll 4
-        for (int h = 0; h < NH; ++h) {
-          const float w = p[h * stride + m];
-          if (w == 0.f) continue;  // as attend_scalar: a zero weight adds nothing, not even a -0 or NaN
-          const __m256 weight = _mm256_set1_ps(w);
-          lo[h] = _mm256_add_ps(lo[h], _mm256_mul_ps(weight, vlo));
-          hi[h] = _mm256_add_ps(hi[h], _mm256_mul_ps(weight, vhi));
-        }
-      }
+      add(std::true_type{});
     #pragma GCC unroll 4
     for (int h = 0; h < NH; ++h) {
       _mm256_storeu_ps(acc + h * DC * 16 + 16 * c, lo[h]);
