@@ -25,7 +25,7 @@ from engine.backends.kquant import (
 )
 from engine.backends.kquant_model import kquant_model, read_cache, write_cache
 
-ROW_COUNTS = list(range(1, 33)) + [40, 64, 65, 150, 600]  # 16 rows and more: the prefill panels (64 rows each)
+ROW_COUNTS = list(range(1, 33)) + [40, 64, 65, 150, 600]  # from 5 rows (AVX2) or 16 (VNNI): panels of up to 64 rows
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -428,7 +428,7 @@ def test_a_half_super_block_of_padding_is_neither_stored_nor_read(every_path):
     expected = reference_linear("q4k", x, whole, 48)
     assert torch.equal(reference_linear("q4k", x, stored, 48), expected)
     for path, extension in every_path.items():
-        for rows in (1, 2, 3, 7, 20, 70):  # 16 rows and more: the AVX2 prefill panels
+        for rows in (1, 2, 3, 7, 20, 70):  # 7 rows and more: the AVX2 panels
             for tensors in (stored, whole):
                 got = extension.q4k_linear(x[:rows], *(tensors[name] for name in kquant.PACKED_NAMES["q4k"]), 48)
                 assert torch.equal(got, expected[:rows]), (path, rows, tensors is whole)

@@ -59,8 +59,16 @@ constexpr int64_t PREFETCH_AHEAD = 2048;
 // VNNI, 48 -> 58 on its AVX2 build; Q4_K 8960 x 1536 unchanged with VNNI (124), 62 -> 66 on AVX2.
 // Then, with the rows' sums paired once (quantize_rows' p16, p32) and Q6_K's AVX2 scales in madd:
 // Q4_K 119-135 -> 138-148 with VNNI, 63-67 -> 88-93 on AVX2; Q6_K 119-127 -> 124-136 and 58 -> 74-76.
+// PANEL_FROM: AVX2's row kernels hold only 4 rows' accumulators, and from 5 rows on a panel (one
+// unpack for all rows, the weight stream prefetched) wins: the target's forward at 5 / 8 / 10 / 12
+// rows 90 / 126 / 151 / 175-180 -> 85 / 108-110 / 126-131 / 144-147 ms (2 threads, 2026-11-28).
+// VNNI's row kernels, 8 rows to a block, stay as fast or faster through 12 rows.
 constexpr int64_t PANEL_ROWS = 64;
+#if defined(KQ_VNNI)
 constexpr int64_t PANEL_FROM = 16;
+#else
+constexpr int64_t PANEL_FROM = 5;
+#endif
 #if defined(KQ_VNNI) || defined(KQ_AVX2)
 inline bool uses_panels(int64_t R) { return R >= PANEL_FROM; }
 #else
@@ -718,6 +726,7 @@ void panel_q4k(const Q4KWeight& wt, const Rows& rows, int64_t r0, int64_t np, fl
       __m256i w[8];  // inputs 8l .. 8l+3 (w[2l]) and 8l+4 .. 8l+7 (w[2l+1]) of the sub-block
       #pragma GCC unroll 4
       for (int l = 0; l < 4; ++l) {
+        _mm_prefetch((const char*)(q + j * 256 + l * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
         const __m256i raw = _mm256_loadu_si256((const __m256i*)(q + j * 256 + l * 64));
         w[2 * l] = _mm256_and_si256(raw, low);
         w[2 * l + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
