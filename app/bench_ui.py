@@ -251,8 +251,9 @@ def _browser_pid(browser) -> int:
 
 
 class Headless:
-    """The engine alone with the app's defaults (T = 0, tree="auto", copies from the conversation as
-    the app's default has them), in this process: it decodes a prompt while the app waits idle."""
+    """The engine alone with the app's defaults (T = 0, tree="auto", copies from the conversation and
+    steps of the target alone timed, as the app's defaults have them), in this process: it decodes a
+    prompt while the app waits idle."""
 
     def __init__(self, max_new: int, log) -> None:
         from engine import SpeculativeEngine
@@ -272,7 +273,8 @@ class Headless:
         ids = encode_chat(self.tokenizer, [{"role": "user", "content": prompt}])
         started = time.perf_counter()
         result = self.engine.generate(ids, max_new_tokens=self.max_new, temperature=0.0,
-                                      tree="auto" if self.tuner else None, copies=DEFAULTS["copies"])
+                                      tree="auto" if self.tuner else None, copies=DEFAULTS["copies"],
+                                      time_alone_every=DEFAULTS["time_alone_every"])
         out = {"prompt": prompt, "prompt_index": index, "tokens": len(result.tokens), "decode_tokens_per_s": result.tokens_per_second,
                "first_token_s": result.first_token_s, "wall_s": time.perf_counter() - started,
                "tuner": self.tuner.origin if self.tuner else None}

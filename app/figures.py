@@ -102,14 +102,35 @@ def running_speedup(steps: Sequence[StepRecord], baseline_tokens_per_s: float) -
 MEASURED = "measured"                    # the target alone, measured while the page drew (Compare, Measure)
 MEASURED_AT_START = "measured at launch"  # measured before any page drew on the cores: a page's own
                                           # drawing slows an answer, so a ratio to it reads low
+IN_ANSWER = "timed in this answer"     # the answer's own steps of the target alone, under its load
 BASELINE_WORDS = {MEASURED: "measured", MEASURED_AT_START: "measured at launch, before any page drew",
-                  "estimated": "estimated from the device profile"}
+                  IN_ANSWER: "timed in this answer", "estimated": "estimated from the device profile"}
+MIN_ALONE_STEPS = 3  # an answer's own target-alone steps make its baseline from this many on
 
 
 def is_measured(baseline_source: str) -> bool:
-    """Whether a target-alone rate from ``baseline_source`` was timed on this machine (at launch or
-    in the page), not estimated from the device profile."""
-    return baseline_source in (MEASURED, MEASURED_AT_START)
+    """Whether a target-alone rate from ``baseline_source`` was timed on this machine (at launch,
+    in the page or in the answer), not estimated from the device profile."""
+    return baseline_source in (MEASURED, MEASURED_AT_START, IN_ANSWER)
+
+
+def alone_steps(steps: Sequence[StepRecord]) -> list[StepRecord]:
+    """The steps of a speculative answer that the target decoded alone: those given to it to be
+    timed (``timed_alone``), those the draft gate paused and those taken while the draft read a long
+    prompt (its reading is not in their time). The first step is left out (it pays what is first)."""
+    return [s for s in steps if s.tree_size == 1 and s.index > 0]
+
+
+def answer_baseline(steps: Sequence[StepRecord], rate: float | None,
+                    source: str) -> tuple[float | None, str]:
+    """The target-alone rate to measure ``steps`` against: the answer's own target-alone steps'
+    (``IN_ANSWER``) when it drafted and has ``MIN_ALONE_STEPS`` of them, timed under the same load
+    as its other steps; else ``(rate, source)``."""
+    alone = alone_steps(steps)
+    seconds = sum(s.timings.total_s for s in alone)
+    if len(alone) < MIN_ALONE_STEPS or seconds <= 0:
+        return rate, source
+    return sum(len(s.committed) for s in alone) / seconds, IN_ANSWER
 
 
 def steps_figure(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None = None,
@@ -120,6 +141,7 @@ def steps_figure(steps: Sequence[StepRecord], baseline_tokens_per_s: float | Non
     the predicted values (expected tokens per step, predicted speedup) as dashed lines.
     ``highlight``: step index to outline (the one the tree shows). ``baseline_source``: whether the
     target-alone rate was ``"measured"`` or ``"estimated"`` (from the device profile); the legend says which."""
+    baseline_tokens_per_s, baseline_source = answer_baseline(steps, baseline_tokens_per_s, baseline_source)
     fig = go.Figure()
     xs = [s.index + 1 for s in steps]
     accepted = [s.accepted_draft_tokens for s in steps]
@@ -213,6 +235,7 @@ def stats_line(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None 
     (:func:`engine.core.draft_gate.priced_speedup`) explains a measured ratio below 1."""
     if not steps:
         return "No steps yet."
+    baseline_tokens_per_s, baseline_source = answer_baseline(steps, baseline_tokens_per_s, baseline_source)
     s = summarise(steps)
     parts = [f"measured **{s['tokens_per_s']:.1f} tokens/s**",
              f"{s['tokens']} tokens in {s['steps']} step{'s' if s['steps'] != 1 else ''}",
@@ -234,7 +257,10 @@ def stats_line(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None 
                      "(prompt reading, as the prefill, so not in tokens/s)")
     if baseline_tokens_per_s and baseline_tokens_per_s > 0 and s["tokens_per_s"] > 0 and s["drafted"]:
         ratio = s["tokens_per_s"] / baseline_tokens_per_s
-        if is_measured(baseline_source):
+        if baseline_source == IN_ANSWER:
+            parts.append(f"**{ratio:.2f}× the target alone** (target alone timed in this answer, under the same "
+                         f"load: {baseline_tokens_per_s:.1f} tokens/s on {len(alone_steps(steps))} of its steps)")
+        elif is_measured(baseline_source):
             why = ("; this page's drawing slows the answer too, so Compare races both here"
                    if baseline_source == MEASURED_AT_START else "")
             parts.append(f"**{ratio:.2f}× the target alone** (target alone {BASELINE_WORDS[baseline_source]}: "
@@ -243,19 +269,25 @@ def stats_line(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None 
             parts.append(f"≈{ratio:.2f}× the target alone (target alone estimated from the device profile: "
                          f"{baseline_tokens_per_s:.1f} tokens/s; Compare or “Measure” measures it)")
         if ratio < 1.0:
-            parts.append(why_slower(s["tokens_per_step"], expected_tokens, priced_speedup))
+            parts.append(why_slower(s["tokens_per_step"], expected_tokens, priced_speedup,
+                                    same_load=baseline_source == IN_ANSWER))
     return " · ".join(parts)
 
 
-def why_slower(tokens_per_step: float, expected_tokens: float | None, priced_speedup: float | None = None) -> str:
+def why_slower(tokens_per_step: float, expected_tokens: float | None, priced_speedup: float | None = None,
+               same_load: bool = False) -> str:
     """Why an answer came out slower than the target alone: its drafts were kept less than the
     calibration predicts (the tree was sized for more), or each step cost more than measured; and,
     with ``priced_speedup``, whether its steps beat the target alone as this machine's profile
-    prices them (then the page and the host took a margin that was there)."""
+    prices them (then the page and the host took a margin that was there). ``same_load``: the
+    target alone was timed in the answer itself, so the page's drawing weighed on both sides."""
     kept_less = expected_tokens is not None and tokens_per_step < 0.85 * expected_tokens
     if kept_less:
         head = (f"slower than the target alone on this answer: its drafts were kept less than predicted "
                 f"({tokens_per_step:.2f} tokens/step, against {expected_tokens:.2f})")
+    elif same_load:
+        head = ("slower than the target alone on this answer: against the target alone's steps timed beside "
+                "them, its drafting steps cost more than this machine's profile prices them")
     else:
         head = ("slower than the target alone on this answer: its steps cost more than when the target alone was "
                 "timed (this page's drawing, or another program, shared the cores)")

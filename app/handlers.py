@@ -270,7 +270,8 @@ class ChatApp:
         request_ = GenerationRequest(system=system, messages=list(history), max_new_tokens=max_new,
                                      temperature=temperature, top_p=top_p, tree=tree, seed=seed, method=method,
                                      compare=bool(compare), trace=self.explain.wants_trace(session),
-                                     copies=copies, prediction=expected)
+                                     copies=copies, prediction=expected,
+                                     time_alone_every=int(self.options["time_alone_every"]))
         try:
             job = worker.submit(request_, session=session)  # refused while this session has a job
         except SessionBusy:

@@ -168,7 +168,8 @@ def step_title(step: StepRecord) -> str:
     drafted = step.tree_size - 1
     committed = len(step.committed)
     if drafted == 0:
-        why = " (drafting paused: this answer's drafts were not paying)" if step.draft_paused else " (no draft)"
+        why = (" (timed: the answer's speed-up is measured against such steps)" if step.timed_alone else
+               " (drafting paused: this answer's drafts were not paying)" if step.draft_paused else " (no draft)")
         return f"Step {step.index + 1}: the target alone wrote {committed} token{'' if committed == 1 else 's'}{why}"
     accepted = len(step.accepted) - 1
     used = step.accepted_draft_tokens

@@ -322,6 +322,8 @@ class Worker:
             extra.update(trace=request.trace, copies=request.copies)
             if request.logprobs is not None:  # asked for only: an engine without the option still serves the rest
                 extra["logprobs"] = request.logprobs
+            if request.time_alone_every:
+                extra["time_alone_every"] = request.time_alone_every
             if request.prediction:
                 extra["prediction"] = self.tokenizer.encode(request.prediction, add_special_tokens=False)
         try:

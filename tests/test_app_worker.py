@@ -136,6 +136,17 @@ def test_compare_mode_decodes_again_with_the_target_alone(worker, pair):
     assert done.data["baseline_tokens_per_s"] > 0 and worker.baseline_tokens_per_s > 0
 
 
+def test_the_main_phase_gives_every_nth_step_to_the_target_alone_and_compare_none(worker, pair):
+    ids = prompt(pair)
+    events = worker.submit(GenerationRequest(ids, max_new_tokens=24, tree=TREE, compare=True,
+                                             time_alone_every=4)).wait(60)
+    assert events[-1].kind == "done"
+    main = [e.data for e in events if e.kind == "step" and e.phase == "main"]
+    assert [s.index for s in main if s.timed_alone] == [i for i in range(len(main)) if i % 4 == 3]
+    assert not any(e.data.timed_alone for e in events if e.kind == "step" and e.phase == "compare")
+    assert tokens_of(events) == reference(pair, ids, max_new_tokens=24, tree=TREE)
+
+
 def test_failed_model_load_keeps_the_previous_pair(worker, pair, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     before = (worker.engine, dict(worker.info))

@@ -280,6 +280,37 @@ def test_steps_the_draft_gate_paused_are_named_so():
     assert "(no draft)" in step_title(dataclasses.replace(paused, draft_paused=False))
 
 
+def test_an_answer_with_steps_of_the_target_alone_is_measured_against_them():
+    """From three target-alone steps on (the first step aside), the stats line, the running speedup
+    and the slower-than explanation use them: the target alone under the answer's own load."""
+    from app.tree_figures import step_title
+
+    def alone(index, seconds, **flags):
+        return StepRecord(index=index, tokens=[100], parents=[-1], ranks=[0], draft_probs=[1.0], target_probs=[1.0],
+                          accepted=[0], committed=[101], timings=StepTimings(verify_s=seconds), **flags)
+
+    drafted = [dataclasses.replace(s, index=i) for i, s in enumerate(steps() + steps())]  # 16 tokens, 0.48 s
+    first_alone = alone(0, 0.5, timed_alone=True)  # the first step: never the baseline
+    two = [alone(6, 0.04, timed_alone=True), alone(7, 0.06, draft_paused=True)]
+    line = figures.stats_line([first_alone] + drafted + two, baseline_tokens_per_s=10.0,
+                              baseline_source=figures.MEASURED_AT_START)
+    assert "target alone measured at launch" in line  # two are not enough
+    answer = drafted + two + [alone(8, 0.05, timed_alone=True)]  # 19 tokens in 0.63 s = 30.2 tokens/s
+    line = figures.stats_line(answer, baseline_tokens_per_s=10.0, baseline_source=figures.MEASURED_AT_START)
+    assert ("**1.51× the target alone** (target alone timed in this answer, under the same load: 20.0 tokens/s "
+            "on 3 of its steps)") in line  # 3 tokens in 0.15 s
+    assert "launch" not in line and "slower" not in line
+    fig = figures.steps_figure(answer, baseline_tokens_per_s=10.0, baseline_source=figures.MEASURED_AT_START)
+    assert traces(fig, "speedup")[0].y[-1] == pytest.approx(19 / 0.63 / 20.0)
+    assert "timed in this answer" in traces(fig, "speedup")[0].hovertemplate
+    slow = answer + [alone(9 + i, 0.008, timed_alone=True) for i in range(3)]  # 22 tokens in 0.654 s; 6 in 0.174 s
+    line = figures.stats_line(slow, baseline_tokens_per_s=10.0, expected_tokens=2.0)
+    assert "**0.98× the target alone**" in line
+    assert "against the target alone's steps timed beside them" in line
+    assert step_title(answer[-1]) == ("Step 9: the target alone wrote 1 token "
+                                      "(timed: the answer's speed-up is measured against such steps)")
+
+
 # ----- conversation functions ------------------------------------------------------------------
 def test_safe_markdown_escapes_html_outside_code_only():
     out = safe_markdown("a <b>x</b> & `<i>` then\n```py\nif a<b:\n```\n<c")

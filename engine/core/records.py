@@ -117,6 +117,9 @@ class StepRecord:
     # tree="auto" and this answer's drafts were not paying (engine.core.draft_gate): the target
     # decoded this step alone
     draft_paused: bool = False
+    # The target decoded this step alone to time itself (``stream(..., time_alone_every=n)``): an
+    # answer's own measurement of the target alone, taken under the load the answer decoded under
+    timed_alone: bool = False
 
     def __post_init__(self) -> None:
         self.copy_origins = [tuple(o) if o is not None else None for o in self.copy_origins]

@@ -51,6 +51,7 @@ class DecodeParams:
     room: int | None = None  # nodes the context holds beyond prompt + answer + ``tree`` (None: no limit)
     logprobs: int | None = None  # report each committed token's logprob and this many alternatives (None: off)
     gated: bool = False  # the optimizer's pick (tree="auto"): a step drafts only while drafting pays (DraftGate)
+    time_alone_every: int = 0  # every n-th step (n >= 2) the target decodes alone, timed (0: never)
 
     @property
     def greedy(self) -> bool:
@@ -142,7 +143,8 @@ class SpeculativeEngine:
                cache: ConversationCache | None = None, trace: bool = False,
                confidence: float | None = None, copies: bool = False,
                prediction: list[int] | None = None, logprobs: int | None = None,
-               on_prefill: Callable[[PrefillProgress], None] | None = None) -> Iterator[StepRecord]:
+               on_prefill: Callable[[PrefillProgress], None] | None = None,
+               time_alone_every: int = 0) -> Iterator[StepRecord]:
         """Yield one :class:`StepRecord` per draft/verify step until a stop token or the budget.
 
         ``input_ids``: the prompt (non-empty list of token ids). ``tree=None`` decodes with the
@@ -195,7 +197,16 @@ class SpeculativeEngine:
         1, no top-p: what the model says, whatever the sampling settings; llama-server and vLLM
         report the same by default). It draws no randomness and changes no decision. ``None``:
         off, and nothing is computed.
+
+        ``time_alone_every`` n >= 2: steps n, 2n, 3n, ... decode with the target alone (no draft, no
+        copies; ``timed_alone`` in their records), so that an answer carries its own timing of the
+        target alone, taken under whatever load it decoded under (a page drawing, another program),
+        to measure its speed-up against. It changes what those steps verify, never the law of the
+        output. 0 (the default): never.
         """
+        if isinstance(time_alone_every, bool) or not isinstance(time_alone_every, int) or \
+                time_alone_every < 0 or time_alone_every == 1:
+            raise InvalidParameterError(f"time_alone_every must be 0 (never) or an integer >= 2, got {time_alone_every!r}")
         params = self._validate(input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids, method,
                                 confidence)
         if prediction is not None and not (isinstance(prediction, (list, tuple)) and self._token_ids(prediction)):
@@ -204,6 +215,8 @@ class SpeculativeEngine:
             params = dataclasses.replace(params, copies=True)
         if trace:
             params = dataclasses.replace(params, trace=True)
+        if time_alone_every:
+            params = dataclasses.replace(params, time_alone_every=time_alone_every)
         if logprobs is not None:
             params = dataclasses.replace(params, logprobs=check_logprobs(logprobs))
         if params.tree.depth > 0 and self.draft is None:
@@ -374,6 +387,9 @@ class _DecodeState:
             t0 = time.perf_counter()
             timings.reading_s = t0 - start if self.draft_len != read_from else 0.0
             proposals, drafting = self._plan_copies()
+            timed = self._times_alone()
+            if timed:
+                proposals, drafting = [], False
             drafting = drafting and not catching_up
             paused = drafting and not proposals and self.gate is not None and not self.gate.drafts()
             drafting = drafting and not paused
@@ -413,9 +429,15 @@ class _DecodeState:
                             trace=trace, sources=merged.sources if proposals else [],
                             copy_origins=merged.origin if proposals else [], token_logprobs=scored,
                             draft_behind=len(self.seq) - 1 - self.draft_len if catching_up else 0,
-                            draft_paused=paused)
+                            draft_paused=paused, timed_alone=timed)
         self.steps += 1
         return record
+
+    def _times_alone(self) -> bool:
+        """Whether this step is one that ``time_alone_every`` gives to the target alone (a step
+        that could draft or copy: the target alone decodes every step of ``autoregressive``)."""
+        every, params = self.params.time_alone_every, self.params
+        return every > 1 and self.steps % every == every - 1 and (params.tree.depth > 0 or params.copies)
 
     def _catch_up_draft(self) -> bool:
         """While the draft has a long prompt left to read (:meth:`prefill` left it): it reads up to
