@@ -27,8 +27,8 @@ DEFAULTS = {
     "max_depth": 16,
     "compare": False,
     "copies": True,  # free drafts: continuations copied from the conversation, verified beside the draft's
-    # every n-th step of an answer the target decodes alone, timed: the stats line's "× the target
-    # alone" then compares with the target under the same load (this page drawing, other programs)
+    # an answer's 2nd step and every n-th after it the target decodes alone, timed: the stats line's
+    # "× the target alone" then compares with the target under the same load (the page, other programs)
     "time_alone_every": 10,
     "highlight": False,
     # the pair (as calibrations name it) whose acceptance calibrations shape DP trees and predictions

@@ -142,7 +142,7 @@ def test_the_main_phase_gives_every_nth_step_to_the_target_alone_and_compare_non
                                              time_alone_every=4)).wait(60)
     assert events[-1].kind == "done"
     main = [e.data for e in events if e.kind == "step" and e.phase == "main"]
-    assert [s.index for s in main if s.timed_alone] == [i for i in range(len(main)) if i % 4 == 3]
+    assert [s.index for s in main if s.timed_alone] == [i for i in range(len(main)) if i % 4 == 1]
     assert not any(e.data.timed_alone for e in events if e.kind == "step" and e.phase == "compare")
     assert tokens_of(events) == reference(pair, ids, max_new_tokens=24, tree=TREE)
 

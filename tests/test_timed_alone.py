@@ -38,7 +38,7 @@ def test_the_scheduled_steps_verify_the_root_alone_and_greedy_output_is_the_targ
     kwargs = {"tree": "auto"} if tree == "auto" else {"tree": Tree.k_ary(2, 3), "copies": tree == "copies"}
     result = engine.generate(PROMPT, max_new_tokens=40, time_alone_every=every, **kwargs)
     timed = [step.index for step in result.steps if step.timed_alone]
-    assert timed == [i for i in range(len(result.steps)) if i % every == every - 1] and timed
+    assert timed == [i for i in range(len(result.steps)) if i % every == 1] and timed
     assert all(step.tree_size == 1 and len(step.committed) == 1 for step in result.steps if step.timed_alone)
     assert all(step.tree_size > 1 for step in result.steps if not step.timed_alone)
     assert result.tokens == tm.hf_greedy(target, PROMPT, 40)

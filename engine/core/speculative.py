@@ -51,7 +51,7 @@ class DecodeParams:
     room: int | None = None  # nodes the context holds beyond prompt + answer + ``tree`` (None: no limit)
     logprobs: int | None = None  # report each committed token's logprob and this many alternatives (None: off)
     gated: bool = False  # the optimizer's pick (tree="auto"): a step drafts only while drafting pays (DraftGate)
-    time_alone_every: int = 0  # every n-th step (n >= 2) the target decodes alone, timed (0: never)
+    time_alone_every: int = 0  # step 2 and every n-th after it (n >= 2): the target alone, timed (0: never)
 
     @property
     def greedy(self) -> bool:
@@ -198,7 +198,8 @@ class SpeculativeEngine:
         report the same by default). It draws no randomness and changes no decision. ``None``:
         off, and nothing is computed.
 
-        ``time_alone_every`` n >= 2: steps n, 2n, 3n, ... decode with the target alone (no draft, no
+        ``time_alone_every`` n >= 2: the second step and every n-th after it (indices 1, n + 1,
+        2n + 1, ...: a short answer gets its share too) decode with the target alone (no draft, no
         copies; ``timed_alone`` in their records), so that an answer carries its own timing of the
         target alone, taken under whatever load it decoded under (a page drawing, another program),
         to measure its speed-up against. It changes what those steps verify, never the law of the
@@ -437,7 +438,7 @@ class _DecodeState:
         """Whether this step is one that ``time_alone_every`` gives to the target alone (a step
         that could draft or copy: the target alone decodes every step of ``autoregressive``)."""
         every, params = self.params.time_alone_every, self.params
-        return every > 1 and self.steps % every == every - 1 and (params.tree.depth > 0 or params.copies)
+        return every > 1 and self.steps % every == 1 and (params.tree.depth > 0 or params.copies)
 
     def _catch_up_draft(self) -> bool:
         """While the draft has a long prompt left to read (:meth:`prefill` left it): it reads up to
