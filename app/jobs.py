@@ -48,7 +48,7 @@ class GenerationRequest:
     copies: bool = True  # the main phase proposes continuations copied from the context beside the draft's tree
     prediction: str | None = None  # an expected answer (tokenised when the job runs) to copy from
     logprobs: int | None = None  # the main phase's steps carry token logprobs and this many alternatives
-    time_alone_every: int = 0  # the main phase gives every n-th step to the target alone, timed (0: never)
+    time_alone_every: int = 0  # the main phase gives its 2nd step and every n-th after it to the target alone, timed
 
 
 @dataclass

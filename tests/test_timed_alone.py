@@ -1,7 +1,7 @@
 """Steps the target decodes alone to time itself (``stream(..., time_alone_every=n)``).
 
-An answer that gives every n-th step to the target alone carries its own measurement of the
-target alone, taken under the load it decoded under. Those steps must be exactly the scheduled
+An answer that gives its second step and every n-th after it to the target alone carries its own
+measurement of the target alone, taken under the load it decoded under. Those steps must be exactly the scheduled
 ones, verify the root alone and leave the output's law as it was: greedy token for token (tiny
 models, against an HF reference no engine touched), sampled by a KS test of the probability
 integral transform (p > 1e-3, as tests/test_engine_sampling.py).
@@ -9,26 +9,15 @@ integral transform (p > 1e-3, as tests/test_engine_sampling.py).
 from __future__ import annotations
 
 import pytest
-import test_app_support as support
 import tiny_models as tm
 import torch
-from test_draft_gate import tuned_engine
-from test_engine_sampling import PIT_SAMPLES, PROMPT, VOCAB, pit_values, sharpened
+from test_draft_gate import single_thread, target, tuned_engine  # noqa: F401 (the fixtures: one thread, the tiny target)
+from test_engine_sampling import PIT_SAMPLES, PROMPT, pit_values
 from test_verify_stats import P_MIN
 
 from engine import SpeculativeEngine
 from engine.errors import InvalidParameterError
 from engine.trees.tree import Tree
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    yield from support.one_torch_thread()
-
-
-@pytest.fixture(scope="module")
-def target():
-    return sharpened(tm.qwen2(seed=4, vocab_size=VOCAB, hidden_size=32, layers=1), 30.0)
 
 
 @pytest.mark.parametrize("every", [2, 3, 5])
