@@ -1373,10 +1373,10 @@ inline __m256 key_lanes(const float* q, const float* kv) {
   return _mm256_add_ps(lo, hi);
 }
 
-// key_lanes of the four keys at k0, k0 + 16 DC, ..: each the same additions in the same order, the
-// query's chunk loaded once for the four.
+// key_lanes of the four keys at k0, k0 + 16 DC, .. into out[0..3]: each the same additions in the
+// same order, the query's chunk loaded once for the four.
 template <int DC>
-inline void key_lanes4(const float* q, const float* k0, __m256 (&out)[4]) {
+inline void key_lanes4(const float* q, const float* k0, __m256* out) {
   __m256 lo[4], hi[4];
   #pragma GCC unroll 4
   for (int t = 0; t < 4; ++t) lo[t] = hi[t] = _mm256_setzero_ps();
@@ -1410,8 +1410,8 @@ void score_heads(const float* q0, int64_t q_step, const float* kp, const int32_t
     for (int h = 0; h < NH; ++h) {
       __m256 eight[8];
       if (keys == nullptr) {  // consecutive keys
-        key_lanes4<DC>(q0 + h * q_step, key(m), reinterpret_cast<__m256(&)[4]>(eight[0]));
-        key_lanes4<DC>(q0 + h * q_step, key(m + 4), reinterpret_cast<__m256(&)[4]>(eight[4]));
+        key_lanes4<DC>(q0 + h * q_step, key(m), eight);
+        key_lanes4<DC>(q0 + h * q_step, key(m + 4), eight + 4);
       } else {
         #pragma GCC unroll 8
         for (int t = 0; t < 8; ++t) eight[t] = key_lanes<DC>(q0 + h * q_step, key(m + t));
