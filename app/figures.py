@@ -124,8 +124,8 @@ def alone_steps(steps: Sequence[StepRecord]) -> list[StepRecord]:
 def answer_baseline(steps: Sequence[StepRecord], rate: float | None,
                     source: str) -> tuple[float | None, str]:
     """The target-alone rate to measure ``steps`` against: the answer's own target-alone steps'
-    (``IN_ANSWER``) when it drafted and has ``MIN_ALONE_STEPS`` of them, timed under the same load
-    as its other steps; else ``(rate, source)``."""
+    (``IN_ANSWER``) when it has ``MIN_ALONE_STEPS`` of them, timed under the same load as its other
+    steps; else ``(rate, source)``."""
     alone = alone_steps(steps)
     seconds = sum(s.timings.total_s for s in alone)
     if len(alone) < MIN_ALONE_STEPS or seconds <= 0:

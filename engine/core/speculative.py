@@ -205,9 +205,7 @@ class SpeculativeEngine:
         to measure its speed-up against. It changes what those steps verify, never the law of the
         output. 0 (the default): never.
         """
-        if isinstance(time_alone_every, bool) or not isinstance(time_alone_every, int) or \
-                time_alone_every < 0 or time_alone_every == 1:
-            raise InvalidParameterError(f"time_alone_every must be 0 (never) or an integer >= 2, got {time_alone_every!r}")
+        check_time_alone_every(time_alone_every)
         params = self._validate(input_ids, max_new_tokens, temperature, top_p, tree, seed, stop_token_ids, method,
                                 confidence)
         if prediction is not None and not (isinstance(prediction, (list, tuple)) and self._token_ids(prediction)):
@@ -437,7 +435,8 @@ class _DecodeState:
     def _times_alone(self) -> bool:
         """Whether this step is one that ``time_alone_every`` gives to the target alone (a step
         that could draft or copy: the target alone decodes every step of ``autoregressive``)."""
-        every, params = self.params.time_alone_every, self.params
+        params = self.params
+        every = params.time_alone_every
         return every > 1 and self.steps % every == 1 and (params.tree.depth > 0 or params.copies)
 
     def _catch_up_draft(self) -> bool:
@@ -696,6 +695,12 @@ def check_confidence(confidence: float | None) -> float:
     if not _is_number(confidence) or not 0.0 <= confidence <= 1.0:
         raise InvalidParameterError(f"confidence must be a number in [0, 1] (0 = the whole tree), got {confidence!r}")
     return float(confidence)
+
+
+def check_time_alone_every(every) -> None:
+    """Raise :class:`InvalidParameterError` unless ``every`` is 0 (never) or an integer >= 2."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0 or every == 1:
+        raise InvalidParameterError(f"time_alone_every must be 0 (never) or an integer >= 2, got {every!r}")
 
 
 def _is_number(value) -> bool:
