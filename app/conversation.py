@@ -60,17 +60,22 @@ def fit_context(tokenizer, system: str | None, history: Sequence[dict], limit: i
     The oldest turns are dropped first (a user message with the replies after it); the system
     prompt and the newest user message always stay. Returns ``(input_ids, messages_dropped)``.
     Dropping more turns never lengthens the prompt, so the fewest turns to drop are found by
-    bisection: O(log turns) renders of the template, not one per dropped turn.
+    bisection: O(log turns) renders of the template, not one per dropped turn. ``limit`` None is
+    no limit; 0 or less is no room at all (ContextTooLong).
     """
+    if limit is not None and limit <= 0:
+        raise ContextTooLong(f"max new tokens and the tree fill the model's context: no room is left for the "
+                             f"conversation ({limit} tokens): lower max new tokens")
     history = list(history)
     newest = next((m for m in reversed(history) if m["role"] == "user"), None)
     widest = longest_token_chars(tokenizer)
-    if limit and widest and newest is not None and (len(system or "") + len(newest["content"])) > widest * limit:
+    if limit is not None and widest and newest is not None and \
+            (len(system or "") + len(newest["content"])) > widest * limit:
         raise ContextTooLong(  # refused from its length alone, before the template renders megabytes
             f"the message is {len(newest['content']):,} characters: even at {widest} characters a token it is "
             f"more than the {limit} tokens that fit: shorten it or lower max new tokens")
     ids = encode_chat(tokenizer, chat_messages(system, history))
-    if not limit or len(ids) <= limit:
+    if limit is None or len(ids) <= limit:
         return ids, 0
     cuts = [i for i, m in enumerate(history) if m["role"] == "user"][1:]  # drop everything before one of them
     fitting, low, high = None, 0, len(cuts) - 1

@@ -82,6 +82,17 @@ def _integer(value, name: str, low: int, high: int | None = None) -> int:
     return value
 
 
+def _unicode(text: str, param: str) -> str:
+    """``text``, refused (400 naming ``param``) when it holds a lone UTF-16 surrogate: JSON can
+    carry one (``"\\ud800"``), UTF-8 cannot, and the tokenizer fails on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"'{param}' is not valid Unicode text: a lone surrogate "
+                            f"{text[exc.start]!r} at character {exc.start}", param, "invalid_value") from None
+    return text
+
+
 def _text(content, index: int) -> str:
     """A message's text: a string, or a list of ``{"type": "text", "text"}`` parts."""
     if isinstance(content, str):
@@ -95,7 +106,7 @@ def _text(content, index: int) -> str:
     if len(text) > MAX_MESSAGE_CHARS:
         raise APIError(400, f"messages[{index}] is longer than {MAX_MESSAGE_CHARS} characters",
                        f"messages[{index}].content", "invalid_value")
-    return text
+    return _unicode(text, f"messages[{index}].content")
 
 
 def parse_messages(messages) -> tuple[str | None, list[dict]]:
@@ -267,7 +278,7 @@ def parse_prediction(value) -> str | None:
     if len(text) > MAX_PREDICTION_CHARS:
         raise APIError(400, f"'prediction.content' is longer than {MAX_PREDICTION_CHARS:,} characters", "prediction",
                        "invalid_value")
-    return text or None
+    return _unicode(text, "prediction.content") or None
 
 
 def parse_completion(body, worker: Worker, defaults: dict) -> ChatCall:
@@ -281,6 +292,7 @@ def parse_completion(body, worker: Worker, defaults: dict) -> ChatCall:
     if not isinstance(prompt, str) or not prompt or len(prompt) > MAX_TOTAL_CHARS:
         raise APIError(400, f"'prompt' must be one non-empty string of at most {MAX_TOTAL_CHARS} characters",
                        "prompt", "invalid_value")
+    _unicode(prompt, "prompt")
     text_only = {"suffix": None, "best_of": 1, "echo": False}  # the one harmless value of each
     for name, harmless in text_only.items():
         if body.get(name) not in (None, harmless):
@@ -290,7 +302,14 @@ def parse_completion(body, worker: Worker, defaults: dict) -> ChatCall:
     chat_shaped = {k: v for k, v in body.items() if k not in ("prompt", "logprobs") and k not in text_only}
     chat_shaped["messages"] = [{"role": "user", "content": "-"}]
     chat_shaped.setdefault("max_tokens", 16)
-    call = parse_chat(chat_shaped, worker, defaults)  # every other field means the same
+    try:
+        call = parse_chat(chat_shaped, worker, defaults)  # every other field means the same
+    except APIError as error:  # max_tokens leaves no room (or a few tokens) beside it: the prompt's fault
+        if error.code != "context_length_exceeded":
+            raise
+        wanted = chat_shaped.get("max_completion_tokens", chat_shaped.get("max_tokens"))
+        raise APIError(400, f"max_tokens={wanted} leaves the prompt no room in the model's context", "prompt",
+                       "context_length_exceeded") from None
     ids = worker.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     request = call.request
     request.messages, request.system, request.input_ids, request.cache_key = None, None, ids, None

@@ -351,6 +351,16 @@ def test_fit_context_drops_oldest_turns_but_keeps_the_system_prompt():
         fit_context(CountingTokenizer(), "sys", history, limit=10)
 
 
+def test_fit_context_reads_a_zero_limit_as_no_room():
+    """0 tokens for the prompt (max new tokens and the tree fill the context) is no room, not "no
+    limit": it let a request through that the engine then failed on (a 500 from the API)."""
+    history = [{"role": "user", "content": "hi"}]
+    for limit in (0, -5):
+        with pytest.raises(ContextTooLong, match="no room"):
+            fit_context(CountingTokenizer(), None, history, limit=limit)
+    assert fit_context(CountingTokenizer(), None, history, limit=None)[1] == 0
+
+
 def test_fit_context_renders_the_template_a_logarithmic_number_of_times():
     """A 400-message conversation over the limit: the fewest turns are dropped (as dropping them one
     at a time would), with at most 2 + log2(200) renders of the template rather than one per turn."""

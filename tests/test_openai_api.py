@@ -593,6 +593,51 @@ def test_predicted_outputs_keep_the_answer_and_count_the_accepted_prediction(ser
     assert plain.usage.completion_tokens_details is None  # no prediction, no details
 
 
+LONE = "ok \ud800 end"  # a lone UTF-16 surrogate: JSON carries it as "\\ud800", UTF-8 cannot
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/completions", {"prompt": LONE}, "prompt"),
+    ("/completions", {"prompt": [LONE]}, "prompt"),
+    ("/chat/completions", {"messages": QUESTION, "prediction": {"type": "content", "content": LONE}},
+     "prediction.content"),
+    ("/chat/completions", {"messages": QUESTION, "prediction": {"type": "content",
+                                                                "content": [{"type": "text", "text": LONE}]}},
+     "prediction.content"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": LONE}]}, "messages[0].content"),
+    ("/chat/completions", {"messages": [{"role": "system", "content": [{"type": "text", "text": LONE}]}] + QUESTION},
+     "messages[0].content"),
+], ids=["prompt", "prompt-list", "prediction", "prediction-parts", "message", "system-parts"])
+def test_a_lone_surrogate_is_a_400_naming_the_field(server, path, body, param):
+    """The tokenizer cannot take a lone surrogate: in a prompt or a prediction it was a 500
+    (TypeError); a message's was silently replaced."""
+    _, base = server
+    jobs_before = next(jobs._ids)
+    response = httpx.post(base + path, content=json.dumps({"model": MODEL, "max_tokens": 2, **body}),
+                          headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"], error["type"]) == (param, "invalid_value", "invalid_request_error")
+    assert "surrogate" in error["message"]
+    assert next(jobs._ids) == jobs_before + 1
+
+
+def test_max_tokens_that_leave_the_prompt_no_room_is_a_400(server):
+    """max_tokens = the context minus the tree's size leaves the prompt exactly 0 tokens, which
+    read as "no limit" and reached the engine (500)."""
+    worker, base = server
+    jobs_before = next(jobs._ids)
+    room = worker.engine.max_context - 8  # the server's default tree: 8 nodes
+    for path, body, param in (("/chat/completions", {"messages": QUESTION}, "messages"),
+                              ("/completions", {"prompt": "def f(x):"}, "prompt")):
+        for max_tokens in (room, room - 1):
+            response = httpx.post(base + path, json={"model": MODEL, "max_tokens": max_tokens, **body}, timeout=60)
+            assert response.status_code == 400, (path, max_tokens, response.text)
+            error = response.json()["error"]
+            assert (error["param"], error["code"]) == (param, "context_length_exceeded"), (path, max_tokens)
+    assert next(jobs._ids) == jobs_before + 1
+
+
 @pytest.mark.parametrize("prediction", [{"type": "text", "content": "x"}, {"content": "x"}, "just a string",
                                         {"type": "content", "content": 5},
                                         {"type": "content", "content": [{"type": "image_url"}]}])
