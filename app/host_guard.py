@@ -27,21 +27,52 @@ def host_name(host_header: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
+def interface_addresses() -> set[str]:
+    """The IPv4 and IPv6 addresses of this machine's network interfaces (psutil, which the model
+    stack already installs; none when it cannot be imported), without an IPv6 zone."""
+    try:
+        import psutil
+    except ImportError:
+        return set()
+    try:
+        interfaces = psutil.net_if_addrs()
+    except (OSError, RuntimeError):
+        return set()
+    return {entry.address.split("%", 1)[0].lower() for entries in interfaces.values() for entry in entries
+            if entry.family in (socket.AF_INET, socket.AF_INET6)}
+
+
 def this_machines_names() -> set[str]:
-    """This machine's host name and the addresses it resolves to (what a LAN neighbour types when
-    the server binds every interface)."""
+    """This machine's host name, the addresses it resolves to and its interfaces' addresses (what
+    a LAN neighbour types when the server binds every interface: the name often resolves to
+    127.0.1.1 or 127.0.0.1 alone, never to the address the neighbour reaches)."""
     names = {socket.gethostname().lower(), socket.getfqdn().lower()}
     for name in list(names):
         try:
-            names.update(info[4][0] for info in socket.getaddrinfo(name, None))
+            names.update(info[4][0].split("%", 1)[0].lower() for info in socket.getaddrinfo(name, None))
         except OSError:
             continue
-    return names
+    return names | interface_addresses()
+
+
+def reachable_addresses() -> list[str]:
+    """This machine's addresses a neighbour may use (every interface's but loopback), IPv4 first:
+    what the startup line lists when the server binds every interface."""
+    found = set()
+    for name in this_machines_names():
+        try:
+            address = ipaddress.ip_address(name)
+        except ValueError:
+            continue
+        if not address.is_loopback:
+            found.add(address)
+    return [str(a) for a in sorted(found, key=lambda a: (a.version, a.is_link_local, a))]
 
 
 def allowed_hosts(bind: str, extra: Iterable[str] = ()) -> frozenset[str] | None:
     """The Host names to accept when serving on ``bind``; ``None`` (accept any) when ``extra``
-    holds ``*``. Binding every interface adds this machine's own names and addresses."""
+    holds ``*``. Binding every interface (``0.0.0.0``, ``::``) adds this machine's own names and
+    addresses, its interfaces' included."""
     extra = [host_name(h) for h in extra if h.strip()]
     if "*" in extra:
         return None
