@@ -20,6 +20,7 @@ from engine.cli.arguments import add_format_arguments  # noqa: E402
 from engine.errors import EngineError  # noqa: E402
 from engine.models.loading import DTYPES  # noqa: E402
 from app.cross_origin import parse_origins  # noqa: E402
+from app.server_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_CONNECTIONS  # noqa: E402
 
 KV_CACHE_MB = 1024  # default budget of the conversation KV caches (engine.core.prefix_cache.DEFAULT_BUDGET_BYTES)
 
@@ -50,6 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub (HF_HUB_OFFLINE=1)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="let --target and --draft run their repositories' own code (the launch pair only)")
+    parser.add_argument("--models-panel", action="store_true",
+                        help="show the Models panel (load another pair from the page) when the app is reachable "
+                             "beyond this machine (a non-loopback --host, or --share): whoever reaches the page "
+                             "could make the server download any repository; on loopback it is always on")
     parser.add_argument("--models-panel-remote-code", action="store_true",
                         help="let whoever reaches the page load repositories that run their own code from the "
                              "Models panel: remote code execution for every client of the port")
@@ -61,6 +66,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-mb", type=int, default=KV_CACHE_MB,
                         help=f"memory for KV caches kept between turns, all conversations together, one per "
                              f"session, least recently used evicted ({KV_CACHE_MB}; 0 keeps none)")
+    parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S,
+                        help=f"seconds a client may take to send a request's head ({HEADER_TIMEOUT_S:g})")
+    parser.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
+                        help=f"seconds a client may take to send a request's body, from the head's end "
+                             f"({BODY_TIMEOUT_S:g})")
+    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                        help=f"open connections at once; more are closed at once, requests past it get 503 "
+                             f"({MAX_CONNECTIONS})")
     parser.add_argument("--no-measure", action="store_true",
                         help="do not measure this machine's forward times for the optimizer on a first start "
                              "(it then uses the nearest bundled profile; python -m engine.cli.profile measures), "
@@ -175,10 +188,45 @@ def check_exposure(args: argparse.Namespace, key: str | None) -> None:
                          f"or --api-key-file too")
 
 
+def reachable_beyond_loopback(args: argparse.Namespace) -> bool:
+    return args.share or args.host not in LOOPBACK_HOSTS
+
+
+def models_panel(args: argparse.Namespace) -> bool:
+    """Whether the page may load another pair: always on loopback, beyond it only with --models-panel."""
+    return args.models_panel or not reachable_beyond_loopback(args)
+
+
+def server_limits(args: argparse.Namespace):
+    """The connection limits of --header-timeout, --body-timeout and --max-connections (SystemExit,
+    one line, for a value that is not positive)."""
+    from app.server_limits import ServerLimits
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
+                        ("--max-connections", args.max_connections)):
+        if not value > 0:
+            raise SystemExit(f"error: {flag} must be positive")
+    return ServerLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                        max_connections=args.max_connections)
+
+
+def other_machines_line(host: str, local_url: str) -> str | None:
+    """When the server binds every interface: the line that lists this machine's addresses (the
+    Host allowlist takes them, app.host_guard); None otherwise."""
+    from app.host_guard import ANY_INTERFACE, host_name, reachable_addresses
+
+    if host_name(host) not in ANY_INTERFACE:
+        return None
+    port = local_url.rstrip("/").rsplit(":", 1)[1]
+    urls = [f"http://[{a}]:{port}/" if ":" in a else f"http://{a}:{port}/" for a in reachable_addresses()]
+    return ("From other machines: " + (", ".join(urls) or "no network address found")
+            + " (or this machine's name; --allowed-hosts adds other names)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     key = api_key(args)
     check_exposure(args, key)
+    limits = server_limits(args)
     try:
         origins = parse_origins(args.cors_origins.split(","))
     except ValueError as exc:
@@ -206,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = ui.build_demo(worker, worker.tokenizer, {
         "tree_size": max(1, args.tree_size), "depth": max(1, args.depth),
         "max_new_tokens": max(1, args.max_new_tokens), "pair": pair,
-        "predict": measured and not args.tiny})
+        "predict": measured and not args.tiny, "models_panel": models_panel(args)})
     if not args.no_measure:  # before any page can draw on the cores: the stats line's "× the target alone"
         rate = demo.chat_app.measure_baseline_now(0.0, 1.0)
         print(f"Measured the target alone on this machine: {rate:.1f} tokens/s at T = 0." if rate else
@@ -214,12 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     app, local_url, share_url = ui.launch(demo, server_name=args.host, server_port=args.port, share=args.share,
                                           inbrowser=args.inbrowser, prevent_thread_lock=True, quiet=True,
                                           extra_hosts=args.allowed_hosts.split(","), api_key=key,
-                                          cors_origins=origins)
+                                          cors_origins=origins, limits=limits)
     from app import openai_api
     openai_api.mount(app, worker, {"tree_size": max(1, args.tree_size), "depth": max(1, args.depth)}, api_key=key)
     print(f"Sequoia Chat is running at {local_url}" + (f" (public link: {share_url})" if share_url else ""),
           flush=True)
     print(f"OpenAI-compatible API: {local_url.rstrip('/')}/v1 (chat/completions, models)", flush=True)
+    if (line := other_machines_line(args.host, local_url)) is not None:
+        print(line, flush=True)
     tuner = worker.tuner
     if tuner is not None and not tuner.measured_here and not args.no_measure:
         job = worker.measure_machine()  # queued: the first answers wait for it (about a minute), then use it

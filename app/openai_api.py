@@ -42,6 +42,7 @@ from collections.abc import AsyncIterator
 import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from app.jobs import TERMINAL, Event, Job, QueueFull
 from app.growing_text import GrowingText
@@ -352,6 +353,8 @@ def routes(worker: Worker, defaults: dict | None = None, api_key: str | None = N
                     job.cancel()
         except APIError as error:
             return error.response()
+        except ClientDisconnect:  # gone, or cut off (app.server_limits), before its body ended: no one to answer
+            return Response(status_code=400)
 
     @api.exception_handler(Exception)
     async def internal(_request: Request, error: Exception) -> JSONResponse:

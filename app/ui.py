@@ -22,6 +22,8 @@ from .cross_origin import CrossOriginMiddleware
 from .handlers import ChatApp
 from .host_guard import HostGuardMiddleware, allowed_hosts
 from .page_script import HeadScriptMiddleware
+from .private_events import NamedEventsMiddleware, callable_names
+from .server_limits import BodyLimitMiddleware, ServerLimits, check_served_with, serving_with
 from .text import header_html, key_html, method_help, pair_markdown
 from .worker import Worker
 
@@ -105,18 +107,19 @@ def build(app: ChatApp) -> gr.Blocks:
                 c.baseline_info = gr.HTML(app.baseline_html(o["temperature"], o["top_p"]),
                                           elem_id="sc-baseline")
                 c.measure_btn = gr.Button("Measure the target alone", size="sm", elem_id="sc-measure")
-            with gr.Accordion("Models", open=False):
-                c.models_info = gr.Markdown(pair_markdown(info), elem_id="sc-models-info")
-                c.target_id = gr.Textbox(info.get("target", ""), label="Target (HF id or local directory)")
-                c.draft_id = gr.Textbox(info.get("draft", ""), label="Draft (same vocabulary)")
-                with gr.Row():
-                    c.dtype = gr.Dropdown(["float32", "bfloat16", "float16"], value=info.get("dtype", "float32"),
-                                          label="dtype")
-                    c.device = gr.Textbox(info.get("device", "cpu"), label="device")
-                c.trust = gr.Checkbox(False, label="Trust remote code (runs the repository's own code)",
-                                      visible=worker.allow_remote_code)
-                c.load_btn = gr.Button("Load pair", variant="secondary", size="sm")
-                c.models_status = gr.HTML("", elem_id="sc-models-status")
+            if o.get("models_panel", True):  # launch.py: off beyond loopback unless --models-panel
+                with gr.Accordion("Models", open=False):
+                    c.models_info = gr.Markdown(pair_markdown(info), elem_id="sc-models-info")
+                    c.target_id = gr.Textbox(info.get("target", ""), label="Target (HF id or local directory)")
+                    c.draft_id = gr.Textbox(info.get("draft", ""), label="Draft (same vocabulary)")
+                    with gr.Row():
+                        c.dtype = gr.Dropdown(["float32", "bfloat16", "float16"],
+                                              value=info.get("dtype", "float32"), label="dtype")
+                        c.device = gr.Textbox(info.get("device", "cpu"), label="device")
+                    c.trust = gr.Checkbox(False, label="Trust remote code (runs the repository's own code)",
+                                          visible=worker.allow_remote_code)
+                    c.load_btn = gr.Button("Load pair", variant="secondary", size="sm")
+                    c.models_status = gr.HTML("", elem_id="sc-models-status")
         with gr.Row(equal_height=False, elem_id="sc-main"):
             # the tree column comes first in the page: beside the chat on wide screens, above it on
             # narrow ones (CSS puts it on the right when there is room)
@@ -230,9 +233,10 @@ def build(app: ChatApp) -> gr.Blocks:
                                              c.step_text],
                                             api_name="import_conversation"))
         app.explain.wire(answered, cleared)
-        c.load_btn.click(app.load_pair, [c.target_id, c.draft_id, c.dtype, c.device, c.trust],
-                         [c.models_status, c.models_info, c.header, c.auto], api_name="load_pair",
-                         concurrency_limit=1)
+        if o.get("models_panel", True):  # private: only the page runs it (app.private_events)
+            c.load_btn.click(app.load_pair, [c.target_id, c.draft_id, c.dtype, c.device, c.trust],
+                             [c.models_status, c.models_info, c.header, c.auto], api_name="load_pair",
+                             api_visibility="private", concurrency_limit=1)
         demo.load(None, None, None, js=SIDEBAR_JS)
     demo.chat_app = app
     return demo
@@ -282,12 +286,15 @@ def without_gradio_cors(app) -> None:
 def launch(demo: gr.Blocks, server_name: str = "127.0.0.1", server_port: int | None = None, share: bool = False,
            inbrowser: bool = False, prevent_thread_lock: bool = False, quiet: bool = False,
            extra_hosts: Sequence[str] = (), api_key: str | None = None, cors_origins: frozenset[str] = frozenset(),
-           **kwargs):
+           limits: ServerLimits | None = None, **kwargs):
     """``demo.launch`` with the app's theme, CSS, queue, upload limits, page scripts and live feed,
     behind a Host allowlist (the loopback names, ``server_name`` and ``extra_hosts``; ``*`` turns
     it off) and the cross-origin policy of :mod:`app.cross_origin` (``cors_origins`` may call
-    ``/v1``). With ``api_key``, the page asks for it (any user name, the key as the password)."""
-    demo.queue(default_concurrency_limit=4)
+    ``/v1``). With ``api_key``, the page asks for it (any user name, the key as the password).
+    ``limits`` (:mod:`app.server_limits`): read timeouts, connections, body size and queue size;
+    only the page itself may run private events (:mod:`app.private_events`)."""
+    limits = limits or ServerLimits()
+    demo.queue(default_concurrency_limit=4, max_size=limits.queue_size)
     quiet_queue(demo)
     if api_key is not None:
         kwargs.update(auth=lambda _user, password: secrets.compare_digest(password.encode(), api_key.encode()),
@@ -296,11 +303,15 @@ def launch(demo: gr.Blocks, server_name: str = "127.0.0.1", server_port: int | N
     guard = Middleware(HostGuardMiddleware, allowed=None if share else allowed_hosts(server_name, extra_hosts))
     cross_origin = Middleware(CrossOriginMiddleware, api_origins=frozenset(cors_origins))
     early = Middleware(HeadScriptMiddleware, script="\n".join(path.read_text() for path in PAGE_SCRIPTS))
-    launched = demo.launch(server_name=server_name, server_port=server_port, share=share, inbrowser=inbrowser,
-                           prevent_thread_lock=True, quiet=quiet, theme=theme(),
-                           css_paths=[CSS_PATH] if CSS_PATH.exists() else None, max_file_size="5mb",
-                           show_error=True, run_history=False, footer_links=["api", "settings"],
-                           app_kwargs={"middleware": [guard, cross_origin, early]}, **kwargs)
+    body_limit = Middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
+    named = Middleware(NamedEventsMiddleware, allowed=callable_names(demo))
+    with serving_with(limits):
+        launched = demo.launch(server_name=server_name, server_port=server_port, share=share, inbrowser=inbrowser,
+                               prevent_thread_lock=True, quiet=quiet, theme=theme(),
+                               css_paths=[CSS_PATH] if CSS_PATH.exists() else None, max_file_size="5mb",
+                               show_error=True, run_history=False, footer_links=["api", "settings"],
+                               app_kwargs={"middleware": [guard, body_limit, named, cross_origin, early]}, **kwargs)
+    check_served_with(demo.server, limits)
     without_gradio_cors(launched[0])
     live_feed.mount(launched[0], demo.chat_app.feeds)
     if not prevent_thread_lock:

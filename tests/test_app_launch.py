@@ -99,3 +99,33 @@ def test_serving_beyond_this_machine_needs_an_api_key(tmp_path, capsys):
                           (["--api-key", "  "], "empty")):
         with pytest.raises(SystemExit, match=message):
             launch.api_key(launch.parse_args(argv))
+
+
+def test_the_models_panel_is_off_beyond_loopback_unless_asked_for():
+    """Whoever reaches the page could load (download) any repository through the Models panel."""
+    panel = lambda *argv: launch.models_panel(launch.parse_args(list(argv)))  # noqa: E731
+    assert panel() and panel("--host", "localhost") and panel("--host", "::1")
+    assert not panel("--host", "0.0.0.0") and not panel("--host", "192.168.1.20") and not panel("--share")
+    assert panel("--host", "0.0.0.0", "--models-panel") and panel("--share", "--models-panel")
+
+
+def test_the_connection_limit_flags():
+    import pytest
+
+    from app.server_limits import ServerLimits
+    assert launch.server_limits(launch.parse_args([])) == ServerLimits()
+    limits = launch.server_limits(launch.parse_args(["--header-timeout", "2.5", "--body-timeout", "7",
+                                                    "--max-connections", "50"]))
+    assert (limits.header_timeout_s, limits.body_timeout_s, limits.max_connections) == (2.5, 7, 50)
+    for flag in ("--header-timeout", "--body-timeout", "--max-connections"):
+        with pytest.raises(SystemExit, match=f"{flag} must be positive"):
+            launch.server_limits(launch.parse_args([flag, "0"]))
+
+
+def test_binding_every_interface_lists_this_machines_addresses(monkeypatch):
+    from app import host_guard
+    monkeypatch.setattr(host_guard, "reachable_addresses", lambda: ["192.168.1.23", "2001:db8::5"])
+    line = launch.other_machines_line("0.0.0.0", "http://localhost:7861/")
+    assert "http://192.168.1.23:7861/" in line and "http://[2001:db8::5]:7861/" in line
+    assert launch.other_machines_line("::", "http://localhost:7861/") == line
+    assert launch.other_machines_line("127.0.0.1", "http://127.0.0.1:7861/") is None
