@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.core.sampling import logits_to_probs
-from engine.core.verify import verify_greedy, verify_stochastic, verify_topk
+from engine.core.verify import TraceRecorder, verify_greedy, verify_stochastic, verify_topk
 from engine.errors import InvalidDistributionError, InvalidTreeError
 from engine.trees.tree import Tree, expected_tokens_table
 
@@ -151,6 +151,10 @@ def assert_path_of_tree(tree: Tree, path: list[int]) -> None:
 def test_stochastic_verifier_commits_a_tree_path_and_a_bonus_in_the_support(case, without_replacement):
     tree, tokens, p, q, seed = case
     path, bonus = verify_stochastic(tree, tokens, p, q, without_replacement, torch.Generator().manual_seed(seed))
+    recorder = TraceRecorder()
+    assert verify_stochastic(tree, tokens, p, q, without_replacement, torch.Generator().manual_seed(seed),
+                             recorder) == (path, bonus), "the trace changed the walk"
+    assert [e.child for e in recorder.events if e.accepted and e.rule == "sample"] == path[1:]
     assert_path_of_tree(tree, path)
     assert all(p[a, tokens[b]] > 0 for a, b in zip(path, path[1:])), "accepted a token the target cannot emit"
     assert p[path[-1], bonus] > 0
@@ -161,9 +165,11 @@ def test_stochastic_verifier_commits_a_tree_path_and_a_bonus_in_the_support(case
 def test_topk_and_greedy_verifiers_commit_a_tree_path(case):
     tree, tokens, p, _, seed = case
     path, bonus = verify_topk(tree, tokens, p, torch.Generator().manual_seed(seed))
+    assert verify_topk(tree, tokens, p, torch.Generator().manual_seed(seed), TraceRecorder()) == (path, bonus)
     assert_path_of_tree(tree, path)
     assert p[path[-1], bonus] > 0
     path, bonus = verify_greedy(tree, tokens, p.argmax(dim=-1))
+    assert verify_greedy(tree, tokens, p.argmax(dim=-1), TraceRecorder(), p) == (path, bonus)
     assert_path_of_tree(tree, path)
     assert bonus == int(p[path[-1]].argmax())
     assert all(tokens[b] == int(p[a].argmax()) for a, b in zip(path, path[1:]))

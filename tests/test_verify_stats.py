@@ -22,7 +22,7 @@ import torch
 from scipy.stats import chisquare
 
 from engine.core.sampling import logits_to_probs, sample_children
-from engine.core.verify import verify_stochastic, verify_topk
+from engine.core.verify import JudgedRecorder, verify_stochastic, verify_topk
 from engine.trees.tree import Tree
 
 VOCAB = 6
@@ -224,7 +224,8 @@ def test_the_verifier_reports_the_residual_p_and_the_q_it_judged_a_later_sibling
     tree = Tree.k_ary(2, 1)
     p = torch.tensor([[0.0, 0.6, 0.4], [1 / 3] * 3, [1 / 3] * 3], dtype=torch.float64)
     q = torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64)
-    used = {}
-    verify_stochastic(tree, [2, 0, 1], p, {0: q}, method == "sequoia", torch.Generator().manual_seed(0), used)
+    recorder = JudgedRecorder()
+    verify_stochastic(tree, [2, 0, 1], p, {0: q}, method == "sequoia", torch.Generator().manual_seed(0), recorder)
+    used = recorder.used
     assert used[1] == (0.0, pytest.approx(0.7))
     assert used[2] == (pytest.approx(0.4 / 0.7), pytest.approx(q_used))

@@ -2,15 +2,19 @@
 
 Each verifier takes the tree, the node tokens and the target's per-node outputs and returns
 ``(accepted_nodes, bonus_token)``: a root-to-node path (root first) and the token the target
-contributes after it. Pure functions, no model calls. The sampling verifiers also fill ``used``,
-when given, with what each child they tried was judged on: ``used[node] = (p, q)``, the target's
-(residual) and the draft's (renormalised) probability of its token at that moment (q is None for
-top-k matching, where the child is kept when the target's sample equals it, probability p).
-With ``trace`` (a list) they append a :class:`~engine.core.records.VerifierEvent` for every decision,
-in order: each child tried and the bonus. Tracing reads the distributions the walk already has and
-draws no randomness, so the walk is the same with it or without it.
+contributes after it. Pure functions, no model calls. They tell a :class:`WalkRecorder`, when
+given one, every step of the walk, in order: what each child tried was judged on, the decision on
+it, and the bonus. The base recorder (the default) records nothing; :class:`JudgedRecorder` keeps
+``used[node] = (p, q)``, the target's (residual) and the draft's (renormalised) probability of
+each tried child's token at that moment (q is None for top-k matching, where the child is kept
+when the target's sample equals it, probability p); :class:`TraceRecorder` also keeps a
+:class:`~engine.core.records.VerifierEvent` for every decision, in order. Recorders read the
+distributions the walk already has and draw no randomness, so the walk is the same with any
+recorder or none.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -21,6 +25,8 @@ from engine.trees.tree import Tree
 
 TRACE_TOP = 8  # tokens of each distribution a trace event keeps
 
+Used = dict[int, tuple[float, float | None]]  # node -> (p, q) it was judged on
+
 
 def top_tokens(probs: torch.Tensor | None, k: int = TRACE_TOP) -> list[tuple[int, float]]:
     """The ``k`` most likely tokens of ``probs [V]`` as ``[(token, prob)]``, zero-probability ones left out."""
@@ -30,39 +36,111 @@ def top_tokens(probs: torch.Tensor | None, k: int = TRACE_TOP) -> list[tuple[int
     return [(int(t), float(v)) for t, v in zip(indices.tolist(), values.tolist()) if v > 0]
 
 
+class WalkRecorder:
+    """Told every decision of an acceptance walk, in order; records nothing (subclasses do).
+
+    ``node`` is where the walk is (the node whose children are tried), ``child`` the child tried
+    and ``token`` its token. Distributions ``[V]`` are the walk's own tensors, to read at once:
+    the walk goes on changing some of them afterwards.
+    """
+
+    def judged(self, child: int, p_x: float, q_x: float | None) -> None:
+        """``child`` was judged on the target's probability ``p_x`` of its token and the draft's
+        ``q_x`` (1 for a copied child; None for top-k matching, kept with probability ``p_x``).
+        Told before the decision on that child."""
+
+    def sampled(self, node: int, child: int, token: int, u: float, p: torch.Tensor, q: torch.Tensor | None,
+                residual: torch.Tensor | None) -> None:
+        """A ``"sample"`` decision: the child was kept iff ``u * q[token] < p[token]``. ``p``, ``q``:
+        the target's (residual) and the draft's (renormalised) distributions it was judged on (q
+        None: a copied child, a point mass on ``token``). ``residual``: on rejection, the target's
+        distribution after it; None when the child was kept."""
+
+    def compared(self, rule: str, node: int, child: int, token: int, target_token: int,
+                 p: torch.Tensor | None, q: torch.Tensor | None) -> None:
+        """The child's token was compared with the target's token (``rule`` "argmax": its argmax,
+        "match": its sample) and kept iff equal. ``p``: the target's distribution at ``node``,
+        ``q`` the draft's (either None when the verifier was not given it)."""
+
+    def bonus(self, rule: str, node: int, token: int, p: torch.Tensor | None) -> None:
+        """No child of ``node`` was kept (or it is a leaf): the target contributes ``token`` under
+        ``rule`` ("sample": drawn from the residual ``p``; "match": the sample from ``p`` no child
+        matched; "argmax": its argmax, ``p`` its distribution or None)."""
+
+
+class JudgedRecorder(WalkRecorder):
+    """Keeps what each tried child was judged on: ``used[node] = (p, q)`` (see :meth:`WalkRecorder.judged`)."""
+
+    def __init__(self) -> None:
+        self.used: Used = {}
+
+    def judged(self, child: int, p_x: float, q_x: float | None) -> None:
+        self.used[child] = (p_x, q_x)
+
+
+class TraceRecorder(JudgedRecorder):
+    """Also keeps ``events``: a :class:`VerifierEvent` per decision, in order, each child tried
+    and the bonus, with the top :data:`TRACE_TOP` tokens of the distributions involved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[VerifierEvent] = []
+
+    def sampled(self, node: int, child: int, token: int, u: float, p: torch.Tensor, q: torch.Tensor | None,
+                residual: torch.Tensor | None) -> None:
+        q_x = 1.0 if q is None else q[token].item()
+        self.events.append(VerifierEvent(node, child, token, residual is None, "sample", u, p[token].item(), q_x,
+                                         top_p=top_tokens(p), top_q=top_tokens(q),
+                                         residual=None if residual is None else top_tokens(residual)))
+
+    def compared(self, rule: str, node: int, child: int, token: int, target_token: int,
+                 p: torch.Tensor | None, q: torch.Tensor | None) -> None:
+        self.events.append(VerifierEvent(node, child, token, token == target_token, rule,
+                                         p_x=float(p[token]) if rule == "match" else None,
+                                         target_token=target_token, top_p=top_tokens(p), top_q=top_tokens(q)))
+
+    def bonus(self, rule: str, node: int, token: int, p: torch.Tensor | None) -> None:
+        self.events.append(VerifierEvent(node, None, token, True, "bonus",
+                                         p_x=float(p[token]) if rule != "argmax" else None,
+                                         target_token=token if rule != "sample" else None, top_p=top_tokens(p)))
+
+
+NO_RECORDER = WalkRecorder()  # what a verifier tells when given no recorder: nothing is kept
+
+
 def verify_greedy(tree: Tree, tokens: list[int], target_argmax: torch.Tensor | list[int],
-                  trace: list[VerifierEvent] | None = None, target_probs: torch.Tensor | None = None,
+                  recorder: WalkRecorder | None = None, target_probs: torch.Tensor | None = None,
                   draft_probs: dict[int, torch.Tensor] | None = None) -> tuple[list[int], int]:
     """Greedy (temperature 0): follow the child whose token equals the target's argmax.
 
     ``target_argmax [size]`` (a tensor or a list) is the target's most likely next token after
     each node. The bonus token is the argmax after the last accepted node, so the committed
-    sequence is exactly what the target's own greedy decoding produces. ``trace`` gets an
-    ``"argmax"`` event per child compared (with the top tokens of ``target_probs [size, V]`` and
-    ``draft_probs[node]``, when given) and a ``"bonus"`` event.
+    sequence is exactly what the target's own greedy decoding produces. ``recorder`` is told
+    each child compared (``"argmax"``, with ``target_probs [size, V]``'s row and
+    ``draft_probs[node]``, when given) and the bonus; nothing is judged on probabilities.
     """
+    recorder = NO_RECORDER if recorder is None else recorder
     argmax = target_argmax.tolist() if isinstance(target_argmax, torch.Tensor) else list(target_argmax)
     node = 0
     path = [0]
     while True:
         wanted = argmax[node]
-        match = next((c for c in tree.children[node] if tokens[c] == wanted), None)
-        if trace is not None:
-            _trace_comparisons(trace, "argmax", node, tree.children[node], tokens, match, wanted,
-                               target_probs[node] if target_probs is not None else None, draft_probs)
-        if match is None:
+        p = target_probs[node] if target_probs is not None else None
+        q = draft_probs.get(node) if draft_probs is not None else None
+        for child in tree.children[node]:
+            recorder.compared("argmax", node, child, tokens[child], wanted, p, q)
+            if tokens[child] == wanted:
+                break
+        else:
+            recorder.bonus("argmax", node, wanted, p)
             return path, wanted
-        node = match
+        node = child
         path.append(node)
-
-
-Used = dict[int, tuple[float, float | None]]  # node -> (p, q) it was judged on
 
 
 def verify_stochastic(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
                       draft_probs: dict[int, torch.Tensor], without_replacement: bool,
-                      generator: torch.Generator | None = None, used: Used | None = None,
-                      trace: list[VerifierEvent] | None = None,
+                      generator: torch.Generator | None = None, recorder: WalkRecorder | None = None,
                       copied: frozenset[int] = frozenset()) -> tuple[list[int], int]:
     """Multi-draft speculative sampling over a tree; the committed tokens follow the target exactly.
 
@@ -72,69 +150,60 @@ def verify_stochastic(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
     probability ``min(1, p[x] / q[x])``; on rejection ``p <- normalize(relu(p - q))`` and, when the
     children were drawn without replacement (Sequoia), ``q[x] <- 0`` renormalised. If no child is
     accepted (or the node is a leaf) the bonus token is sampled from the residual ``p``.
+    ``recorder`` is told each child tried (judged, then ``"sample"``) and the bonus.
 
     ``copied``: nodes copied from the context (:mod:`engine.trees.copies`). They come first among
     their siblings and are proposals with a point-mass q: kept with probability ``p[x]``, and on
     rejection ``p <- normalize(p with x removed)`` before the draft's children are tried.
     """
     check_distributions(target_probs)
+    recorder = NO_RECORDER if recorder is None else recorder
     node, path = 0, [0]
     while True:
         kids = tree.children[node]
         point_masses = sum(1 for c in kids if c in copied)
         q = draft_probs[node] if len(kids) > point_masses else None
-        tried: list[tuple[float, float]] = []
-        events: list[VerifierEvent] | None = [] if trace is not None else None
         choice, p = accept_child(target_probs[node], q, [tokens[c] for c in kids], without_replacement, generator,
-                                 tried, events, point_masses)
-        if used is not None:
-            used.update(zip(kids, tried))
-        if trace is not None:
-            for event in events:  # accept_child numbers the children it tried 0, 1, ...
-                event.node, event.child = node, kids[event.child]
-            trace.extend(events)
+                                 point_masses, recorder, (node, kids))
         if choice is None:
             bonus = sample_token(p, generator)
-            if trace is not None:
-                trace.append(VerifierEvent(node, None, bonus, True, "bonus", p_x=float(p[bonus]), top_p=top_tokens(p)))
+            recorder.bonus("sample", node, bonus, p)
             return path, bonus
         node = kids[choice]
         path.append(node)
 
 
 def accept_child(p: torch.Tensor, q: torch.Tensor | None, child_tokens: list[int], without_replacement: bool,
-                 generator: torch.Generator | None = None,
-                 tried: list[tuple[float, float]] | None = None,
-                 trace: list[VerifierEvent] | None = None, point_masses: int = 0) -> tuple[int | None, torch.Tensor]:
+                 generator: torch.Generator | None = None, point_masses: int = 0,
+                 recorder: WalkRecorder | None = None,
+                 where: tuple[int, Sequence[int]] | None = None) -> tuple[int | None, torch.Tensor]:
     """One node of :func:`verify_stochastic`: try the children (tokens in rank order) against the
     target distribution ``p [V]`` and the draft distribution ``q [V]`` they were drawn from.
 
     Returns ``(index of the accepted child, p)`` or ``(None, residual p)`` to draw the bonus from.
-    ``tried`` gets ``(p[x], q[x])`` of each child tried, as the acceptance test used them;
-    ``trace`` a ``"sample"`` :class:`VerifierEvent` per child tried (``node`` -1, ``child`` = its
-    index among ``child_tokens``: :func:`verify_stochastic` renumbers them).
+    ``recorder`` is told each child tried: what it was judged on, then the ``"sample"`` decision.
+    ``where``: ``(node, children)``, the node and its children's node ids in the order of
+    ``child_tokens``, which the recorder is told; without it the node is -1 and each child its
+    index among ``child_tokens``.
 
     The first ``point_masses`` children are proposals with q = 1 on their token (copied from the
     context, independent of the draw): kept when ``u < p[x]``, else ``p[x] <- 0`` renormalised,
     which is ``normalize(relu(p - q))`` for that q. The draft's children then face the residual.
     """
+    recorder = NO_RECORDER if recorder is None else recorder
+    node, kids = (-1, range(len(child_tokens))) if where is None else where
     for index, x in enumerate(child_tokens[:point_masses]):
         u = torch.rand((), generator=generator, dtype=torch.float64, device=p.device).item()
         px = p[x].item()
-        if tried is not None:
-            tried.append((px, 1.0))
-        event = VerifierEvent(-1, index, x, u < px, "sample", u, px, 1.0, top_p=top_tokens(p)) \
-            if trace is not None else None
+        recorder.judged(kids[index], px, 1.0)
         if u < px:
-            if trace is not None:
-                trace.append(event)
+            recorder.sampled(node, kids[index], x, u, p, None, None)
             return index, p
-        p = p.clone()
-        p[x] = 0.0
-        p = p / p.sum()
-        if trace is not None:
-            event.residual = top_tokens(p)
-            trace.append(event)
+        residual = p.clone()
+        residual[x] = 0.0
+        residual = residual / residual.sum()
+        recorder.sampled(node, kids[index], x, u, p, None, residual)
+        p = residual
     if len(child_tokens) == point_masses:
         return None, p
     check_distributions(q)
@@ -144,19 +213,13 @@ def accept_child(p: torch.Tensor, q: torch.Tensor | None, child_tokens: list[int
             break
         u = torch.rand((), generator=generator, dtype=torch.float64, device=p.device).item()
         px, qx = p[x].item(), q[x].item()
-        if tried is not None:
-            tried.append((px, qx))
+        recorder.judged(kids[index], px, qx)
         if u * qx < px:  # u < p/q without dividing
-            if trace is not None:
-                trace.append(VerifierEvent(-1, index, x, True, "sample", u, px, qx, top_p=top_tokens(p),
-                                           top_q=top_tokens(q)))
+            recorder.sampled(node, kids[index], x, u, p, q, None)
             return index, p
-        if trace is not None:
-            event = VerifierEvent(-1, index, x, False, "sample", u, px, qx, top_p=top_tokens(p), top_q=top_tokens(q))
-        p = _residual(p, q)
-        if trace is not None:
-            event.residual = top_tokens(p)
-            trace.append(event)
+        residual = _residual(p, q)
+        recorder.sampled(node, kids[index], x, u, p, q, residual)
+        p = residual
         if without_replacement:
             q[x] = 0.0
             total = q.sum()
@@ -183,44 +246,29 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def verify_topk(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
-                generator: torch.Generator | None = None, used: Used | None = None,
-                trace: list[VerifierEvent] | None = None,
+                generator: torch.Generator | None = None, recorder: WalkRecorder | None = None,
                 draft_probs: dict[int, torch.Tensor] | None = None) -> tuple[list[int], int]:
     """Top-k drafting baseline: the target samples its token; accept the child that matches it.
-    ``trace`` gets a ``"match"`` event per child compared with the sample (the draft's top tokens
-    from ``draft_probs[node]``, when given) and a ``"bonus"`` event when none matched."""
+    ``recorder`` is told what every child was judged on (all are compared with the sample), each
+    child compared up to the kept one (``"match"``, with the draft's ``draft_probs[node]``, when
+    given) and the bonus when none matched."""
     check_distributions(target_probs)
+    recorder = NO_RECORDER if recorder is None else recorder
     node, path = 0, [0]
     while True:
-        kids = tree.children[node]
-        choice, x = match_child(target_probs[node], [tokens[c] for c in kids], generator)
-        if used is not None:
-            used.update((c, (target_probs[node, tokens[c]].item(), None)) for c in kids)
-        if trace is not None:
-            _trace_comparisons(trace, "match", node, kids, tokens, None if choice is None else kids[choice], x,
-                               target_probs[node], draft_probs, with_p=True)
+        kids, p = tree.children[node], target_probs[node]
+        child_tokens = [tokens[c] for c in kids]
+        choice, x = match_child(p, child_tokens, generator)
+        for c, p_x in zip(kids, p[child_tokens].tolist()):
+            recorder.judged(c, p_x, None)
+        q = draft_probs.get(node) if draft_probs is not None else None
+        for c in kids if choice is None else kids[:choice + 1]:
+            recorder.compared("match", node, c, tokens[c], x, p, q)
         if choice is None:
+            recorder.bonus("match", node, x, p)
             return path, x
         node = kids[choice]
         path.append(node)
-
-
-def _trace_comparisons(trace: list[VerifierEvent], rule: str, node: int, kids: list[int], tokens: list[int],
-                       kept: int | None, target_token: int, p: torch.Tensor | None,
-                       draft_probs: dict[int, torch.Tensor] | None, with_p: bool = False) -> None:
-    """The events of a node whose children are compared with one target token (``rule`` "argmax":
-    its argmax, "match": its sample): one per child up to the ``kept`` one, then the bonus when
-    none was kept. ``p [V]``: the target's distribution there (top tokens shown; with ``with_p``
-    each event also carries the probability of its token)."""
-    top_p = top_tokens(p) if p is not None else []
-    top_q = top_tokens((draft_probs or {}).get(node)) if kids else []
-    for c in kids:
-        trace.append(VerifierEvent(node, c, tokens[c], c == kept, rule, p_x=float(p[tokens[c]]) if with_p else None,
-                                   target_token=target_token, top_p=top_p, top_q=top_q))
-        if c == kept:
-            return
-    trace.append(VerifierEvent(node, None, target_token, True, "bonus",
-                               p_x=float(p[target_token]) if with_p else None, target_token=target_token, top_p=top_p))
 
 
 def match_child(p: torch.Tensor, child_tokens: list[int],
