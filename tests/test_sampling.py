@@ -1,15 +1,19 @@
 """engine.core.sampling's top-p: the top-k shortcut gives the full sort's nucleus exactly."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from engine.core.sampling import NUCLEUS_TIE_BAND, _top_p_filter, logits_to_probs, torch_logits_to_probs
+from engine.core.sampling import (NUCLEUS_TIE_BAND, _top_p_filter, compiled, logits_to_probs, top_indices,
+                                  torch_logits_to_probs, torch_top_indices)
 
 
 def full_sort_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The textbook filter: sort everything, keep tokens whose preceding mass is below top_p."""
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    """The textbook filter: sort everything (equal probabilities in index order: a stable sort),
+    keep tokens whose preceding mass is below top_p."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(mass_before >= top_p, 0.0))
     return kept / kept.sum(dim=-1, keepdim=True)
@@ -99,6 +103,95 @@ def test_the_compiled_nucleus_and_torchs_are_the_exact_nucleus_to_a_rounding(tem
         torch.testing.assert_close(fused[row][both], reference[row][both], rtol=2e-6, atol=1e-12)
         kept_mass = float(exact[row][fused[row] > 0].sum())
         torch.testing.assert_close(fused[row][both].double(), exact[row][both] / kept_mass, rtol=2e-6, atol=1e-12)
+
+
+# ---- exact ties at the edge of the nucleus: ranked by index, lower first, on every path ----------
+
+def reference_nucleus(logits: list[float], temperature: float, top_p: float) -> list[int]:
+    """The rule, in plain float64 Python: the softmax of ``(x - max) / temperature``; tokens ranked
+    by probability, descending, and tokens of equal probability by index, ascending; a token is
+    kept when the mass ranked before it is below ``top_p``. Returns the kept indices, increasing."""
+    top = max(logits)
+    weights = [math.exp((x - top) / temperature) for x in logits]
+    total = math.fsum(weights)
+    probs = [w / total for w in weights]
+    kept, before = [], 0.0
+    for index in sorted(range(len(probs)), key=lambda i: (-probs[i], i)):
+        if before >= top_p:
+            break
+        kept.append(index)
+        before += probs[index]
+    return sorted(kept)
+
+
+# name: (vocabulary, head, tie, tied tokens, rest, tied tokens kept but the first), logits as
+# multiples of the temperature: the distinct ``head`` logits and a run of bit-identical ``tie``
+# logits at random places, every other token at ``rest`` (bit-identical too); the nucleus ends
+# inside the run of ties. Each row is found by another path of the torch filter and the kernel.
+TIED_ROWS = {
+    "likely": (151_936, [4.0, 3.0, 2.0], 1.0, 12, -30.0, 5),         # ties at p ~ 0.02: among the likely tokens
+    "candidates": (151_936, [6.0], -1.6, 2_000, -40.0, 300),         # p ~ 2.5e-4: 2,000 straddle the 1,024th place
+    "small-vocabulary": (600, [1.5, 1.0], 0.0, 400, -0.5, 250),      # every token likely: the full sort
+    "flat": (151_936, [2.0], 0.0, 120_000, 0.25, 50_000),            # past the candidates: the full sort
+}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("case", list(TIED_ROWS))
+def test_exact_ties_at_the_edge_of_the_nucleus_keep_the_lower_indices_on_every_path(case, temperature):
+    """Rows where many tokens have bit-identical logits and the nucleus ends half a tied token's
+    mass inside their run (outside the tie band, so the kept set is determined): the plain float64
+    rule keeps the lower indices of the run; torch's filter (no kernels, GPUs) keeps exactly those,
+    bit for bit what a full stable sort keeps; the compiled kernel (when built) keeps the same
+    tokens, with torch's probabilities to a few float roundings. Torch's unstable sort and its
+    top-k used to keep others (3 rows in 3,005 random ones, all with equal logits at the edge)."""
+    vocabulary, head, tie, ties, rest, kept_ties = TIED_ROWS[case]
+    places = torch.randperm(vocabulary, generator=torch.Generator().manual_seed(len(case)))
+    logits = torch.full((vocabulary,), rest * temperature)
+    logits[places[:len(head)]] = torch.tensor(head) * temperature
+    tied = places[len(head):len(head) + ties].sort().values.tolist()
+    logits[tied] = tie * temperature
+
+    values = logits.tolist()
+    top = max(values)
+    weights = [math.exp((x - top) / temperature) for x in values]
+    total = math.fsum(weights)
+    q = weights[tied[0]] / total  # each tied token's probability
+    top_p = math.fsum(w for w in weights if w > weights[tied[0]]) / total + (kept_ties + 0.5) * q
+    assert q / 2 > NUCLEUS_TIE_BAND and top_p < 1.0
+
+    expected = reference_nucleus(values, temperature, top_p)
+    assert sorted(set(expected) & set(tied)) == tied[:kept_ties + 1]  # the rule: the run's lower indices
+
+    torchs = torch_logits_to_probs(logits[None], temperature, top_p)[0]
+    assert (torchs > 0).nonzero().flatten().tolist() == expected
+    probs = torch.softmax(((logits - logits.max()) / temperature).double(), dim=-1)
+    assert torch.equal(_top_p_filter(probs[None], top_p)[0], full_sort_nucleus(probs, top_p))
+
+    fused = compiled("nucleus_probs")
+    if fused is not None:
+        kernels, finite = fused(logits[None], temperature, top_p)
+        assert finite and (kernels[0] > 0).nonzero().flatten().tolist() == expected
+        torch.testing.assert_close(kernels[0], torchs, rtol=2e-6, atol=1e-12)
+
+
+def test_exact_ties_across_the_kth_place_rank_by_index_on_every_path():
+    """``top_indices``' torch path (no kernels, GPUs) and the compiled one against the rule: the
+    k largest values, equal ones in index order, lower first, also where a run of equal values
+    straddles the k-th place (``topk`` alone picks among them and orders them as it likes)."""
+    generator = torch.Generator().manual_seed(7)
+    rows = torch.randn(4, 151_936, generator=generator)
+    for row, (top, ties) in zip(rows, [(30.0, 40), (20.0, 3), (30.0, 151_936), (30.0, 40)]):
+        row[torch.randperm(151_936, generator=generator)[:ties]] = top
+    rows[1, 9] = 25.0  # one larger value before the run
+    rows[3, 0] = float("nan")  # a row with a NaN is torch.topk's (NaN the largest) on every path
+    ranked = [sorted(range(151_936), key=lambda i: (-row[i], i))[:64] for row in rows[:3].tolist()]
+    for k in (1, 2, 3, 8, 40, 64):
+        expected = [row[:k] for row in ranked]
+        assert torch_top_indices(rows[:3], k) == expected
+        assert top_indices(rows[:3], k) == expected  # compiled where the kernels are built
+        nan_row = [0] if k == 1 else torch.topk(rows[3], k).indices.tolist()
+        assert torch_top_indices(rows, k)[3] == top_indices(rows, k)[3] == nan_row
 
 
 def test_a_temperature_below_floats_range_puts_all_mass_on_the_top_logits():

@@ -22,6 +22,8 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float
     Both keep the exact nucleus of ``softmax(z)``, ``z = (x - max) / temperature`` in float32, but
     for tokens whose exact preceding mass lies within :data:`NUCLEUS_TIE_BAND` of ``top_p`` (the
     tie rule: there a float rounding decides), and their probabilities agree to a few roundings.
+    Tokens of exactly equal probability (equal logits) are ranked by index on both: where the
+    nucleus ends among them, the lower indices are kept.
     """
     fused = compiled("nucleus_probs") if top_p < 1.0 and logits.dtype == torch.float32 and logits.device.type == "cpu" else None
     if fused is not None:
@@ -71,17 +73,37 @@ def compiled(name: str):
 def top_indices(x: torch.Tensor, k: int) -> list[list[int]]:
     """The indices of the ``k`` largest values of each row of ``x [R, V]``, largest first: with
     ``k = 1``, ``torch.argmax``'s. On CPU float32 the compiled ``top_indices`` takes one pass a row
-    (about 25 us over 151,936 tokens, where ``topk`` and ``argmax`` take 250-350 us) and orders
-    equal values by index; otherwise, or when a row holds a NaN, ``torch.topk`` does."""
+    (about 25 us over 151,936 tokens, where ``topk`` and ``argmax`` take 250-350 us); otherwise
+    torch does (:func:`torch_top_indices`). Both order equal values by index, lower first; a row
+    holding a NaN is ranked by ``torch.topk``, which takes NaN as the largest value."""
     top = compiled("top_indices") if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 \
         and 1 <= k <= min(64, x.shape[-1]) else None
     if top is not None:
         indices = top(x, k)
         if not bool((indices[:, 0] < 0).any()):
             return indices.tolist()
+    return torch_top_indices(x, k)
+
+
+def torch_top_indices(x: torch.Tensor, k: int) -> list[list[int]]:
+    """:func:`top_indices` in torch operations (any device and dtype, rows ``x [..., V]``): equal
+    values in index order, lower first, as the compiled ``top_indices`` orders them. ``k = 1`` is
+    ``argmax``'s first maximum. ``topk`` alone promises no order among equal values, neither which
+    of them it picks when they straddle the k-th place nor how it ranks those it picks: its
+    values are kept, and its indices re-ranked by (value descending, index ascending); where the
+    k-th value ties with a token ``topk`` left out, that row's ties are listed and ranked whole."""
     if k == 1:
         return x.argmax(dim=-1, keepdim=True).tolist()
-    return torch.topk(x, k, dim=-1).indices.tolist()
+    rows = x.reshape(-1, x.shape[-1])
+    values, indices = torch.topk(rows, k, dim=-1)
+    nan = torch.isnan(values[:, 0])  # topk ranks NaN first; such rows keep its order
+    past = ((rows >= values[:, -1:]).sum(dim=-1) > k) & ~nan  # the k-th value ties with a token left out
+    for r in past.nonzero().flatten().tolist():
+        within = (rows[r] >= values[r, -1]).nonzero().squeeze(1)  # increasing: a stable sort keeps index order
+        indices[r] = within[torch.sort(rows[r, within], descending=True, stable=True).indices[:k]]
+    ascending = indices.sort(dim=-1).values
+    ranked = ascending.gather(-1, torch.sort(rows.gather(-1, ascending), dim=-1, descending=True, stable=True).indices)
+    return torch.where(nan[:, None], indices, ranked).reshape(*x.shape[:-1], k).tolist()
 
 
 def torch_logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
@@ -115,6 +137,12 @@ def _top_p_filter(probs: torch.Tensor, top_p: float, candidates: int = TOP_P_CAN
     Rows whose nucleus may extend further are sorted in full. On 151,936 tokens the first try is
     2 to 5 times cheaper than a ``topk`` of the same few tokens and about 50 times cheaper than
     the full sort.
+
+    Tokens of equal probability are ranked by index, lower first, as the compiled
+    ``nucleus_probs`` ranks them: where the nucleus ends inside a run of exactly equal
+    probabilities, the lower indices are kept. Every sort here is stable over indices listed in
+    increasing order, and the ``topk`` only finds the value the candidates reach down to: every
+    token at least that likely is a candidate, so ties at the edge come in whole.
     """
     rows = probs.reshape(-1, probs.shape[-1])
     filtered = torch.zeros_like(rows)
@@ -126,16 +154,22 @@ def _top_p_filter(probs: torch.Tensor, top_p: float, candidates: int = TOP_P_CAN
 def _keep_row_nucleus(row: torch.Tensor, out: torch.Tensor, top_p: float, candidates: int) -> None:
     """Write the nucleus of ``row [V]`` (unnormalised) into ``out [V]``, zero elsewhere."""
     likely = (row >= LIKELY).nonzero().squeeze(1)
-    if 0 < likely.numel() < row.shape[0]:
-        top_probs, order = torch.sort(row[likely], descending=True)
-        if _write_nucleus(out, top_probs, likely[order], top_p):
-            return
+    if 0 < likely.numel() < row.shape[0] and _write_nucleus(out, *_ranked(row, likely), top_p):
+        return
     if candidates < row.shape[0]:
-        top_probs, order = torch.topk(row, candidates)
-        if _write_nucleus(out, top_probs, order, top_p):
+        bar = torch.topk(row, candidates, sorted=False).values.min()  # the candidates-th largest probability
+        within = (row >= bar).nonzero().squeeze(1)
+        if within.numel() < row.shape[0] and _write_nucleus(out, *_ranked(row, within), top_p):
             return
-    top_probs, order = torch.sort(row, descending=True)
+    top_probs, order = torch.sort(row, descending=True, stable=True)
     _write_nucleus(out, top_probs, order, top_p, whole=True)
+
+
+def _ranked(row: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``row``'s entries at ``indices`` (increasing), most likely first and equal ones in index
+    order (a stable sort), with their vocabulary positions."""
+    top_probs, order = torch.sort(row[indices], descending=True, stable=True)
+    return top_probs, indices[order]
 
 
 def _write_nucleus(out: torch.Tensor, top_probs: torch.Tensor, order: torch.Tensor, top_p: float,
