@@ -15,7 +15,7 @@ from gradio_client import Client
 
 from app import openai_api, ui
 from app.pair import make_engine
-from app.private_events import event_name
+from app.private_events import callable_names, event_name
 from app.server_limits import BodyLimitMiddleware, ServerLimits
 from app.worker import Worker
 
@@ -272,12 +272,13 @@ def test_loading_a_pair_is_not_callable_by_name(limited, monkeypatch):
     the event's index) still loads."""
     demo, worker, root, _ = limited
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    for path in ("/gradio_api/call/load_pair", "/gradio_api/call/v2/load_pair", "/gradio_api/run/load_pair"):
-        direct = httpx.post(root + path, json=LOAD, timeout=30)
-        assert direct.status_code == 404, (path, direct.text)
-    assert "/load_pair" not in httpx.get(root + "/gradio_api/info", timeout=30).json()["named_endpoints"]
     page = Client(root + "/", verbose=False, download_files=False)
     index = next(d["id"] for d in page.config["dependencies"] if d.get("api_name") == "load_pair")
+    for path in ("/gradio_api/call/load_pair", "/gradio_api/call/v2/load_pair", "/gradio_api/run/load_pair",
+                 "/gradio_api/run/chat", "/gradio_api/api/chat"):  # /run and /api run the body's fn_index, unqueued
+        direct = httpx.post(root + path, json=LOAD | {"fn_index": index, "session_hash": "not-the-page"}, timeout=30)
+        assert direct.status_code == 404, (path, direct.text)
+    assert "/load_pair" not in httpx.get(root + "/gradio_api/info", timeout=30).json()["named_endpoints"]
     with pytest.raises(ValueError, match="Invalid function index"):  # Gradio's client refuses a private event
         page.predict(*LOAD["data"], fn_index=index)
     page.endpoints[index].is_valid = True  # as the page's own script: queue/join in its session, by index
@@ -290,17 +291,29 @@ def test_loading_a_pair_is_not_callable_by_name(limited, monkeypatch):
 def test_without_the_models_panel_there_is_no_such_event(capped):
     demo, worker, root, _ = capped
     assert not any(fn.api_name == "load_pair" for fn in demo.fns.values())
-    labels = [c.get("props", {}).get("label") or c.get("props", {}).get("value") for c in demo.get_config_file()["components"]]
+    labels = [c.get("props", {}).get("label") or c.get("props", {}).get("value")
+              for c in demo.get_config_file()["components"]]
     assert "Models" not in labels and "Load pair" not in labels
     direct = httpx.post(root + "/gradio_api/call/load_pair", json=LOAD, timeout=30)
     assert direct.status_code == 404
     assert worker.info["target"] == "tiny-target"
 
 
-@pytest.mark.parametrize("path, name", [("/gradio_api/call/load_pair", "load_pair"),
-                                        ("/gradio_api/call/v2/load_pair/abc", "load_pair"),
-                                        ("/gradio_api/run/chat", "chat"), ("/gradio_api/api/x/", "x"),
-                                        ("/gradio_api/queue/join", None), ("/gradio_api/call", None),
-                                        ("/v1/chat/completions", None)])
-def test_the_by_name_routes(path, name):
-    assert event_name(path) == name
+@pytest.mark.parametrize("path, named", [("/gradio_api/call/load_pair", ("call", "load_pair")),
+                                         ("/gradio_api/call/v2/load_pair/abc", ("call", "load_pair")),
+                                         ("/gradio_api/run/chat", ("run", "chat")),
+                                         ("/gradio_api/api/x/", ("api", "x")),
+                                         ("/gradio_api/queue/join", None), ("/gradio_api/call", None),
+                                         ("/v1/chat/completions", None)])
+def test_the_by_name_routes(path, named):
+    assert event_name(path) == named
+
+
+def test_the_routes_open_to_each_event(limited):
+    """/call runs the public events; /run and /api (which run any fn_index, outside the queue) only
+    the events the page itself sends outside the queue: none in this app."""
+    demo, _, _, _ = limited
+    events = callable_names(demo)
+    assert {"chat", "stop", "clear"} <= events.call and "load_pair" not in events.call
+    assert "tree_info" not in events.call  # private, like every event the page alone sends
+    assert events.unqueued == frozenset()
