@@ -22,16 +22,16 @@ bench: $(STAMP)
 
 venv: $(STAMP)
 
-# The int4 target's C++ kernels (engine/backends/csrc/kquant.cpp), built once into the user cache with torch's
-# extension loader (about 80 s; needs a C++ compiler). Without one the app still runs, on slower
-# pure-torch fallbacks, so this says so instead of failing.
+# The C++ kernels (engine/kernels/csrc/: the int4 target's layers, sampling's nucleus), built once
+# into the user cache with torch's extension loader (about 80 s; needs a C++ compiler). Without one
+# the app still runs, on slower pure-torch fallbacks, so this says so instead of failing.
 kernels: $(STAMP)
-	@$(PY) -c "from engine.backends.kquant import build_kernels; print(build_kernels())" || echo "kernels: not built (no C++ compiler?); the int4 target falls back to pure torch"
+	@$(PY) -c "from engine.kernels.build import build_kernels; print(build_kernels())" || echo "kernels: not built (no C++ compiler?); the int4 target falls back to pure torch"
 
 # The tests compare every integer path this CPU can run (portable, AVX2, AVX-512): built here, one
 # minute each the first time, so that the suite's own time is the tests'.
 test-kernels: $(STAMP)
-	@$(PY) -c "from engine.backends.kquant import build_kernels; print(build_kernels(every_path=True))" || echo "kernels: not built (no C++ compiler?); the int4 target falls back to pure torch"
+	@$(PY) -c "from engine.kernels.build import build_kernels; print(build_kernels(every_path=True))" || echo "kernels: not built (no C++ compiler?); the int4 target falls back to pure torch"
 
 # llama.cpp as a peer for `python -m engine.cli.bench --peer llama.cpp`: built from the source vendored in
 # the llama-cpp-python sdist (PyPI, pinned by SHA-256) into the user cache; about 15 minutes on 2

@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         process.terminate()
         process.wait(30)
-    from engine.backends.kquant import simd_path
+    from engine.kernels.build import simd_path
 
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu(), "kernels": simd_path(), "threads": os.cpu_count(),
               "rounds": max(1, args.rounds), "on_screen": screen, "headless": quiet or None}
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cpu() -> str:
-    from engine.backends.kernels import cpu_flags
+    from engine.kernels.cpu import cpu_flags
 
     flags = cpu_flags()
     isa = "avx512-vnni" if {"avx512f", "avx512_vnni"} <= flags else "avx2" if "avx2" in flags else "generic"

@@ -4,6 +4,7 @@ The library, by concern:
 
 - :mod:`engine.errors`: the errors every package raises on bad input, one line each;
 - :mod:`engine.user_cache`: where the user cache is, and how a weights file gets there whole;
+- :mod:`engine.kernels`: the compiled CPU kernels (C++ sources, building and loading them);
 - :mod:`engine.core`: one draft-verify step and the loop around it (speculative, verify,
   sampling, runner, kv_cache, prefix_cache, records);
 - :mod:`engine.trees`: token trees and Sequoia's dynamic program (tree, dp);
@@ -28,15 +29,6 @@ _HOMES = {"SpeculativeEngine": "core.speculative", "Tree": "trees.tree", "Genera
           "ModelLoadError": "errors", "VocabularyMismatchError": "errors",
           "ContextOverflowError": "errors", "prepare": "backends.kernels"}
 __all__ = list(_HOMES)
-
-
-def compiled_kernels():
-    """The compiled CPU kernels (:mod:`engine.backends.kquant`, built once into the user cache), or
-    None where they cannot be built. The core's sampling asks here on its first draw: the package
-    root wires the layers, so the core itself imports no backend."""
-    from engine.backends.kquant import _extension
-
-    return _extension()
 
 
 def __getattr__(name: str):

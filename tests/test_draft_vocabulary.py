@@ -15,20 +15,20 @@ from test_kquant import packed, random_blocks
 from test_verify_stats import P_MIN
 
 from engine import SpeculativeEngine, Tree
-from engine.backends import kquant
 from engine.backends.draft_vocabulary import SubVocabularyHead, ascii_token_ids, kept_count, with_draft_vocabulary
 from engine.core.speculative import draft_for_prompt
 from engine.backends.kquant import KQuantLinear, select_outputs, unpack_weight
 from engine.backends.kquant_model import kquant_model
 from engine.core.runner import DynamicRunner
 from engine.errors import InvalidParameterError
+from engine.kernels.build import kernels_available
 from engine.models.prompts import encode_chat
 from engine.models.loading import restrict_draft
 
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled_and_single_thread():
-    if not kquant.kernels_available():
+    if not kernels_available():
         pytest.fail("the k-quant kernels did not build: a C++ compiler and ninja are part of the install")
     yield from support.one_torch_thread()
 

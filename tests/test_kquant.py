@@ -1,4 +1,5 @@
-"""The k-quant target's kernels (engine/backends/kquant.py, engine/backends/csrc/kquant.cpp) and
+"""The k-quant target's kernels (engine/backends/kquant.py, engine/kernels/csrc/kquant.cpp, built by
+engine/kernels/build.py) and
 whole models of them (engine/backends/kquant_model.py): exact packing of GGUF blocks, the compiled
 kernel equal bit for bit to the pure-torch reference, and rows that never depend on the rest of
 the batch."""
@@ -24,6 +25,7 @@ from engine.backends.kquant import (
     unpack_weight,
 )
 from engine.backends.kquant_model import kquant_model, read_cache, write_cache
+from engine.kernels import build, cpu
 
 ROW_COUNTS = list(range(1, 33)) + [40, 64, 65, 150, 600]  # from 5 rows (AVX2) or 16 (VNNI): panels of up to 64 rows
 
@@ -47,9 +49,9 @@ def packed(kind: str, blocks: np.ndarray) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def compiled():
-    if not kquant.kernels_available():
+    if not build.kernels_available():
         pytest.fail("the k-quant kernels did not build: a C++ compiler and ninja are part of the install")
-    return kquant._extension()
+    return build.compiled_kernels()
 
 
 @pytest.mark.parametrize("kind", ["q4k", "q6k"])
@@ -124,8 +126,8 @@ def every_path(compiled) -> dict:
     """The extension built for each SIMD path this CPU runs: ``{simd_path: module}``. The engine
     runs the native one; building the others lets a test prove a change on every path, not just
     the one of the machine that tests it."""
-    marches = kquant.other_marches()  # built by `make test` before pytest starts (else here, a minute each)
-    paths = {compiled.simd_path(): compiled} | {(e := kquant.compile_kernels(m)).simd_path(): e for m in marches}
+    marches = build.other_marches()  # built by `make test` before pytest starts (else here, a minute each)
+    paths = {compiled.simd_path(): compiled} | {(e := build.compile_kernels(m)).simd_path(): e for m in marches}
     assert "portable" in paths or platform.machine() != "x86_64"
     return paths
 
@@ -455,67 +457,61 @@ def test_the_native_build_is_keyed_by_the_cpus_instruction_sets(monkeypatch):
     """A ``-march=native`` build made on an AVX-512 machine must never be loaded on an AVX2 one (a
     shared home folder, a container image, a migrated VM): SIGILL. The key follows the flags line
     of /proc/cpuinfo (not the clock speed or anything else that moves), the portable builds not."""
-    from engine.backends import kernels
-
     avx512 = frozenset({"sse4_2", "avx2", "f16c", "avx512f", "avx512bw", "avx512_vnni"})
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: avx512)
-    keys = {march: kquant.build_key(march) for march in ("native", "x86-64", "x86-64-v3")}
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: avx512 - {"avx512f", "avx512bw", "avx512_vnni"})
-    assert kquant.build_key("native") != keys["native"]
-    assert kquant.build_key("x86-64") == keys["x86-64"] and kquant.build_key("x86-64-v3") == keys["x86-64-v3"]
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: avx512)
-    assert kquant.build_key("native") == keys["native"]
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: avx512)
+    keys = {march: build.build_key(march) for march in ("native", "x86-64", "x86-64-v3")}
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: avx512 - {"avx512f", "avx512bw", "avx512_vnni"})
+    assert build.build_key("native") != keys["native"]
+    assert build.build_key("x86-64") == keys["x86-64"] and build.build_key("x86-64-v3") == keys["x86-64-v3"]
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: avx512)
+    assert build.build_key("native") == keys["native"]
 
 
 def test_kernel_march_takes_only_a_path_this_cpu_runs(monkeypatch, caplog):
     """``$SEQUOIA_KERNEL_MARCH`` picks another path this CPU runs (the AVX2 one measured on an
     AVX-512 machine); a path it may not run (SIGILL) or a typo is refused with a warning."""
-    monkeypatch.setattr(kquant, "other_marches", lambda: ["x86-64", "x86-64-v3"])
+    monkeypatch.setattr(build, "other_marches", lambda: ["x86-64", "x86-64-v3"])
     for asked, built in (("", "native"), ("native", "native"), ("x86-64-v3", "x86-64-v3"), ("x86-64", "x86-64")):
         monkeypatch.setenv("SEQUOIA_KERNEL_MARCH", asked)
-        assert kquant.kernel_march() == built
-    monkeypatch.setattr(kquant, "other_marches", lambda: ["x86-64"])
-    monkeypatch.setattr(kquant, "_REFUSED_MARCHES", set())
+        assert build.kernel_march() == built
+    monkeypatch.setattr(build, "other_marches", lambda: ["x86-64"])
+    monkeypatch.setattr(build, "_REFUSED_MARCHES", set())
     for refused in ("x86-64-v3", "x86-64-v4", "znver9; rm -rf /"):
         monkeypatch.setenv("SEQUOIA_KERNEL_MARCH", refused)
-        with caplog.at_level("WARNING", logger=kquant.log.name):
-            assert kquant.kernel_march() == "native"
+        with caplog.at_level("WARNING", logger=build.log.name):
+            assert build.kernel_march() == "native"
             assert "not a path this CPU runs" in caplog.text
             caplog.clear()
-            assert kquant.kernel_march() == "native"
+            assert build.kernel_march() == "native"
             assert not caplog.text, "said once is enough"
 
 
 def test_cpu_flags_are_the_flags_line_only(tmp_path, monkeypatch):
-    from engine.backends import kernels
-
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\ncpu MHz\t\t: 2445.406\nflags\t\t: fpu avx2 f16c\n\n"
                     "processor\t: 1\ncpu MHz\t\t: 2600.1\nflags\t\t: fpu avx2 f16c\n")
-    real_path = kernels.Path
-    monkeypatch.setattr(kernels, "Path", lambda p: info if p == "/proc/cpuinfo" else real_path(p))
-    kernels.cpu_flags.cache_clear()
-    kernels.cpu_model.cache_clear()
+    real_path = cpu.Path
+    monkeypatch.setattr(cpu, "Path", lambda p: info if p == "/proc/cpuinfo" else real_path(p))
+    cpu.cpu_flags.cache_clear()
+    cpu.cpu_model.cache_clear()
     try:
-        assert kernels.cpu_flags() == frozenset({"fpu", "avx2", "f16c"})
-        assert kernels.cpu_model() == "AMD EPYC"
+        assert cpu.cpu_flags() == frozenset({"fpu", "avx2", "f16c"})
+        assert cpu.cpu_model() == "AMD EPYC"
     finally:
-        kernels.cpu_flags.cache_clear()
-        kernels.cpu_model.cache_clear()
+        cpu.cpu_flags.cache_clear()
+        cpu.cpu_model.cache_clear()
 
 
 def test_a_profiles_kernel_stamp_names_the_path_and_the_cpu(monkeypatch):
     """A hardware profile is "measured here" only with these kernels' sources, the path they are
     built for and this CPU: a profile timed on the AVX2 path of this machine, or on another CPU of
     the same ISA sharing the home folder, does not price this one's trees."""
-    from engine.backends import kernels
-
-    monkeypatch.setattr(kquant, "other_marches", lambda: ["x86-64", "x86-64-v3"])
+    monkeypatch.setattr(build, "other_marches", lambda: ["x86-64", "x86-64-v3"])
     monkeypatch.delenv("SEQUOIA_KERNEL_MARCH", raising=False)
-    here = kquant.kernel_digest()
-    assert kquant.kernel_digest() == here
+    here = build.kernel_digest()
+    assert build.kernel_digest() == here
     monkeypatch.setenv("SEQUOIA_KERNEL_MARCH", "x86-64-v3")
-    assert kquant.kernel_digest() != here
+    assert build.kernel_digest() != here
     monkeypatch.delenv("SEQUOIA_KERNEL_MARCH")
-    monkeypatch.setattr(kernels, "cpu_model", lambda: "Another CPU of the same flags")
-    assert kquant.kernel_digest() != here
+    monkeypatch.setattr(cpu, "cpu_model", lambda: "Another CPU of the same flags")
+    assert build.kernel_digest() != here

@@ -1,14 +1,33 @@
-"""The repository's layout: the library under engine/ is grouped by concern, only command lines
-import the command-line package, and no module of app/ or engine/ imports itself back."""
+"""The repository's layout: the library under engine/ is grouped by concern into layers that only
+import downwards, only command lines import the command-line package, and no module of app/ or
+engine/ imports itself back."""
 from __future__ import annotations
 
 import ast
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "engine"
-LIBRARY_PACKAGES = {"core", "trees", "tuning", "backends", "models", "peer"}
+LIBRARY_PACKAGES = {"kernels", "core", "trees", "tuning", "backends", "models", "peer"}
+
+# The library's layers, bottom up, and what each package's modules may import besides their own
+# package: only packages of lower layers, and of those only the ones it uses (a new arrow is a
+# decision, made here). The command lines (cli) stand above them all and may import anything.
+LAYERS = ["errors", "user_cache", "kernels", "trees", "core", "backends", "models", "tuning", "peer"]
+ALLOWED = {
+    "errors": set(),
+    "user_cache": set(),
+    "kernels": {"errors", "user_cache"},
+    "trees": {"errors"},
+    "core": {"trees", "kernels", "errors"},
+    "backends": {"core", "kernels", "errors", "user_cache"},
+    "models": {"backends", "errors", "user_cache"},
+    "tuning": {"core", "trees", "kernels", "models", "errors", "user_cache"},
+    "peer": {"models", "errors", "user_cache"},
+}
 
 
 def engine_imports(path: Path) -> set[str]:
@@ -52,17 +71,6 @@ def test_no_library_module_imports_a_command_line():
 def test_the_app_uses_the_library_not_the_command_lines():
     for path in (ROOT / "app").glob("*.py"):
         assert not any(package_of(m) == "cli" for m in engine_imports(path)), path
-
-
-def test_the_core_does_not_reach_into_tuning_or_command_lines():
-    """The decoding core needs trees but no optimizer, backend or CLI: it is the part a reader
-    learns first; and trees need nothing but the errors."""
-    for path in (ENGINE / "core").glob("*.py"):
-        used = {package_of(m) for m in engine_imports(path)} - {None}
-        assert used <= {"core", "trees", "errors"}, (path.name, used)
-    for path in (ENGINE / "trees").glob("*.py"):
-        used = {package_of(m) for m in engine_imports(path)} - {None}
-        assert used <= {"trees", "errors"}, (path.name, used)
 
 
 def test_each_command_runs_by_one_name_only():
@@ -147,6 +155,44 @@ def test_no_module_imports_itself_back():
     """No import cycle among the modules of app/ and engine/, counting imports made inside
     functions: each layer stands on the ones below it."""
     assert cycles(import_graph()) == []
+
+
+def test_the_layers_stand_only_on_the_layers_below():
+    """Every import of every library module (at the top, in a function or under ``TYPE_CHECKING``)
+    names its own package or one :data:`ALLOWED` to it, and never the package root ``engine``
+    (whose lazy names reach every layer). The table itself only points down :data:`LAYERS`. So the
+    decoding core, the part a reader learns first, needs trees and the compiled kernels but no
+    backend, model, optimizer or command line; the kernels need nothing above the errors and the
+    user cache; trees nothing but the errors."""
+    assert sorted(ALLOWED) == sorted(LAYERS) == sorted([*LIBRARY_PACKAGES, "errors", "user_cache"])
+    for layer, allowed in ALLOWED.items():
+        assert allowed <= set(LAYERS[:LAYERS.index(layer)]), (layer, allowed - set(LAYERS[:LAYERS.index(layer)]))
+    paths = {module_name(p): p for p in ENGINE.rglob("*.py")}
+    upward = {}
+    for name, path in sorted(paths.items()):
+        layer = package_of(name)
+        if layer not in ALLOWED:  # the root and the command lines
+            continue
+        used = {package_of(module) or module for module in imported_modules(path, set(paths))}
+        if used - ALLOWED[layer] - {layer}:
+            upward[name] = sorted(used - ALLOWED[layer] - {layer})
+    assert upward == {}
+
+
+def test_the_package_root_imports_nothing_of_the_library():
+    """``engine/__init__.py`` has no import statement naming an engine module, anywhere in it (at
+    the top or in a function): its names (:data:`engine._HOMES`, read here from its source) each
+    load their module on first use, and each names a module file of a library package (never a
+    command line). So ``import engine`` loads no subpackage, as a fresh interpreter shows."""
+    source = ENGINE / "__init__.py"
+    assert engine_imports(source) == set()
+    homes = next(ast.literal_eval(node.value) for node in ast.parse(source.read_text()).body
+                 if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["_HOMES"])
+    for name, home in homes.items():
+        assert home.split(".")[0] in ALLOWED and (ENGINE / f"{home.replace('.', '/')}.py").is_file(), (name, home)
+    loaded = subprocess.run([sys.executable, "-c", "import engine, sys; print(sorted(m for m in sys.modules "
+                             "if m.startswith('engine.')))"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert loaded.stdout.strip() == "[]", loaded.stderr[-2000:]
 
 
 def test_figures_and_text_are_pure():

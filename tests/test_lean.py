@@ -13,17 +13,17 @@ from test_kquant import packed, random_blocks
 from transformers import DynamicCache
 
 from engine import SpeculativeEngine, Tree
-from engine.backends import kquant
 from engine.backends.kquant import KQuantLinear
 from engine.backends.kquant_model import kquant_model
 from engine.backends.lean import LeanDecoder, supports
 from engine.core.kv_cache import growing_cache, reserve_all
 from engine.core.runner import StaticRunner, run_model
+from engine.kernels.build import kernels_available
 
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled():
-    if not kquant.kernels_available():
+    if not kernels_available():
         pytest.fail("the k-quant kernels did not build: a C++ compiler and ninja are part of the install")
 
 

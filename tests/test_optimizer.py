@@ -84,16 +84,16 @@ def test_cpu_profiles_are_named_by_the_isa_the_kernels_use(monkeypatch):
     kernels run several times faster there), so the CPU's ISA is part of the device name."""
     import torch
 
-    from engine.backends import kernels
+    from engine.kernels import cpu
     from engine.tuning.profile import cpu_isa, device_name
 
     for flags, isa in [({"avx2", "avx512f", "avx512bw", "avx512_vnni"}, "avx512vnni"),
                        ({"avx2", "avx512f"}, "avx2"), ({"sse4_2"}, "generic"), (set(), "generic")]:
-        monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: frozenset(flags))
+        monkeypatch.setattr(cpu, "cpu_flags", lambda flags=flags: frozenset(flags))
         assert cpu_isa() == isa
         assert device_name(torch.device("cpu")).endswith(f"-{isa}-{torch.get_num_threads()}threads")
     # the AVX2 path run on an AVX-512 CPU ($SEQUOIA_KERNEL_MARCH) is priced as the AVX2 path
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw", "avx512_vnni"}))
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw", "avx512_vnni"}))
     monkeypatch.setattr("platform.machine", lambda: "x86_64")
     for march, isa in (("x86-64-v3", "avx2"), ("x86-64", "generic"), ("native", "avx512vnni")):
         monkeypatch.setenv("SEQUOIA_KERNEL_MARCH", march)
@@ -108,7 +108,7 @@ def test_a_device_without_a_profile_borrows_the_nearest_and_says_whose(tmp_path,
 
     import torch
 
-    from engine.backends.kquant import kernel_digest
+    from engine.kernels.build import kernel_digest
 
     from engine.tuning import optimizer
     from engine.tuning.profile import device_name, profile_path

@@ -8,7 +8,6 @@ import torch
 
 from engine import SpeculativeEngine, Tree
 from engine.backends.kernels import is_packed, prepare
-from engine.backends.kquant import kernels_available
 from engine.backends.quantize import (
     DRAFT_FORMATS,
     Int4Linear,
@@ -20,6 +19,7 @@ from engine.backends.quantize import (
     pack_int4,
     quantize_draft,
 )
+from engine.kernels.build import kernels_available
 
 QUANTIZERS = {"int4": int4_draft, "int8": int8_draft}
 

@@ -85,9 +85,9 @@ def test_the_compiled_nucleus_and_torchs_are_the_exact_nucleus_to_a_rounding(tem
     sum to 1. Peaked, middling and flat rows (a flat one at top-p 0.99 keeps 140,000 tokens of
     1e-6 each: a float32 sum of the softmax drifts by tens of them, on some ISAs), a vocabulary
     that is not a multiple of 16, -inf entries."""
-    from engine.backends.kquant import _extension
+    from engine.kernels.build import compiled_kernels
 
-    if _extension() is None:
+    if compiled_kernels() is None:
         pytest.fail("the kernels did not build: a C++ compiler and ninja are part of the install")
     generator = torch.Generator().manual_seed(int(temperature * 10 + top_p * 100))
     logits = torch.randn(6, 151_933, generator=generator) * torch.tensor([[0.3], [1.0], [3.0], [6.0], [12.0], [2.0]])
@@ -217,11 +217,11 @@ def test_a_row_without_mass_cannot_be_drawn_from():
 
 
 def test_the_compiled_nucleus_refuses_non_finite_logits():
-    from engine.backends.kquant import _extension
+    from engine.kernels.build import compiled_kernels
     from engine.core.sampling import compiled
     from engine.errors import InvalidDistributionError
 
-    assert _extension() is not None and compiled("nucleus_probs") is _extension().nucleus_probs  # sampling looks them up
+    assert compiled_kernels() is not None and compiled("nucleus_probs") is compiled_kernels().nucleus_probs  # sampling looks them up
     for bad in (float("nan"), float("inf")):
         logits = torch.zeros(2, 100)
         logits[1, 17] = bad
@@ -261,9 +261,9 @@ def test_the_compiled_draw_picks_the_token_the_cumsum_picks():
     """``draw_index`` (the CPU path of sample_token) against torch's float64 prefix sums and
     searchsorted, for the same uniforms: the same token every time, over sparse nuclei, dense
     rows, tiny masses and uniforms at the ends."""
-    from engine.backends.kquant import _extension
+    from engine.kernels.build import compiled_kernels
 
-    extension = _extension()
+    extension = compiled_kernels()
     if extension is None:
         pytest.fail("the kernels did not build: a C++ compiler and ninja are part of the install")
     generator = torch.Generator().manual_seed(11)
@@ -285,10 +285,10 @@ def test_the_compiled_ranking_is_torchs_argmax_and_topk_with_ties_in_index_order
     """``top_indices`` (greedy verification's argmax, the draft's top-k children) against torch on
     vocabulary-sized rows of every kind: distinct values give topk's indices; k = 1 is argmax's
     first maximum; equal values come in index order; a NaN row falls back to torch's argmax."""
-    from engine.backends.kquant import _extension
+    from engine.kernels.build import compiled_kernels
     from engine.core.sampling import compiled, top_indices
 
-    extension = _extension()
+    extension = compiled_kernels()
     if extension is None:
         pytest.fail("the kernels did not build: a C++ compiler and ninja are part of the install")
     assert compiled("top_indices") is extension.top_indices
@@ -416,8 +416,8 @@ def draws():
     return [sample_token(probs[r], torch.Generator().manual_seed(s)) for r in range(3) for s in range(30)]
 
 first = draws()
-import engine
-assert engine.compiled_kernels() is not None and COMPILED["nucleus_probs"] is engine.compiled_kernels().nucleus_probs
+from engine.kernels.build import compiled_kernels
+assert compiled_kernels() is not None and COMPILED["nucleus_probs"] is compiled_kernels().nucleus_probs
 from engine.backends.kquant_model import kquant_model
 import tiny_models as tm
 kquant_model(tm.qwen2(seed=1, vocab_size=64, hidden_size=256, layers=1))

@@ -20,6 +20,7 @@ from engine.backends import kquant
 from engine.backends.kquant_model import kquant_model
 from engine.core.kv_cache import growing_cache
 from engine.core.runner import run_model
+from engine.kernels.build import kernels_available
 
 THREADS = (1, 2, 3, 4, 8)
 WIDTHS = (*range(1, 33), 100, 300)
@@ -27,7 +28,7 @@ WIDTHS = (*range(1, 33), 100, 300)
 
 @pytest.fixture(scope="module")
 def wide_q4k() -> torch.nn.Module:
-    if not kquant.kernels_available():
+    if not kernels_available():
         pytest.fail("the k-quant kernels did not build: a C++ compiler and ninja are part of the install")
     model = tm._build(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, seed=11, vocab_size=512,
                       hidden_size=256, intermediate_size=4096, num_hidden_layers=2, num_attention_heads=4,

@@ -14,10 +14,8 @@ does not double); :func:`unpack_linears` restores the original exactly.
 """
 from __future__ import annotations
 
-import functools
 import types
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
@@ -25,30 +23,6 @@ from engine.backends.mapped import backing_file, file_mappings, own_copy, return
 
 
 READERS = 4  # threads reading weights off their file at once (capped by torch's thread count)
-
-
-def _cpuinfo_value(key: str) -> str:
-    """The value of the first ``key`` line of Linux's ``/proc/cpuinfo`` (empty where there is none
-    or the file cannot be read)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((line.partition(":")[2].strip() for line in lines if line.split(":")[0].strip() == key), "")
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The instruction-set flags this CPU advertises (the ``flags`` line of ``/proc/cpuinfo``; empty
-    where it cannot be read)."""
-    return frozenset(_cpuinfo_value("flags").split())
-
-
-@functools.cache
-def cpu_model() -> str:
-    """This CPU's model name (the ``model name`` line of ``/proc/cpuinfo``; empty where it cannot be
-    read)."""
-    return _cpuinfo_value("model name")
 
 
 def packing_available() -> bool:

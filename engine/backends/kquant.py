@@ -4,8 +4,8 @@ The embedded target's GGUF stores most matrices as Q4_K (super-blocks of 256 inp
 32 with 6-bit scales and mins: ``w = d*sc*q - dmin*m``, q in 0..15) and the rest as Q6_K
 (sub-blocks of 16 with int8 scales: ``w = d*sc*(q - 32)``). :class:`KQuantLinear` keeps those
 integers exactly and multiplies them with activations quantised to int8 per super-block, as
-llama.cpp does, in a C++ kernel (``engine/backends/csrc/kquant.cpp``: AVX-512 VNNI or AVX2 where the CPU
-has them, portable C++ elsewhere; :func:`simd_path` says which).
+llama.cpp does, in a C++ kernel (``engine/kernels/csrc/kquant.cpp``: AVX-512 VNNI or AVX2 where the CPU
+has them, portable C++ elsewhere; :func:`engine.kernels.build.simd_path` says which).
 
 Exactness by construction: each output row is computed by the same instructions in the same
 order whatever the number of rows and threads, :func:`kquant_attention` does the same for
@@ -16,147 +16,24 @@ exactly, not by luck at near-ties.
 
 Without a C++ compiler the linear layers run :func:`reference_linear` (pure torch, the same
 numbers, slower) and attention falls back to torch's SDPA (then rows are no longer guaranteed
-batch-invariant; :func:`kernels_available` says which).
+batch-invariant; :func:`engine.kernels.build.kernels_available` says which).
 
-This module holds the layers, their packing and the kernels; a whole model of them (from a float
-model or a GGUF's blocks, cached packed) is built by :mod:`engine.backends.kquant_model`.
+This module holds the layers and their packing; the kernels they call are built and loaded by
+:mod:`engine.kernels.build`, and a whole model of them (from a float model or a GGUF's blocks,
+cached packed) is built by :mod:`engine.backends.kquant_model`.
 """
 from __future__ import annotations
-
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import sys
-from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import torch
 
-log = logging.getLogger(__name__)
+from engine.kernels.build import compiled_kernels
 
 SUPER_BLOCK = 256
 TILE = 16
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("kquant.cpp", "nucleus.cpp")]
-HEADERS = [Path(__file__).with_name("csrc") / "fixed_exp.h"]  # part of the build's digest, not compiled alone
 ATTENTION_NAME = "kquant"
 CACHE_FORMAT = 4  # bump when the packed layout changes (2: Q6_K at 6 bits a weight, not 8; 3: d, dmin as fp16;
 #                  4: a Q4_K weight's zero half super-block not stored)
-
-
-# ---- the compiled kernels -------------------------------------------------------------------
-
-@lru_cache(maxsize=1)
-def _extension():
-    """The compiled kernels, built once into the cache (about a minute), or None when they cannot
-    be built here (no compiler); the reason is logged. Sampling takes its functions from these too
-    (:func:`engine.core.sampling.compiled`, through :func:`engine.compiled_kernels`)."""
-    venv_bin = Path(sys.executable).parent  # pip's ninja lands beside the interpreter, maybe off PATH
-    if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
-        os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
-    try:
-        return compile_kernels(kernel_march())
-    except (OSError, RuntimeError, ImportError) as exc:
-        log.warning("the k-quant kernels could not be built (%s); using the pure-torch reference", exc)
-        return None
-
-
-def kernel_march() -> str:
-    """The ``-march`` the engine's kernels are built for: ``native``, unless ``$SEQUOIA_KERNEL_MARCH``
-    names another path this CPU runs (:func:`other_marches`: ``x86-64-v3`` runs the AVX2 path on an
-    AVX-512 machine, to measure it there); anything else is refused with a warning."""
-    march = os.environ.get("SEQUOIA_KERNEL_MARCH", "native") or "native"
-    if march != "native" and march not in other_marches():
-        if march not in _REFUSED_MARCHES:  # said once, not at every profile stamp and build
-            _REFUSED_MARCHES.add(march)
-            log.warning("SEQUOIA_KERNEL_MARCH=%s is not a path this CPU runs (%s); building for native",
-                        march, ", ".join(["native", *other_marches()]))
-        return "native"
-    return march
-
-
-_REFUSED_MARCHES: set[str] = set()
-
-
-def compile_kernels(march: str = "native"):
-    """Build (once, into the cache) and import the kernels for ``-march=<march>``: ``native`` is what
-    the engine uses; ``x86-64-v3`` (AVX2) and ``x86-64`` (portable) let a test check that every
-    integer path computes the same numbers. Raises what the compiler or the import raise."""
-    from torch.utils.cpp_extension import load
-
-    from engine.user_cache import cache_dir
-
-    digest = build_key(march)
-    tag = "" if march == "native" else "_" + march.replace("-", "_")  # a module name of its own per path
-    build = cache_dir() / "kernels" / f"kquant-{digest}{tag}"
-    build.mkdir(parents=True, exist_ok=True)
-    # Without GCC's unroll-and-jam, which interleaves a panel's sub-blocks and so spills the unpacked
-    # weights (a copy of the AVX2 Q4_K panel alone, one thread: 75 -> 84 G multiply-adds/s).
-    return load(name="sequoia_kquant" + tag, sources=[str(s) for s in SOURCES], build_directory=str(build),
-                extra_cflags=["-O3", "-fno-loop-unroll-and-jam", f"-march={march}", "-ffp-contract=off", "-fopenmp"],
-                extra_ldflags=["-fopenmp"], verbose=os.environ.get("SEQUOIA_VERBOSE_BUILD") == "1")
-
-
-def _source_bytes() -> bytes:
-    return b"".join(s.read_bytes() for s in SOURCES + HEADERS)
-
-
-def kernel_digest() -> str:
-    """What a timing of the kernels (a hardware profile) depends on besides the thread count: their
-    sources, the path they are built for (:func:`kernel_march`) and the CPU that runs them (its model
-    and flags). A profile stamped with another digest was measured with other kernels or on another
-    CPU, even where both share a home folder and a profile's name."""
-    from engine.backends.kernels import cpu_flags, cpu_model
-
-    machine = f"{kernel_march()}|{cpu_model()}|{' '.join(sorted(cpu_flags()))}"
-    return hashlib.sha256(_source_bytes() + machine.encode()).hexdigest()[:12]
-
-
-def build_key(march: str) -> str:
-    """The build folder's key: the sources, torch's version, the sources' folder (ninja rebuilds
-    when a source's path changes, so two checkouts sharing one folder would rebuild each other's
-    kernels at every start), and for ``native`` the CPU's instruction-set flags: a home folder or
-    image shared by an AVX-512 and an AVX2 machine keeps one build for each, never running the
-    other's instructions (SIGILL)."""
-    from engine.backends.kernels import cpu_flags
-
-    cpu = " ".join(sorted(cpu_flags())) + platform.machine() if march == "native" else ""
-    key = _source_bytes() + torch.__version__.encode() \
-        + str(SOURCES[0].parent).encode() + cpu.encode()
-    return hashlib.sha256(key).hexdigest()[:12]
-
-
-def kernels_available() -> bool:
-    """True when the compiled kernels load (built on first use)."""
-    return _extension() is not None
-
-
-def simd_path() -> str:
-    """The kernels' integer path on this CPU: ``avx512-vnni``, ``avx2``, ``portable``, or ``none``
-    when they are not built (the pure-torch reference runs)."""
-    ext = _extension()
-    return "none" if ext is None else ext.simd_path()
-
-
-def other_marches() -> list[str]:
-    """The other ``-march`` builds this CPU can run, which the tests compare with the native one:
-    the portable path, and the AVX2 path where the CPU has AVX2 (x86 only)."""
-    from engine.backends.kernels import cpu_flags
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return []
-    return ["x86-64"] + (["x86-64-v3"] if "avx2" in cpu_flags() else [])
-
-
-def build_kernels(every_path: bool = False) -> str:
-    """Build the kernels now (``make kernels``; with ``every_path`` also :func:`other_marches`, as
-    ``make test`` does); returns a line saying what was built."""
-    if _extension() is None:
-        raise RuntimeError("the k-quant kernels could not be built; see the log above")
-    others = [compile_kernels(march).simd_path() for march in other_marches()] if every_path else []
-    return f"k-quant kernels ready ({', '.join([simd_path(), *others])})"
 
 
 # ---- packing GGUF blocks into the kernel's tiles ----------------------------------------------
@@ -394,7 +271,7 @@ class KQuantLinear(torch.nn.Module):
         return {name: self._buffers[name] for name in PACKED_NAMES[self.kind]}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ext = _extension()
+        ext = compiled_kernels()
         buffers = self._buffers  # read directly: nn.Module's attribute lookup is most of a small layer's Python cost
         x = x.float()
         if self.padded_in != self.in_features:  # zero inputs leave each super-block's scale and sums as they are
@@ -419,7 +296,7 @@ class FixedSiLU(torch.nn.Module):
     The lean forward computes the same function, so both forwards keep the same bits."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ext = _extension()
+        ext = compiled_kernels()
         if ext is None or x.dtype != torch.float32 or x.device.type != "cpu":
             return torch.nn.functional.silu(x)
         return ext.silu(x)
@@ -440,7 +317,7 @@ def kquant_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     """Attention for Hugging Face models (registered as ``"kquant"``): ``query [1, H, R, D]``,
     ``key/value [1, KVH, L, D]``, mask ``[1, 1, R, L]`` (bool: True attends; float: additive) or
     None (causal). Returns ``([1, R, H, D], None)``; each row is computed alone, in a fixed order."""
-    ext = _extension()
+    ext = compiled_kernels()
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if ext is None or query.shape[0] != 1 or query.dtype != torch.float32 or query.shape[-1] % 16:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -3,8 +3,9 @@
 model readied to run (the k-quant attention, :class:`~engine.backends.kquant.FixedSiLU` and the
 lean forward of :mod:`engine.backends.lean`).
 
-The layers, their packing and the compiled kernels are :mod:`engine.backends.kquant`'s; this module
-stands above it and the lean forward, which runs on the layers' packed tensors.
+The layers and their packing are :mod:`engine.backends.kquant`'s, the compiled kernels they call
+are built and loaded by :mod:`engine.kernels`; this module stands above the layers and the lean
+forward, which runs on the layers' packed tensors.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ into the cache's buffers), else in two calls a layer around the cache's own upda
 A Hugging Face decoder layer costs about as much in Python and torch dispatch as in arithmetic on
 2 CPU cores once its matrices are 4-bit: every layer runs a dozen module calls, keyword-argument
 plumbing, an attention-interface lookup and some forty small torch operations. :class:`LeanDecoder`
-runs each layer as the extension's ``LeanLayer`` (``engine/backends/csrc/kquant.cpp``): the norm,
+runs each layer as the extension's ``LeanLayer`` (``engine/kernels/csrc/kquant.cpp``): the norm,
 q/k/v as one kernel pass over their stacked tiles, rotary, then (after the KV-cache write)
 attention, the output projection, the residual and the MLP. Per element those
 are the model's own operations in the same order: the norms through the same ATen calls, SiLU
@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.backends.kquant import PACKED_NAMES, KQuantLinear, _extension
+from engine.backends.kquant import PACKED_NAMES, KQuantLinear
 from engine.core.kv_cache import commit_all, reserve_all
+from engine.kernels.build import compiled_kernels
 
 LEAN_MODEL_TYPES = ("qwen2", "llama")
 ATTRIBUTE = "lean_forward"  # where a model keeps its LeanDecoder; the runner looks for it there
@@ -44,7 +45,7 @@ def native_layer(layer: torch.nn.Module):
     """The extension's ``LeanLayer`` over one decoder layer's tensors (shared, not copied)."""
     attn, mlp = layer.self_attn, layer.mlp
     heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
-    return _extension().LeanLayer(
+    return compiled_kernels().LeanLayer(
         layer.input_layernorm.weight.detach(), float(layer.input_layernorm.variance_epsilon),
         layer.post_attention_layernorm.weight.detach(), float(layer.post_attention_layernorm.variance_epsilon),
         [_spec(attn.q_proj), _spec(attn.k_proj), _spec(attn.v_proj)], [_spec(attn.o_proj)],
@@ -92,7 +93,7 @@ class LeanDecoder:
         buffers = reserve_all(cache, q_len)
         if buffers is not None:  # a growing cache: one call runs every layer, writing keys in place
             keys, values, filled = buffers
-            hidden = _extension().forward_layers(self._native, hidden, cos, sin, keys, values, filled,
+            hidden = compiled_kernels().forward_layers(self._native, hidden, cos, sin, keys, values, filled,
                                                  _mask_rows(mask, q_len, filled + q_len))
             commit_all(cache, filled + q_len)
         else:
@@ -103,7 +104,7 @@ class LeanDecoder:
                 if rows is None:
                     rows = _mask_rows(mask, q_len, key.shape[2])
                 hidden = layer.attention_out(hidden, query, key, value, rows)
-        hidden = _extension().rms_norm(hidden, self.final_norm.weight.detach(), float(self.final_norm.variance_epsilon))
+        hidden = compiled_kernels().rms_norm(hidden, self.final_norm.weight.detach(), float(self.final_norm.variance_epsilon))
         return self.lm_head(hidden[:, -logits_to_keep:, :] if logits_to_keep else hidden)
 
 
@@ -122,7 +123,7 @@ def supports(model: torch.nn.Module) -> bool:
     and whose attention is the k-quant kernel's (what
     :func:`~engine.backends.kquant_model.kquant_model` builds)."""
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "model_type", None) not in LEAN_MODEL_TYPES or _extension() is None:
+    if config is None or getattr(config, "model_type", None) not in LEAN_MODEL_TYPES or compiled_kernels() is None:
         return False
     if getattr(config, "_attn_implementation", None) != "kquant":
         return False

@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-from engine.backends.kernels import cpu_flags, on_cpu_fp32, own_memory, unpack_linears
+from engine.backends.kernels import on_cpu_fp32, own_memory, unpack_linears
 from engine.backends.mapped import FileMapping, file_mappings, own_copy
+from engine.kernels.cpu import cpu_flags
 from engine.user_cache import save_cache_atomically
 
 DRAFT_FORMATS = ("auto", "int4", "int8", "q4k", "none")
@@ -238,7 +239,7 @@ def fastest_format() -> str:
     flags rather than timed: on a shared 2-core machine a start-up timing of these millisecond
     products flips from run to run.
     """
-    from engine.backends.kquant import kernels_available
+    from engine.kernels.build import kernels_available
 
     if kernels_available():
         return "q4k"

@@ -83,7 +83,7 @@ def run(lengths: list[int], repeats: int, peer: bool, log=print, pair=None) -> d
     from engine.models.loading import load_pair
     from engine.peer.llama_cpp import (DEFAULT_THREADS, PeerConfig, PeerServer, TARGET_ONLY, context_size,
                                        default_ggufs, free_port, peer_binaries, server_command)
-    from engine.backends.kquant import simd_path
+    from engine.kernels.build import simd_path
     from engine.tuning.profile import cpu_isa
 
     target, draft, tokenizer = pair or load_pair()

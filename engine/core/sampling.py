@@ -6,6 +6,7 @@ import functools
 import torch
 
 from engine.errors import InvalidDistributionError
+from engine.kernels.build import compiled_kernels
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
@@ -16,7 +17,7 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float
     broken weights) raise :class:`InvalidDistributionError` instead of sampling garbage.
 
     With top-p on CPU float32 logits, the compiled kernels compute it in one call
-    (``nucleus_probs``, engine/backends/csrc/nucleus.cpp: the same bits on every machine and ISA
+    (``nucleus_probs``, engine/kernels/csrc/nucleus.cpp: the same bits on every machine and ISA
     with the kernels; about 0.2 ms a row of 151,936 tokens where torch's dozen operations take 1
     to 2 ms). Without the kernels (or on a GPU), torch does, choosing the nucleus in float64.
     Both keep the exact nucleus of ``softmax(z)``, ``z = (x - max) / temperature`` in float32, but
@@ -52,13 +53,11 @@ def use_compiled_kernels(extension) -> None:
 @functools.cache
 def _look_up_kernels() -> None:
     """Load the compiled kernels once, before the first draw, and sample through them from then on
-    (:func:`engine.compiled_kernels`; they are built once into the user cache, and none where no
-    compiler is found). Looked up on first use rather than when an int4 model happens to load them,
-    so a process samples through the same functions from its first token on: the same seed gives
-    the same draws all along."""
-    import engine
-
-    extension = engine.compiled_kernels()
+    (:func:`engine.kernels.build.compiled_kernels`; they are built once into the user cache, and
+    none where no compiler is found). Looked up on first use rather than when an int4 model happens
+    to load them, so a process samples through the same functions from its first token on: the
+    same seed gives the same draws all along."""
+    extension = compiled_kernels()
     if extension is not None:
         use_compiled_kernels(extension)
 
