@@ -86,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_worker(args: argparse.Namespace):
     from app.worker import Worker
     from engine.tuning.optimizer import load_tuner
+    from engine.tuning.planner import TreePlanner
 
     if args.tiny:
         import torch
@@ -104,8 +105,9 @@ def build_worker(args: argparse.Namespace):
                                          args.trust_remote_code, offload=args.offload,
                                          draft_format=args.draft_format, target_format=args.target_format,
                                          draft_vocabulary=args.draft_vocab)
-    tuner = load_tuner(pair_name(args.target, args.draft, draft, target), target)
-    return Worker.from_models(target, draft, tokenizer, args.target, args.draft, tuner=tuner, **worker_policy(args))
+    pair = pair_name(args.target, args.draft, draft, target)
+    return Worker.from_models(target, draft, tokenizer, args.target, args.draft,
+                              planner=TreePlanner(pair, load_tuner(pair, target)), **worker_policy(args))
 
 
 def on_a_passing_thread(function, *args):
@@ -149,7 +151,9 @@ def report_measurement(job, worker) -> None:
     """Print how the background measurement of this machine ended (the optimizer's new pick)."""
     last = job.wait()[-1]
     if last.kind == "done" and worker.tuner is not None:
-        choice = worker.tuner.choose(0.0, 1.0)
+        from engine.core.settings import DecodeSettings
+
+        choice = worker.decide(DecodeSettings(temperature=0.0, top_p=1.0)).choice
         print(f"Measured this machine: the target alone {1 / last.data.token_time():.1f} tokens/s; at T = 0 the "
               f"optimizer picks a tree of {choice.size} nodes, depth {choice.depth} "
               f"(predicted {choice.predicted_speedup:.2f}x the target alone).", flush=True)
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     measured = bool(find_acceptance(pair))
     demo = ui.build_demo(worker, worker.tokenizer, {
         "tree_size": max(1, args.tree_size), "depth": max(1, args.depth),
-        "max_new_tokens": max(1, args.max_new_tokens), "pair": pair,
+        "max_new_tokens": max(1, args.max_new_tokens),
         "predict": measured and not args.tiny, "models_panel": models_panel(args)})
     if not args.no_measure:  # before any page can draw on the cores: the stats line's "× the target alone"
         rate = demo.chat_app.measure_baseline_now(0.0, 1.0)

@@ -259,22 +259,24 @@ class Headless:
         from engine import SpeculativeEngine
         from engine.models.loading import load_default_pair, pair_name
         from engine.tuning.optimizer import load_tuner
+        from engine.tuning.planner import TreePlanner
 
         target, draft, self.tokenizer = load_default_pair()
-        self.tuner = load_tuner(pair_name("default-target", "default-draft", draft, target), target)
-        self.engine = SpeculativeEngine(target, draft, tuner=self.tuner)
+        pair = pair_name("default-target", "default-draft", draft, target)
+        self.tuner = load_tuner(pair, target)
+        self.engine = SpeculativeEngine(target, draft, planner=TreePlanner(pair, self.tuner))
         self.max_new, self.log = max_new, log
 
     def decode(self, prompt: str, index: int) -> dict:
         """The answer to ``prompt`` (the ``index``-th bundled one): its decode rate and first token."""
         from app.controls import DEFAULTS
+        from engine.core.timed_alone import TimedAlone
         from engine.models.prompts import encode_chat
 
         ids = encode_chat(self.tokenizer, [{"role": "user", "content": prompt}])
         started = time.perf_counter()
-        result = self.engine.generate(ids, max_new_tokens=self.max_new, temperature=0.0,
-                                      tree="auto" if self.tuner else None, copies=DEFAULTS["copies"],
-                                      time_alone_every=DEFAULTS["time_alone_every"])
+        result = self.engine.generate(ids, max_new_tokens=self.max_new, temperature=0.0,  # the app's other defaults
+                                      timed_alone=TimedAlone(DEFAULTS["time_alone_every"]))
         out = {"prompt": prompt, "prompt_index": index, "tokens": len(result.tokens), "decode_tokens_per_s": result.tokens_per_second,
                "first_token_s": result.first_token_s, "wall_s": time.perf_counter() - started,
                "tuner": self.tuner.origin if self.tuner else None}

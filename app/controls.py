@@ -1,38 +1,37 @@
 """What the UI's controls mean, as plain values: the app's defaults, a value clamped into its
-range, the tree that a method, size and depth name (DP trees cached), and the acceptance
-calibration for a temperature and top-p. The handlers (:mod:`app.handlers`) and the teaching
-views (:mod:`app.explain_view`) both use them; nothing here knows Gradio or the worker."""
+range, and the chat's controls read once into the settings an answer decodes with. The handlers
+(:mod:`app.handlers`) and the teaching views (:mod:`app.explain_view`) both use them; nothing
+here knows Gradio or the worker."""
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 
-from engine.trees.tree import Tree
-from engine.tuning.acceptance import EMBEDDED_PAIR, Calibration, calibration_for
-from engine.tuning.tree_store import build_tree
+from engine.core.settings import AUTO, DEFAULT_SIZE, METHODS, DecodeSettings, TreeSize, TreeSpec, settings_from
+
+_LIBRARY = DecodeSettings()  # the engine's defaults are the app's: they are read from one place
 
 DEFAULTS = {
     "title": "Sequoia Chat",
     "system_prompt": "",
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "max_new_tokens": 256,
+    "temperature": _LIBRARY.temperature,
+    "top_p": _LIBRARY.top_p,
+    "max_new_tokens": _LIBRARY.max_new_tokens,
     "max_new_tokens_limit": 2048,
-    "seed": 0,
-    "method": "sequoia",
-    "tree_size": 8,
-    "depth": 4,
-    "auto": True,  # the optimizer's pick when the pair has one (tree_size and depth: for a manual tree)
+    "seed": _LIBRARY.seed,
+    "method": _LIBRARY.method,
+    "tree_size": DEFAULT_SIZE.size,
+    "depth": DEFAULT_SIZE.depth,
+    "auto": _LIBRARY.tree == AUTO,  # the optimizer's pick when the pair has one (tree_size and depth: for a manual tree)
     "max_tree_size": 64,
     "max_depth": 16,
     "compare": False,
-    "copies": True,  # free drafts: continuations copied from the conversation, verified beside the draft's
+    "copies": _LIBRARY.copies,  # free drafts: continuations copied from the conversation, verified beside the draft's
     # an answer's 2nd step and every n-th after it the target decodes alone, timed: the stats line's
     # "× the target alone" then compares with the target under the same load (the page, other programs)
     "time_alone_every": 10,
     "highlight": False,
-    # the pair (as calibrations name it) whose acceptance calibrations shape DP trees and predictions
-    "pair": EMBEDDED_PAIR,
     # show predicted tokens/step; also off whenever the pair in use has no calibration of its own
     "predict": True,
 }
@@ -58,34 +57,60 @@ def live_update_intervals(cores: int | None = None) -> dict[str, float]:
 DEFAULTS |= live_update_intervals()
 
 
-@lru_cache(maxsize=64)
-def cached_calibration(pair: str, temperature: float, top_p: float) -> Calibration:
-    """:func:`engine.tuning.acceptance.calibration_for`, memoised (the controls ask at every change)."""
-    return calibration_for(pair, temperature, top_p)
-
-
-@lru_cache(maxsize=256)
-def _cached_tree(size: int, depth: int, acceptance: tuple[float, ...]) -> Tree | None:
-    return build_tree(size, depth, list(acceptance))
-
-
-def resolve_tree(method: str, size: int, depth: int, acceptance) -> tuple[Tree | None, str]:
-    """The tree for the controls and a short description. Raises EngineError on bad values."""
-    size = int(max(1, size))
-    depth = int(max(1, depth))
-    if method == "autoregressive" or size == 1 and method != "chain":
-        return None, "autoregressive: the target alone, 1 token per step, no draft"
-    if method == "chain":
-        return Tree.chain(depth), f"chain: {depth} draft tokens in a row ({depth + 1} nodes)"
-    depth = min(depth, size - 1)
-    tree = _cached_tree(size, depth, tuple(acceptance))
-    kind = "a chain" if tree.size == tree.depth + 1 else "a DP-shaped tree"
-    return tree, f"{method} on {kind}: {tree.size} nodes, depth {tree.depth}"
-
-
 def clamp(value, low, high, cast=float):
     try:
         value = cast(value)
     except (TypeError, ValueError):
         value = low
     return max(low, min(high, value))
+
+
+def sampling(temperature, top_p) -> tuple[float, float]:
+    """The temperature and top-p controls as values in their sliders' ranges."""
+    return clamp(temperature, 0.0, 2.0), clamp(top_p, 0.01, 1.0)
+
+
+@dataclass(frozen=True)
+class ChatControls:
+    """The chat's controls as the handlers read them, each clamped into its range once: the
+    system prompt, sampling, budget, seed, method, the tree (size and depth, or Auto) and the
+    page's switches (Compare, highlight, presentation mode)."""
+
+    system: str = ""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new: int = 256
+    seed: int = 0
+    method: str = "sequoia"
+    size: int = 8
+    depth: int = 4
+    auto: bool = True
+    compare: bool = False
+    highlight: bool = False
+    present: bool = False
+
+    @classmethod
+    def read(cls, values: Sequence, options: dict) -> "ChatControls":
+        """From the components' values in :data:`CONTROL_NAMES` order."""
+        v = dict(zip(CONTROL_NAMES, values))
+        temperature, top_p = sampling(v.get("temperature"), v.get("top_p"))
+        return cls(system=str(v.get("system") or ""), temperature=temperature, top_p=top_p,
+                   max_new=int(clamp(v.get("max_new"), 1, options["max_new_tokens_limit"], int)),
+                   seed=int(clamp(v.get("seed"), 0, 2**31 - 1, int)),
+                   method=v.get("method") if v.get("method") in METHODS else "sequoia",
+                   size=int(clamp(v.get("size"), 1, options["max_tree_size"], int)),
+                   depth=int(clamp(v.get("depth"), 1, options["max_depth"], int)),
+                   auto=bool(v.get("auto")), compare=bool(v.get("compare")), highlight=bool(v.get("highlight")),
+                   present=bool(v.get("present")))
+
+    def tree(self, can_pick: bool) -> TreeSpec:
+        """The tree the controls name: Auto where the pair has an optimizer, else the sliders' size."""
+        return AUTO if self.auto and can_pick and self.method != "autoregressive" else TreeSize(self.size, self.depth)
+
+    def settings(self, can_pick: bool, copies: bool = False, trace: bool = False) -> DecodeSettings:
+        """The :class:`~engine.core.settings.DecodeSettings` the chat decodes with (checked)."""
+        return settings_from(max_new_tokens=self.max_new, temperature=self.temperature, top_p=self.top_p,
+                             seed=self.seed, method=self.method, tree=self.tree(can_pick), copies=copies, trace=trace)
+
+
+CONTROL_NAMES = tuple(f.name for f in fields(ChatControls))  # the order the page passes them in

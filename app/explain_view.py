@@ -23,14 +23,16 @@ import threading
 
 import gradio as gr
 
+from engine.core.settings import settings_from
 from engine.errors import EngineError
 from engine.trees.tree import Tree
 from engine.tuning import explain
 from engine.tuning.optimizer import predict
 
 from . import explain_figures as xf
+from . import explain_text
 from . import figures
-from .controls import clamp, resolve_tree
+from .controls import ChatControls, sampling
 
 
 def _walk_position(run, step_no, event_no) -> tuple[int, int]:
@@ -66,23 +68,22 @@ class ExplainView:
     def why(self, method, size, depth, auto, temperature, top_p):
         """``(text, G figure, S figure, profile figure)`` for the controls as they are."""
         o = self.app.options
-        temperature, top_p = clamp(temperature, 0.0, 2.0), clamp(top_p, 0.01, 1.0)
-        size, depth = int(clamp(size, 1, o["max_tree_size"], int)), int(clamp(depth, 1, o["max_depth"], int))
+        controls = ChatControls.read((None, temperature, top_p, None, None, method, size, depth, auto), o)
+        temperature, top_p, size, depth = controls.temperature, controls.top_p, controls.size, controls.depth
+        worker = self.app.worker
         calibration = self.app.calibration(temperature, top_p)
         vector = calibration.vector
-        tuner = self.app.worker.tuner
+        tuner = worker.tuner
         profile = tuner.profile if tuner is not None else None
         chains = method == "chain"
-        pick = None
-        if profile is not None:
-            pick = tuner.choose(temperature, top_p, method)  # what Auto runs, memoised by the tuner
-        try:
-            tree, _ = resolve_tree(method, size, depth, vector)
+        try:  # what Auto runs (the optimizer's pick, for sequoia when the method drafts nothing), and your tree
+            pick = worker.decide(settings_from(temperature=temperature, top_p=top_p,
+                                               method="sequoia" if method == "autoregressive" else method)).choice
+            decision = worker.decide(controls.settings(tuner is not None))
         except EngineError as exc:
             return (f"<div class='sc-why-text sc-error'>{html.escape(str(exc))}</div>",) + (gr.update(),) * 3
-        auto_on = bool(auto) and pick is not None and method != "autoregressive"
-        if auto_on:
-            tree = pick.tree
+        auto_on = decision.auto
+        tree = decision.tree if decision.drafts else None
         mine_tree = tree if tree is not None else Tree.chain(0)
         yours = (mine_tree.size, max(1, mine_tree.depth if chains or auto_on else min(depth, max(size - 1, 1))))
         max_size = max(o["max_tree_size"], pick.size if pick is not None else 1)
@@ -95,7 +96,7 @@ class ExplainView:
         lines = []
         if profile is not None:
             mine = pick if auto_on else predict(mine_tree, vector, profile)
-            lines.append(f"<div class='sc-why-line'>{html.escape(explain.explain_choice(pick, mine, profile))}</div>")
+            lines.append(f"<div class='sc-why-line'>{html.escape(explain_text.explain_choice(pick, mine, profile))}</div>")
             best = tables.best()
             if best is not None and best["speedup"] > pick.predicted_speedup * 1.001:
                 lines.append(f"<div class='sc-why-note'>The table's best cell, n = {best['size']}, d = {best['depth']} "
@@ -108,7 +109,7 @@ class ExplainView:
                 lines.append("<div class='sc-why-note'>This pair has no calibration of its own: G uses the embedded "
                              "pair's, so these predictions are only indicative.</div>")
             prof = xf.profile_figure(profile)
-            caption = xf.profile_caption(profile, explain.profile_source(profile))
+            caption = xf.profile_caption(profile, explain_text.profile_source(profile))
         else:
             g = mine_tree.expected_tokens(vector)
             lines.append(f"<div class='sc-why-line'>No hardware profile for this pair on this device, so no speedup "
@@ -197,7 +198,7 @@ class ExplainView:
     def acceptance(self, conversation, temperature, top_p):
         """``(figure, definitions HTML)`` over every answer of the conversation."""
         steps = [s for answer in (conversation or []) for s in answer]
-        calibration = self.app.calibration(clamp(temperature, 0.0, 2.0), clamp(top_p, 0.01, 1.0))
+        calibration = self.app.calibration(*sampling(temperature, top_p))
         vector = None if calibration.borrowed else calibration.vector
         rows = xf.acceptance_by_depth(steps, vector)
         tokens = sum(len(s.committed) for s in steps)

@@ -14,17 +14,15 @@ from pathlib import Path
 
 import gradio as gr
 
-from engine.core.speculative import METHODS
+from engine.core.settings import settings_from
 from engine.errors import EngineError
-from engine.models.loading import pair_name
 from engine.tuning.acceptance import Calibration
-from engine.tuning.explain import describe_setting
 from engine.tuning.optimizer import predict
 
 from . import figures
 from .figures import MEASURED, MEASURED_AT_START
-from .answer_stream import Run, run_views, stream_answer
-from .controls import DEFAULTS, cached_calibration, clamp, resolve_tree
+from .answer_stream import Ask, Run, run_views, stream_answer
+from .controls import DEFAULTS, ChatControls, clamp, sampling
 from .conversation import (
     MAX_IMPORT_BYTES,
     ContextTooLong,
@@ -41,6 +39,7 @@ from .explain_view import ExplainView
 from .live_feed import LiveFeeds
 from .text import (
     describe_choice,
+    describe_decision,
     dropped_notice,
     header_html,
     method_help,
@@ -150,7 +149,7 @@ class ChatApp:
         return None, ""
 
     def baseline_html(self, temperature: float, top_p: float) -> str:
-        temperature, top_p = clamp(temperature, 0.0, 2.0), clamp(top_p, 0.01, 1.0)
+        temperature, top_p = sampling(temperature, top_p)
         rate, source = self.baseline(temperature, top_p)
         if rate is None:
             text = "Target alone: not measured yet (Compare, or Measure, measures it)."
@@ -168,9 +167,10 @@ class ChatApp:
     @staticmethod
     def _baseline_request(temperature: float, top_p: float, seed: int = 0) -> GenerationRequest:
         """What "Measure the target alone" decodes: a short fixed prompt, no draft."""
+        settings = settings_from(max_new_tokens=BASELINE_TOKENS, temperature=temperature, top_p=top_p, tree=None,
+                                 seed=seed, method="autoregressive", copies=False)
         return GenerationRequest(system="", messages=[{"role": "user", "content": BASELINE_PROMPT}],
-                                 max_new_tokens=BASELINE_TOKENS, temperature=temperature, top_p=top_p, tree=None,
-                                 seed=seed, method="autoregressive", keep_cache=False)  # the chat's cache stays
+                                 settings=settings, keep_cache=False)  # the chat's cache stays
 
     def measure_baseline_now(self, temperature: float = 0.0, top_p: float = 1.0) -> float | None:
         """Decode the fixed prompt with the target alone now (blocking, queued behind the worker's
@@ -182,7 +182,7 @@ class ChatApp:
     def measure_baseline(self, temperature, top_p, seed, request: gr.Request | None = None):
         """Decode a short fixed prompt with the target alone and keep its rate for this setting."""
         c = self.c
-        temperature, top_p = clamp(temperature, 0.0, 2.0), clamp(top_p, 0.01, 1.0)
+        temperature, top_p = sampling(temperature, top_p)
         session = getattr(request, "session_hash", None) or "local"
         req = self._baseline_request(temperature, top_p, int(clamp(seed, 0, 2**31 - 1, int)))
         try:
@@ -202,13 +202,8 @@ class ChatApp:
 
     def calibration(self, temperature: float, top_p: float) -> Calibration:
         """The acceptance calibration of the pair in use nearest to (temperature, top_p): what trees
-        are built for and predictions use (:func:`engine.tuning.acceptance.calibration_for`)."""
-        pair = self.options["pair"]
-        if self.worker.pair_version:  # swapped in the Models panel since launch
-            info = self.worker.info
-            pair = pair_name(str(info.get("target")), str(info.get("draft")), self.worker.engine.draft,
-                             self.worker.engine.target)
-        return cached_calibration(pair, round(float(temperature), 3), round(float(top_p), 3))
+        are built for and predictions use: the worker's planner's, the one its trees are decided with)."""
+        return self.worker.planner.calibration(temperature, top_p)
 
     # ----- chat ------------------------------------------------------------------------------
     def respond(self, message, history, run, system, temperature, top_p, max_new, seed, method, size, depth,
@@ -219,8 +214,9 @@ class ChatApp:
             yield {self.c.status: status_html("Empty message ignored: type something first.", "warn")}
             return
         history = list(history or []) + [{"role": "user", "content": message}]
-        yield from self._answer(history, message, run, system, temperature, top_p, max_new, seed, method, size,
-                                depth, auto, compare, highlight, present, request)
+        controls = ChatControls.read((system, temperature, top_p, max_new, seed, method, size, depth, auto, compare,
+                                      highlight, present), self.options)
+        yield from self._answer(history, message, controls, request)
 
     def regenerate(self, history, run, system, temperature, top_p, max_new, seed, method, size, depth, auto,
                    compare, highlight, present=False, request: gr.Request | None = None):
@@ -231,46 +227,31 @@ class ChatApp:
             gr.Info("Nothing to regenerate yet.")
             yield {self.c.status: status_html("Nothing to regenerate yet.", "warn")}
             return
-        yield from self._answer(history, "", run, system, temperature, top_p, max_new, seed, method, size, depth,
-                                auto, compare, highlight, present, request)
+        controls = ChatControls.read((system, temperature, top_p, max_new, seed, method, size, depth, auto, compare,
+                                      highlight, present), self.options)
+        yield from self._answer(history, "", controls, request)
 
-    def _answer(self, history, message, run, system, temperature, top_p, max_new, seed, method, size, depth,
-                auto, compare, highlight, present, request):
-        c, o = self.c, self.options
+    def _answer(self, history, message: str, controls: ChatControls, request):
+        """Send ``history`` (whose last turn is the user's ``message``, "" when regenerating) with
+        the settings ``controls`` name, and stream the answer's updates."""
+        c, worker = self.c, self.worker
         session = getattr(request, "session_hash", None) or "local"
-        temperature = clamp(temperature, 0.0, 2.0)
-        top_p = clamp(top_p, 0.01, 1.0)
-        max_new = int(clamp(max_new, 1, o["max_new_tokens_limit"], int))
-        seed = int(clamp(seed, 0, 2**31 - 1, int))
-        method = method if method in METHODS else "sequoia"
-        worker, engine = self.worker, self.worker.engine
-        choice = None
+        copies, expected = self.free_drafts(session)
         try:
-            if auto and worker.tuner is not None and method != "autoregressive":
-                choice = worker.tuner.choose(temperature, top_p, method)
-                tree, tree_desc = "auto", f"{method}, auto: {describe_setting(choice)}"
-                tree_size = choice.size
-            else:
-                tree, tree_desc = resolve_tree(method, size, depth, self.calibration(temperature, top_p).vector)
-                tree_size = tree.size if tree is not None else 1
-                if method == "chain" and tree is None:
-                    method = "sequoia"
+            settings = controls.settings(worker.tuner is not None, copies, self.explain.wants_trace(session))
+            decision = worker.decide(settings)
         except EngineError as exc:
             yield {c.status: status_html(f"Bad tree settings: {html.escape(str(exc))}", "error")}
             return
-        limit = (engine.max_context - max_new - tree_size) if getattr(engine, "max_context", 0) else None
         try:  # an early refusal only: the worker tokenises the conversation again when the job runs
-            _, dropped = fit_context(worker.tokenizer, system, history, limit)
+            _, dropped = fit_context(worker.tokenizer, controls.system, history, worker.context_limit(settings))
         except ContextTooLong as exc:
             gr.Warning(str(exc))
             yield {c.status: status_html(html.escape(f"Not sent: {exc}"), "error")}
             return
-        notices = [dropped_notice(dropped, engine.max_context)] if dropped else []
-        copies, expected = self.free_drafts(session)
-        request_ = GenerationRequest(system=system, messages=list(history), max_new_tokens=max_new,
-                                     temperature=temperature, top_p=top_p, tree=tree, seed=seed, method=method,
-                                     compare=bool(compare), trace=self.explain.wants_trace(session),
-                                     copies=copies, prediction=expected,
+        notices = [dropped_notice(dropped, worker.engine.max_context)] if dropped else []
+        request_ = GenerationRequest(system=controls.system, messages=list(history), settings=settings,
+                                     compare=controls.compare, prediction=expected,
                                      time_alone_every=int(self.options["time_alone_every"]))
         try:
             job = worker.submit(request_, session=session)  # refused while this session has a job
@@ -287,9 +268,7 @@ class ChatApp:
             return
         epoch = self._epoch(session)
         try:
-            for update in self._stream(job, history, message, system, choice, tree_desc, tree, highlight, notices,
-                                       dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new, seed=seed,
-                                            method=method, tree=tree_desc), 1.4 if present else 1.0):
+            for update in self._stream(job, Ask(history, message, controls, settings, decision, notices)):
                 if self._epoch(session) != epoch:
                     return  # Clear or Import replaced this conversation: the answer's updates would undo it
                 yield update
@@ -297,14 +276,12 @@ class ChatApp:
             if not job.finished:
                 job.cancel()  # the browser went away or the event was cancelled
 
-    def _stream(self, job: Job, history, message, system, choice, tree_desc, tree, highlight, notices, settings,
-                scale=1.0):
+    def _stream(self, job: Job, ask: Ask):
         """The answer's updates: through the live feed while the page reads it (then Gradio gets only
         the first and last updates), through Gradio's updates otherwise."""
         feed = self.feeds.open()
         try:
-            yield from stream_answer(self, feed, job, history, message, system, choice, tree_desc, tree, highlight,
-                                       notices, settings, scale)
+            yield from stream_answer(self, feed, job, ask)
         finally:
             feed.close()
 
@@ -377,48 +354,51 @@ class ChatApp:
         return gr.update(value=highlight_html(self.worker.tokenizer, steps), visible=bool(highlight))
 
     def tree_info(self, method, size, depth, auto, temperature, top_p):
-        temperature, top_p = clamp(temperature, 0.0, 2.0), clamp(top_p, 0.01, 1.0)
-        if auto and self.worker.tuner is not None and method != "autoregressive":
-            choice = self.worker.tuner.choose(temperature, top_p, method)
-            label = self.worker.tuner.calibration(temperature, top_p).label()
-            origin = self.worker.tuner.origin
-            profile = ("profile measured on this machine" if self.worker.tuner.measured_here else
-                       f"profile: {origin} (this machine is measured at the first start)")
-            return (f"<div class='sc-tree-info'>auto (hardware-aware optimizer): {describe_choice(choice, markup=True)}"
-                    f"<br><span class='sc-calibration'>{html.escape(label)} · {html.escape(profile)}</span></div>")
-        calibration = self.calibration(temperature, top_p)
+        controls = ChatControls.read((None, temperature, top_p, None, None, method, size, depth, auto), self.options)
+        tuner = self.worker.tuner
         try:
-            tree, desc = resolve_tree(method, size, depth, calibration.vector)
+            decision = self.worker.decide(controls.settings(tuner is not None))
         except EngineError as exc:
             return f"<div class='sc-tree-info sc-error'>{html.escape(str(exc))}</div>"
+        temperature, top_p = controls.temperature, controls.top_p
+        if decision.choice is not None:
+            label = tuner.calibration(temperature, top_p).label()
+            profile = ("profile measured on this machine" if tuner.measured_here else
+                       f"profile: {tuner.origin} (this machine is measured at the first start)")
+            return (f"<div class='sc-tree-info'>auto (hardware-aware optimizer): "
+                    f"{describe_choice(decision.choice, markup=True)}"
+                    f"<br><span class='sc-calibration'>{html.escape(label)} · {html.escape(profile)}</span></div>")
+        calibration = self.calibration(temperature, top_p)
+        tree = decision.tree if decision.drafts else None
         extra = ""
         if tree is not None and self.options["predict"] and not calibration.borrowed:
             extra = f" · predicted {tree.expected_tokens(calibration.vector):.2f} tokens/step"
+        method, size, depth = controls.method, controls.size, controls.depth
         note = ""
-        if method != "chain" and method != "autoregressive" and int(depth) > int(size) - 1 and int(size) > 1:
-            note = f" (depth capped at size − 1 = {int(size) - 1})"
-        elif tree is not None and method != "chain" and tree.depth < int(depth):
-            note = (f" (you asked for depth {int(depth)}: the DP tree stops at {tree.depth}, deeper nodes are "
+        if method != "chain" and method != "autoregressive" and depth > size - 1 and size > 1:
+            note = f" (depth capped at size − 1 = {size - 1})"
+        elif tree is not None and method != "chain" and tree.depth < depth:
+            note = (f" (you asked for depth {depth}: the DP tree stops at {tree.depth}, deeper nodes are "
                     f"predicted to be accepted less often than wider ones)")
         label = f"<br><span class='sc-calibration'>{html.escape(calibration.label())}</span>" if tree is not None else ""
         versus = ""
-        tuner = self.worker.tuner
         if tree is not None and tuner is not None and method != "autoregressive":
             mine = predict(tree, tuner.calibration(temperature, top_p).vector, tuner.profile).predicted_speedup
-            pick = tuner.choose(temperature, top_p, method)
+            pick = self.worker.decide(settings_from(temperature=temperature, top_p=top_p, method=method)).choice
             where = "here" if tuner.measured_here else f"({html.escape(tuner.origin)})"
             slower = mine < pick.predicted_speedup
             versus = (f"<br><span class='{'sc-warn' if mine < 1 else 'sc-calibration'}'>This tree: predicted "
                       f"{mine:.2f}× the target alone {where}"
                       + (f"; auto picks {html.escape(describe_choice(pick))}" if slower else "") + "</span>")
-        return f"<div class='sc-tree-info'>{html.escape(desc)}{note}{extra}{versus}{label}</div>"
+        return (f"<div class='sc-tree-info'>{html.escape(describe_decision(decision))}{note}{extra}{versus}"
+                f"{label}</div>")
 
     def auto_controls(self, method, auto, temperature, top_p):
         """Size and depth sliders under Auto: disabled, their labels naming the optimizer's pick (the
         user's values stay, for when Auto is turned off)."""
-        temperature, top_p = clamp(temperature, 0.0, 2.0), clamp(top_p, 0.01, 1.0)
-        if auto and self.worker.tuner is not None and method != "autoregressive":
-            choice = self.worker.tuner.choose(temperature, top_p, method)
+        controls = ChatControls.read((None, temperature, top_p, None, None, method, None, None, auto), self.options)
+        choice = self.worker.decide(controls.settings(self.worker.tuner is not None)).choice
+        if choice is not None:
             grown = f", grown while the draft is ≥ {choice.confidence:g} sure" if choice.confidence > 0 else ""
             return (gr.update(interactive=False, label=f"Tree size: auto picks {choice.size}{grown} (slider ignored)"),
                     gr.update(interactive=False, label=f"Tree depth: auto picks {choice.depth}{grown} (slider ignored)"))

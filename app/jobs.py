@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.trees.tree import Tree
+from engine.core.settings import DecodeSettings
 
 TERMINAL = ("done", "cancelled", "error")
 
@@ -25,7 +25,8 @@ class Event:
 
 @dataclass
 class GenerationRequest:
-    """What to decode. ``tree``: a Tree, None (target alone) or "auto" (needs a tuner).
+    """What to decode: the prompt and the :class:`~engine.core.settings.DecodeSettings` it is decoded
+    with, which reach the engine as they are (the worker only tokenises ``prediction`` into them).
 
     The prompt is either ``input_ids`` or a conversation: ``messages`` (role/content turns) and an
     optional ``system`` prompt, which the worker tokenises with the chat template when the job
@@ -33,21 +34,13 @@ class GenerationRequest:
     the pair), dropping the oldest turns that do not fit the context."""
 
     input_ids: list[int] | None = None
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    tree: Tree | str | None = None
-    seed: int = 0
-    method: str = "sequoia"
-    compare: bool = False
+    settings: DecodeSettings = field(default_factory=DecodeSettings)
+    compare: bool = False  # then the target alone decodes the same prompt, for comparison
     system: str | None = None
     messages: list[dict] | None = None
     cache_key: str | None = None  # whose conversation cache to use (default: the job's session)
     keep_cache: bool = True  # False: decode from a fresh cache and leave the session's as it was
-    trace: bool = False  # the main phase's steps carry the verifier's trace (StepRecord.trace)
-    copies: bool = True  # the main phase proposes continuations copied from the context beside the draft's tree
     prediction: str | None = None  # an expected answer (tokenised when the job runs) to copy from
-    logprobs: int | None = None  # the main phase's steps carry token logprobs and this many alternatives
     time_alone_every: int = 0  # the main phase gives its 2nd step and every n-th after it to the target alone, timed
 
 

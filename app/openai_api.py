@@ -116,13 +116,13 @@ def speculation(answer: Answer, started: dict | None, finished: dict | None) -> 
     drafted = sum(len(s.tokens) - 1 for s in steps) - copied
     accepted = sum(s.accepted_draft_tokens for s in steps)
     tokens = sum(len(s.committed) for s in steps)
-    tree = (started or {}).get("tree")
-    choice = (started or {}).get("tree_choice")
+    decision = (started or {}).get("decision")
+    tree = decision.tree if decision is not None and decision.drafts else None
     finished = finished or {}
     return {
         "method": steps[0].method if steps else None,
         "tree": {"size": tree.size, "depth": tree.depth, "parents": list(tree.parents)} if tree is not None else None,
-        "auto": choice is not None,
+        "auto": decision is not None and decision.auto,
         "steps": len(steps),
         "tokens_per_step": tokens / len(steps) if steps else 0.0,
         "accepted_draft_tokens": accepted,

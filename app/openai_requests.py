@@ -18,9 +18,8 @@ from app.conversation import MAX_IMPORT_MESSAGES, MAX_MESSAGE_CHARS, ContextTooL
 from app.jobs import GenerationRequest
 from app.worker import Worker
 from engine.core.logprobs import MAX_TOP_LOGPROBS
-from engine.core.speculative import METHODS
-from engine.trees.tree import Tree
-from engine.tuning.tree_store import build_tree
+from engine.core.settings import AUTO, METHODS, TreeSize, TreeSpec, settings_from
+from engine.errors import EngineError
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOPS = 4
@@ -154,8 +153,10 @@ def parse_stops(value) -> list[str]:
     return stops
 
 
-def parse_tree(options, worker: Worker, defaults: dict) -> tuple[Tree | str | None, str]:
-    """``(tree, method)`` from the ``sequoia`` extension field (the UI's initial tree by default)."""
+def parse_tree(options, worker: Worker, defaults: dict) -> tuple[TreeSpec, str]:
+    """``(tree spec, method)`` from the ``sequoia`` extension field; by default the UI's initial
+    tree: the optimizer's pick where the pair has one (``auto``), else the size and depth of
+    ``defaults``. The tree itself is the worker's decision, as for the UI's same controls."""
     if options is None:
         options = {}
     if not isinstance(options, dict):
@@ -169,19 +170,19 @@ def parse_tree(options, worker: Worker, defaults: dict) -> tuple[Tree | str | No
     if method not in METHODS:
         raise APIError(400, f"'sequoia.method' must be one of {', '.join(METHODS)}, got {method!r}",
                        "sequoia.method", "invalid_value")
-    if not isinstance(options.get("auto", False), bool):
+    sized = "tree_size" in options or "depth" in options
+    auto = options.get("auto", defaults.get("auto", True) and not sized and worker.tuner is not None)
+    if not isinstance(auto, bool):
         raise APIError(400, "'sequoia.auto' must be true or false", "sequoia.auto", "invalid_value")
-    if options.get("auto", False):
+    if auto:
         if worker.tuner is None:
             raise APIError(400, "'sequoia.auto' needs a calibration and hardware profile for this pair",
                            "sequoia.auto", "invalid_value")
-        return "auto", method
+        return AUTO, method
     size = _integer(options.get("tree_size", defaults.get("tree_size", 8)), "sequoia.tree_size", 1, MAX_TREE_SIZE)
     depth = _integer(options.get("depth", min(defaults.get("depth", 4), max(1, size - 1))), "sequoia.depth", 1,
                      max(1, size - 1))
-    if method == "autoregressive" or size == 1:
-        return None, method
-    return (Tree.chain(depth) if method == "chain" else build_tree(size, depth)), method
+    return (None if method == "autoregressive" else TreeSize(size, depth)), method
 
 
 def parse_chat(body, worker: Worker, defaults: dict) -> ChatCall:
@@ -218,27 +219,33 @@ def parse_chat(body, worker: Worker, defaults: dict) -> ChatCall:
     tree, method = parse_tree(body.get("sequoia"), worker, defaults)
     prediction = parse_prediction(body.get("prediction"))
     logprobs = parse_logprobs(body.get("logprobs"), body.get("top_logprobs"))
-    request = GenerationRequest(prediction=prediction, max_new_tokens=max_tokens or 0, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                                top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), tree=tree, seed=seed,
-                                method=method, system=system, messages=history,
-                                cache_key=f"api-user:{user}" if user else None, logprobs=logprobs)
+    try:
+        settings = settings_from(max_new_tokens=max_tokens or 1, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                                 top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), tree=tree, seed=seed,
+                                 method=method, logprobs=logprobs)
+        worker.decide(settings)  # the tree is decided now: a size the pair cannot build is refused here
+    except EngineError as exc:
+        raise APIError(400, str(exc), "sequoia", "invalid_value") from None
+    request = GenerationRequest(settings=settings, prediction=prediction, system=system, messages=history,
+                                cache_key=f"api-user:{user}" if user else None)
     call = ChatCall(request, served, bool(stream), bool(stream_options.get("include_usage")),
                     parse_stops(body.get("stop")), logprobs=logprobs)
     try:  # refuse what does not fit now, rather than dropping turns as the UI does
-        ids, dropped = fit_context(worker.tokenizer, system, history, worker.context_limit(request))
+        ids, dropped = fit_context(worker.tokenizer, system, history, worker.context_limit(settings))
         if max_tokens is None:  # the rest of the context, as llama-server does (a model with none stated: 256)
-            room = worker.context_limit(request)
-            request.max_new_tokens = DEFAULT_MAX_TOKENS if room is None else room - len(ids)
-            if request.max_new_tokens < 1:
+            room = worker.context_limit(settings)
+            budget = DEFAULT_MAX_TOKENS if room is None else room + 1 - len(ids)
+            if budget < 1:
                 raise ContextTooLong(f"the messages fill the model's context ({len(ids)} tokens): nothing is left "
                                      f"to answer with")
+            request.settings = settings_from(settings, max_new_tokens=budget)
     except ContextTooLong as exc:
         raise APIError(400, str(exc), "messages", "context_length_exceeded") from None
     except TemplateError as exc:
         raise APIError(400, f"the model's chat template refused these messages: {exc}", "messages",
                        "invalid_value") from None
     if dropped:
-        raise APIError(400, f"the conversation does not fit the model's context with max_tokens={request.max_new_tokens}: "
+        raise APIError(400, f"the conversation does not fit the model's context with max_tokens={request.settings.max_new_tokens}: "
                             f"shorten it or lower max_tokens", "messages", "context_length_exceeded")
     call.prompt_tokens = len(ids)
     if prediction:
@@ -313,12 +320,13 @@ def parse_completion(body, worker: Worker, defaults: dict) -> ChatCall:
     ids = worker.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     request = call.request
     request.messages, request.system, request.input_ids, request.cache_key = None, None, ids, None
-    limit = worker.context_limit(request)
+    request.settings = settings_from(request.settings, logprobs=logprobs)
+    limit = worker.context_limit(request.settings)
     if limit is not None and len(ids) > limit:
-        raise APIError(400, f"the prompt is {len(ids)} tokens; with max_tokens={request.max_new_tokens} at most "
+        raise APIError(400, f"the prompt is {len(ids)} tokens; with max_tokens={request.settings.max_new_tokens} at most "
                             f"{limit} fit the model's context", "prompt", "context_length_exceeded")
     call.text, call.prompt_tokens = True, len(ids)
-    call.logprobs = request.logprobs = logprobs
+    call.logprobs = logprobs
     return call
 
 

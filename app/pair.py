@@ -85,12 +85,12 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def make_engine(target, draft, tokenizer, tuner=None) -> SpeculativeEngine:
+def make_engine(target, draft, tokenizer, planner=None) -> SpeculativeEngine:
     """The engine the app uses for a pair it loaded: the models are prepared for the CPU fast path
     first (:func:`engine.backends.kernels.prepare`), and the engine stops on the tokenizer's end-of-turn
-    tokens too."""
+    tokens too. ``planner``: an :class:`engine.tuning.planner.TreePlanner` (the worker gives one)."""
     prepare(target, draft)
-    return SpeculativeEngine(target, draft, stop_token_ids=stop_token_ids(target, tokenizer), tuner=tuner)
+    return SpeculativeEngine(target, draft, stop_token_ids=stop_token_ids(target, tokenizer), planner=planner)
 
 
 def weight_count(model) -> int:

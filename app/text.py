@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import html
 
-from engine.tuning.explain import describe_setting
-
 from . import figures
+from .explain_text import describe_setting
 
 METHOD_HELP = {
     "sequoia": "Sequoia: children sampled without replacement (its verifier)",
@@ -100,6 +99,19 @@ def describe_choice(choice, markup: bool = False) -> str:
                 f"decoding (verification of a few tokens costs several single-token forwards)")
     return (f"{bold(describe_setting(choice))} · predicted {choice.expected_tokens:.2f} "
             f"tokens/step · predicted {bold(f'{choice.predicted_speedup:.2f}×')} the target alone")
+
+
+def describe_decision(decision) -> str:
+    """The tree an answer decodes with (an :class:`engine.core.settings.TreeDecision`), in words."""
+    tree, method = decision.tree, decision.method
+    if decision.choice is not None:
+        return f"{method}, auto: {describe_setting(decision.choice)}"
+    if not decision.drafts:
+        return "autoregressive: the target alone, 1 token per step, no draft"
+    if method == "chain":
+        return f"chain: {tree.depth} draft tokens in a row ({tree.size} nodes)"
+    kind = "a chain" if tree.size == tree.depth + 1 else "a DP-shaped tree"
+    return f"{method} on {kind}: {tree.size} nodes, depth {tree.depth}"
 
 
 def dropped_notice(dropped: int, context: int) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 import gradio as gr
 from starlette.middleware import Middleware
 
-from engine.core.speculative import METHODS
+from engine.core.settings import METHODS
 
 from . import figures, live_feed
 from .answer_stream import Run

@@ -12,15 +12,17 @@ interrupted), and the orphaned load stops after the model in progress, its resul
 Events (``Event.kind``), in order:
 
 - ``queued`` (data: jobs ahead of this one) while waiting;
-- ``started`` (data: ``{"phase", "tree", "tree_choice", "tokenizer", "pair_version", "prompt_tokens",
-  "dropped", "draft_later"}``) when a decoding phase begins; ``dropped``: the oldest messages left out
-  of a conversation that did not fit the context; ``draft_later``: the draft reads the prompt between
-  the first steps, not before the first token (the engine's decision, its conversation cache counted);
+- ``started`` (data: ``{"phase", "decision", "tokenizer", "pair_version", "prompt_tokens", "dropped",
+  "draft_later"}``) when a decoding phase begins; ``decision``: the engine's
+  :class:`~engine.core.settings.TreeDecision` (the tree, and the optimizer's choice under "auto");
+  ``dropped``: the oldest messages left out of a conversation that did not fit the context;
+  ``draft_later``: the draft reads the prompt between the first steps, not before the first token
+  (the engine's decision, its conversation cache counted);
 - ``prefill`` (data: a :class:`~engine.core.records.PrefillProgress`) after each chunk of the prompt's
   prefill;
 - ``step`` (data: a :class:`~engine.core.records.StepRecord`; ``phase`` says which run);
-- ``finished`` (data: ``{"phase", "steps", "tokens", "seconds", "prefill_s", "first_token_s",
-  "reused_tokens", "finish_reason"}``) per phase;
+- ``finished`` (data: ``{"phase", "steps", "tokens", "seconds", "decode_s", "prefill_s", "first_token_s",
+  "reused_tokens", "finish_reason", "decision"}``) per phase;
 - ``progress`` (data: a message) while loading models;
 - exactly one terminal event: ``done`` (data: summary dict), ``cancelled`` or ``error`` (data: message).
 
@@ -36,6 +38,7 @@ store. Engines with preallocated static caches (CUDA) do not keep conversations.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import queue
@@ -45,6 +48,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,10 +58,56 @@ from app.jobs import GenerationRequest, Job, LoadRequest, ProfileRequest, QueueF
 from app.pair import default_loader, describe_pair, make_engine, validate_model_id
 from engine.backends.quantize import draft_format
 from engine.core.prefix_cache import DEFAULT_BUDGET_BYTES, CacheStore, ConversationCache
+from engine.core.settings import DecodeSettings, TreeDecision, settings_from
+from engine.core.timed_alone import TimedAlone
 from engine.errors import EngineError, GenerationCancelled, ModelLoadError
-from engine.models.loading import DTYPES
+from engine.models.loading import DTYPES, pair_name
+from engine.tuning.acceptance import EMBEDDED_PAIR
+from engine.tuning.planner import TreePlanner
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerPolicy:
+    """What UI requests may do. ``models_dir``: the only folder local models may be loaded from;
+    ``allow_remote_code``: whether a request may ask for ``trust_remote_code``; ``draft_format``:
+    how drafts loaded from the UI are quantised (``loader(..., draft_format=)``);
+    ``draft_vocabulary``: the token ids such a draft's head computes
+    (:func:`engine.models.loading.restrict_draft`); ``kv_cache_bytes``: the budget of
+    conversation KV caches kept between turns (0: none kept)."""
+
+    models_dir: Path | None = None
+    allow_remote_code: bool = False
+    draft_format: str = "auto"
+    draft_vocabulary: int | str = "auto"
+    kv_cache_bytes: int = DEFAULT_BUDGET_BYTES
+
+
+@dataclass
+class _Tally:
+    """What one decoding run's records add up to."""
+
+    steps: int = 0
+    tokens: int = 0
+    decode_s: float = 0.0
+    reading_s: float = 0.0
+    first_token_s: float | None = None
+    finish_reason: str | None = None
+
+    def add(self, record, start: float) -> None:
+        if self.first_token_s is None:
+            self.first_token_s = time.perf_counter() - start
+        self.steps += 1
+        self.tokens += len(record.committed)
+        self.decode_s += record.timings.total_s
+        self.reading_s += record.timings.reading_s
+        self.finish_reason = record.finish_reason or self.finish_reason
+
+
+def _inner(engine):
+    """The engine itself, through a test's wrapper."""
+    return getattr(engine, "_engine", engine)
 
 MAX_WAITING = 32      # jobs waiting behind the running one, all clients together
 MAX_PER_CLIENT = 4    # one running and three waiting per client (an API caller's address)
@@ -68,25 +118,22 @@ RETRY_PER_JOB_S = 15  # what a waiting answer is guessed to take, for Retry-Afte
 class Worker:
     """Owns the engine on one daemon thread; serves jobs first come, first served."""
 
-    def __init__(self, engine, tokenizer, info: dict | None = None,
-                 loader: Callable | None = None, tuner=None, name: str = "sequoia-engine",
-                 models_dir: Path | None = None, allow_remote_code: bool = False,
-                 draft_format: str = "auto", kv_cache_bytes: int = DEFAULT_BUDGET_BYTES,
-                 draft_vocabulary: int | str = "auto") -> None:
-        """``models_dir``: the only folder local models may be loaded from by UI requests;
-        ``allow_remote_code``: whether a request may ask for ``trust_remote_code``;
-        ``draft_format``: how drafts loaded from the UI are quantised (``loader(..., draft_format=)``);
-        ``kv_cache_bytes``: the budget of conversation KV caches kept between turns (0: none kept);
-        ``draft_vocabulary``: the token ids such a draft's head computes
-        (:func:`engine.models.loading.restrict_draft`)."""
+    def __init__(self, engine, tokenizer, info: dict | None = None, loader: Callable | None = None,
+                 planner: TreePlanner | None = None, name: str = "sequoia-engine",
+                 policy: WorkerPolicy | None = None) -> None:
+        """``planner``: the pair's :class:`~engine.tuning.planner.TreePlanner` (default: the engine's,
+        else one with the embedded pair's calibration and no profile); the engine decides its trees
+        with it too. ``policy``: what UI requests may load and the conversation caches' budget."""
         self.engine = engine
-        self.kv_store = CacheStore(kv_cache_bytes)
-        self.draft_format, self.draft_vocabulary = draft_format, draft_vocabulary
-        self.models_dir = models_dir
-        self.allow_remote_code = allow_remote_code
+        policy = policy or WorkerPolicy()
+        self.kv_store = CacheStore(policy.kv_cache_bytes)
+        self.draft_format, self.draft_vocabulary = policy.draft_format, policy.draft_vocabulary
+        self.models_dir = policy.models_dir
+        self.allow_remote_code = policy.allow_remote_code
         self.tokenizer = tokenizer
         self.info = dict(info or {})
-        self.tuner = tuner if tuner is not None else getattr(engine, "tuner", None)
+        self.planner = planner or getattr(_inner(engine), "planner", None) or TreePlanner(EMBEDDED_PAIR)
+        _inner(engine).planner = self.planner
         self.loader = loader or default_loader
         self.baseline_tokens_per_s: float | None = None  # last measured target-alone rate, this pair
         self.pair_version = 0                            # bumped on every successful model swap
@@ -100,17 +147,26 @@ class Worker:
 
     @classmethod
     def from_models(cls, target, draft, tokenizer, target_name: str = "target", draft_name: str = "draft",
-                    tuner=None, loader: Callable | None = None, **options) -> "Worker":
-        """``options``: ``models_dir``, ``allow_remote_code``, ``draft_format``, ``kv_cache_bytes``,
-        ``draft_vocabulary`` (see ``__init__``)."""
-        engine = make_engine(target, draft, tokenizer, tuner)
-        return cls(engine, tokenizer, describe_pair(target, draft, target_name, draft_name), loader, tuner, **options)
+                    planner: TreePlanner | None = None, loader: Callable | None = None, **policy) -> "Worker":
+        """``policy``: :class:`WorkerPolicy`'s fields."""
+        engine = make_engine(target, draft, tokenizer, planner)
+        return cls(engine, tokenizer, describe_pair(target, draft, target_name, draft_name), loader, planner,
+                   policy=WorkerPolicy(**policy))
+
+    @property
+    def tuner(self):
+        """The optimizer of the pair in use (an :class:`engine.tuning.optimizer.AutoTuner`), None
+        where this machine has no profile of it: then ``tree="auto"`` is the planner's default tree."""
+        return self.planner.tuner
 
     def set_tuner(self, tuner) -> None:
-        """Enable ``tree="auto"`` (an :class:`engine.tuning.optimizer.AutoTuner` for the current pair) or disable it."""
-        self.tuner = tuner
-        target = getattr(self.engine, "_engine", self.engine)  # through test wrappers
-        target.tuner = tuner
+        """Give the pair in use this optimizer (or none): a new planner, for the engine too."""
+        self.planner = TreePlanner(self.planner.pair, tuner)
+        _inner(self.engine).planner = self.planner
+
+    def decide(self, settings: DecodeSettings) -> TreeDecision:
+        """The tree ``settings`` decode with on the pair in use: the engine's own decision."""
+        return _inner(self.engine).decide(settings)
 
     # ----- submitting --------------------------------------------------------------------
     def submit(self, request: GenerationRequest, session: str | None = None, client: str | None = None) -> Job:
@@ -225,8 +281,6 @@ class Worker:
                     self._current = None
 
     def _serve_profile(self, job: Job) -> None:
-        import dataclasses
-
         from engine.user_cache import cache_dir
         from engine.tuning.profile import profile_path, quick_profile
 
@@ -251,23 +305,29 @@ class Worker:
         request: GenerationRequest = job.request
         try:
             prompt = self._prompt(request)
+            settings = self._settings(request)
         except ContextTooLong as exc:
             job._emit("error", f"Not sent: {exc}")
             return
+        except EngineError as exc:
+            job._emit("error", _message(exc))
+            return
         key = (request.cache_key or job.session) if request.keep_cache else None
         cache = self._take_cache(key)
+        timed = TimedAlone(request.time_alone_every) if request.time_alone_every else None
         try:
-            main = self._decode(job, "main", request.tree, request.method, prompt, cache)
+            main = self._decode(job, "main", settings, prompt, cache, timed)
         finally:
             if cache is not None:  # valid however the decoding ended (its record follows the engine)
                 self.kv_store.put(key, cache)
         if main is None:
             return
         summary = {"main": main, "compare": None}
-        if request.tree is None or request.method == "autoregressive":
+        if not main["decision"].drafts and not settings.copying:
             self._record_baseline(main)
         if request.compare and main["steps"]:
-            compare = self._decode(job, "compare", None, request.method, prompt)
+            alone = dataclasses.replace(settings, tree=None, copies=False, prediction=None, trace=False, logprobs=None)
+            compare = self._decode(job, "compare", alone, prompt)
             if compare is None:
                 return
             self._record_baseline(compare)
@@ -275,24 +335,24 @@ class Worker:
         summary["baseline_tokens_per_s"] = self.baseline_tokens_per_s
         job._emit("done", summary)
 
+    def _settings(self, request: GenerationRequest) -> DecodeSettings:
+        """The request's settings with its expected answer tokenised by the pair in use."""
+        if not request.prediction:
+            return request.settings
+        ids = self.tokenizer.encode(request.prediction, add_special_tokens=False)
+        return settings_from(request.settings, prediction=ids or None)
+
     def _prompt(self, request: GenerationRequest) -> tuple[list[int], int]:
         """``(input_ids, messages dropped)``: a conversation is tokenised now, with the pair in use."""
         if request.messages is None:
             return request.input_ids, 0
-        return fit_context(self.tokenizer, request.system, request.messages, self.context_limit(request))
+        return fit_context(self.tokenizer, request.system, request.messages, self.context_limit(request.settings))
 
-    def context_limit(self, request: GenerationRequest) -> int | None:
-        """Prompt tokens ``request`` may use with the pair in use: the context minus its max new
-        tokens and its tree's size (None: the model states no context)."""
-        tree = request.tree
-        if request.method == "autoregressive" or tree is None:
-            size = 1
-        elif isinstance(tree, str) and tree == "auto":
-            size = self.tuner.choose(request.temperature, request.top_p).size if self.tuner is not None else 1
-        else:
-            size = getattr(tree, "size", 1)
+    def context_limit(self, settings: DecodeSettings) -> int | None:
+        """Prompt tokens an answer decoded with ``settings`` may use with the pair in use: the
+        context minus its max new tokens and its tree's size (None: the model states no context)."""
         context = int(getattr(self.engine, "max_context", 0) or 0)
-        return context - request.max_new_tokens - size if context else None
+        return context - settings.max_new_tokens - self.decide(settings).tree.size if context else None
 
     def _take_cache(self, key: str | None) -> ConversationCache | None:
         """The conversation cache of ``key`` for the pair in use (a new, empty one when there is
@@ -309,48 +369,25 @@ class Worker:
         """Drop the conversation cache of ``key`` (a session or cache key); whether there was one."""
         return self.kv_store.take(key) is not None
 
-    def _decode(self, job: Job, phase: str, tree, method: str, prompt: tuple[list[int], int],
-                cache: ConversationCache | None = None) -> dict | None:
+    def _decode(self, job: Job, phase: str, settings: DecodeSettings, prompt: tuple[list[int], int],
+                cache: ConversationCache | None = None, timed: TimedAlone | None = None) -> dict | None:
         """One decoding run; its ``finished`` data, or None when it was cancelled or failed."""
-        request: GenerationRequest = job.request
-        engine = self.engine
         input_ids, dropped = prompt
         start = time.perf_counter()
-        first_token_s = None
-        extra = {"cache": cache} if cache is not None else {}
-        if phase == "main":  # the target alone, in Compare or Measure, never copies
-            extra.update(trace=request.trace, copies=request.copies)
-            if request.logprobs is not None:  # asked for only: an engine without the option still serves the rest
-                extra["logprobs"] = request.logprobs
-            if request.time_alone_every:
-                extra["time_alone_every"] = request.time_alone_every
-            if request.prediction:
-                extra["prediction"] = self.tokenizer.encode(request.prediction, add_special_tokens=False)
         try:
-            stream = engine.stream(input_ids, max_new_tokens=request.max_new_tokens,
-                                   temperature=request.temperature, top_p=request.top_p, tree=tree,
-                                   seed=request.seed, method=method, should_stop=lambda: job.cancelled,
-                                   on_prefill=lambda progress: job._emit("prefill", progress, phase), **extra)
+            generation = self.engine.stream(input_ids, settings, should_stop=lambda: job.cancelled, cache=cache,
+                                            on_prefill=lambda progress: job._emit("prefill", progress, phase),
+                                            timed_alone=timed)
         except Exception as exc:  # noqa: BLE001 - bad parameters become an error event
             job._emit("error", _message(exc))
             return None
-        choice = getattr(engine, "last_tree_choice", None) if tree == "auto" else None
-        job._emit("started", {"phase": phase, "tree": choice.tree if choice else tree, "tree_choice": choice,
-                              "tokenizer": self.tokenizer, "pair_version": self.pair_version,
-                              "prompt_tokens": len(input_ids), "dropped": dropped,
-                              "draft_later": bool(getattr(engine, "last_draft_deferred", False))}, phase)
-        steps, tokens = 0, 0
-        finish_reason = None
-        decode_s = reading_s = 0.0
+        job._emit("started", {"phase": phase, "decision": generation.decision, "tokenizer": self.tokenizer,
+                              "pair_version": self.pair_version, "prompt_tokens": len(input_ids),
+                              "dropped": dropped, "draft_later": generation.draft_deferred}, phase)
+        tally = _Tally()
         try:
-            for record in stream:
-                if first_token_s is None:
-                    first_token_s = time.perf_counter() - start
-                steps += 1
-                tokens += len(record.committed)
-                decode_s += record.timings.total_s
-                reading_s += record.timings.reading_s
-                finish_reason = record.finish_reason or finish_reason
+            for record in generation:
+                tally.add(record, start)
                 job._emit("step", record, phase)
                 if job.cancelled:
                     break
@@ -361,17 +398,15 @@ class Worker:
             job._emit("error", _message(exc))
             return None
         finally:
-            close = getattr(stream, "close", None)
-            if close is not None:
-                close()
+            generation.close()
         if job.cancelled:
             job._emit("cancelled")
             return None
-        result = {"phase": phase, "steps": steps, "tokens": tokens, "seconds": time.perf_counter() - start,
-                  "decode_s": decode_s, "prefill_s": getattr(engine, "last_prefill_s", 0.0) + reading_s,
-                  "first_token_s": first_token_s, "reused_tokens": getattr(engine, "last_reused_tokens", 0),
-                  "finish_reason": finish_reason or "length",
-                  "tree_choice": choice}
+        result = {"phase": phase, "steps": tally.steps, "tokens": tally.tokens,
+                  "seconds": time.perf_counter() - start, "decode_s": tally.decode_s,
+                  "prefill_s": generation.prefill_s + tally.reading_s, "first_token_s": tally.first_token_s,
+                  "reused_tokens": generation.reused_tokens, "finish_reason": tally.finish_reason or "length",
+                  "decision": generation.decision}
         job._emit("finished", result, phase)
         return result
 
@@ -432,7 +467,9 @@ class Worker:
             return
         self.engine, self.tokenizer = loaded["engine"], loaded["tokenizer"]
         self.info = describe_pair(loaded["target"], loaded["draft"], target_id, draft_id)
-        self.tuner = None  # a calibration belongs to the pair it was measured on
+        # a profile belongs to the pair it was measured on; the calibration is the new pair's (or borrowed)
+        self.planner = TreePlanner(pair_name(target_id, draft_id, loaded["draft"], loaded["target"]))
+        self.engine.planner = self.planner
         self.kv_store.clear()  # caches of the old pair's models: never reused, freed with it
         self.baseline_tokens_per_s = None
         self.pair_version += 1

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import importlib
 
-_HOMES = {"SpeculativeEngine": "core.speculative", "Tree": "trees.tree", "GenerationResult": "core.records",
+_HOMES = {"SpeculativeEngine": "core.speculative", "DecodeSettings": "core.settings", "TreeSize": "core.settings",
+          "TimedAlone": "core.timed_alone", "Tree": "trees.tree", "GenerationResult": "core.records",
           "StepRecord": "core.records", "StepTimings": "core.records", "EngineError": "errors",
           "InvalidTreeError": "errors", "InvalidParameterError": "errors",
           "ModelLoadError": "errors", "VocabularyMismatchError": "errors",

@@ -14,6 +14,7 @@ from engine.models.loading import pair_name
 from engine.models.prompts import ASSETS
 from engine.tuning.calibrate import find_acceptance
 from engine.tuning.optimizer import AutoTuner
+from engine.tuning.planner import TreePlanner
 from engine.tuning.profile import HardwareProfile
 
 pytestmark = pytest.mark.real_pair
@@ -28,8 +29,9 @@ def server(real_pair):
     profile = ASSETS / "profiles" / "cpu-x86_64-avx512vnni-2threads__default-target_default-draft_int4__float32.json"
     tuner = AutoTuner(HardwareProfile.from_json(profile.read_text()), find_acceptance(pair), pair=pair)
     assert tuner.profile.pair == pair  # the bundled profile of exactly this pair
-    worker = Worker.from_models(target, draft, tokenizer, "default-target", "default-draft", tuner=tuner)
-    demo, url = support.start_server(worker, {"max_new_tokens": 16, "pair": pair})
+    worker = Worker.from_models(target, draft, tokenizer, "default-target", "default-draft",
+                                planner=TreePlanner(pair, tuner))
+    demo, url = support.start_server(worker, {"max_new_tokens": 16})
     yield worker, url
     demo.close()
     worker.close()

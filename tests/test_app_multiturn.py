@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import test_app_support as support
 
+from engine.core.settings import DecodeSettings
 from app.jobs import GenerationRequest
 from app.pair import make_engine
-from app.worker import Worker
+from app.worker import Worker, WorkerPolicy
 from engine.models.prompts import encode_chat
 from engine.tuning.tree_store import build_tree
 
@@ -28,13 +29,14 @@ def pair():
 
 def new_worker(pair, **options) -> Worker:
     target, draft, tokenizer = pair
-    return Worker(make_engine(target, draft, tokenizer), tokenizer, {"target": "tiny"}, **options)
+    return Worker(make_engine(target, draft, tokenizer), tokenizer, {"target": "tiny"}, policy=WorkerPolicy(**options))
 
 
 def turn(worker, messages, session=None, max_new=12, **kwargs):
     """(answer tokens, the main phase's finished data) of one chat turn."""
-    events = worker.submit(GenerationRequest(messages=messages, system=support.SYSTEM, max_new_tokens=max_new,
-                                             tree=TREE, **kwargs), session=session).wait(60)
+    request = GenerationRequest(settings=DecodeSettings(max_new_tokens=max_new, tree=TREE), messages=messages,
+                                system=support.SYSTEM, **kwargs)
+    events = worker.submit(request, session=session).wait(60)
     assert events[-1].kind == "done", events[-1]
     tokens = [t for e in events if e.kind == "step" and e.phase == "main" for t in e.data.committed]
     return tokens, events[-1].data["main"]

@@ -62,10 +62,10 @@ class SlowEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def stream(self, input_ids, **kwargs):
-        inner = self._engine.stream(input_ids, **kwargs)  # validates now, like the engine
+    def stream(self, input_ids, settings=None, **kwargs):
+        inner = self._engine.stream(input_ids, settings, **kwargs)  # validates now, like the engine
         fail_after, self.fail_after = self.fail_after, None
-        return self._steps(inner, fail_after)
+        return Slowed(inner, self._steps(inner, fail_after))
 
     def _steps(self, inner, fail_after):
         for count, record in enumerate(inner):
@@ -75,6 +75,26 @@ class SlowEngine:
                 time.sleep(self.delay)
             self.steps_run += 1
             yield record
+
+
+class Slowed:
+    """A generation seen through :class:`SlowEngine`: its records slowed, its attributes the engine's."""
+
+    def __init__(self, inner, steps) -> None:
+        self._inner, self._steps = inner, steps
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._steps)
+
+    def close(self) -> None:
+        self._steps.close()
+        self._inner.close()
 
 
 def free_port() -> int:

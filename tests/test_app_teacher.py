@@ -16,6 +16,8 @@ from app import text as ui_text
 from app.conversation import export_conversation, highlight_html, import_steps
 from app.pair import make_engine
 from app.worker import Worker
+from engine.core.settings import TreeSize, settings_from
+from engine.tuning.planner import TreePlanner
 from engine.core.records import StepRecord, StepTimings
 
 
@@ -56,11 +58,15 @@ def test_the_embedded_pair_is_named_with_its_formats():
 
 
 def test_each_method_is_named_and_explained():
-    vector = [0.6, 0.2, 0.1, 0.05]
-    descriptions = {m: controls.resolve_tree(m, 8, 4, vector)[1] for m in ("sequoia", "specinfer", "topk")}
+    planner = TreePlanner()
+
+    def described(method: str) -> str:
+        return ui_text.describe_decision(planner.decide(settings_from(tree=TreeSize(8, 4), method=method)))
+
+    descriptions = {m: described(m) for m in ("sequoia", "specinfer", "topk")}
     assert len(set(descriptions.values())) == 3, descriptions  # no longer all "Sequoia DP tree: ..."
     assert all(d.startswith(m) for m, d in descriptions.items())
-    assert controls.resolve_tree("autoregressive", 8, 4, vector)[1].startswith("autoregressive")
+    assert described("autoregressive").startswith("autoregressive")
     assert "children sampled independently" in ui_text.method_help("specinfer", 0.7)
     assert "At T = 0 every method" in ui_text.method_help("topk", 0.0)
     assert "At T = 0" not in ui_text.method_help("autoregressive", 0.0)
@@ -182,7 +188,7 @@ def test_exported_steps_come_back_on_import():
 def test_a_depth_the_tree_does_not_reach_is_reported(app):
     capped = app.tree_info("sequoia", 4, 8, False, 0.0, 1.0)
     assert "depth capped at size − 1 = 3" in capped
-    tree, _ = controls.resolve_tree("sequoia", 32, 16, app.calibration(0.0, 1.0).vector)
+    tree = app.worker.decide(settings_from(tree=TreeSize(32, 16))).tree
     assert tree.depth < 16  # the greedy calibration makes 32 nodes wider than 16 deep
     assert f"the DP tree stops at {tree.depth}" in app.tree_info("sequoia", 32, 16, False, 0.0, 1.0)
     assert "stops at" not in app.tree_info("chain", 32, 16, False, 0.0, 1.0)
@@ -190,8 +196,11 @@ def test_a_depth_the_tree_does_not_reach_is_reported(app):
 
 def test_a_message_sent_during_an_answer_is_refused_with_a_message(app):
     from app.jobs import GenerationRequest
-    blocker = app.worker.submit(GenerationRequest(system="", messages=[{"role": "user", "content": "long"}],
-                                                  max_new_tokens=2000, tree=None, method="autoregressive"),
+    from engine.core.settings import DecodeSettings
+
+    blocker = app.worker.submit(GenerationRequest(settings=DecodeSettings(max_new_tokens=2000, tree=None,
+                                                                          method="autoregressive"),
+                                                  system="", messages=[{"role": "user", "content": "long"}]),
                                 session="local")
     try:
         updates = list(app.respond("second question", [], answer_stream.Run(), "", 0.0, 1.0, 8, 0, "sequoia", 8, 4, False,

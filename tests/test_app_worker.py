@@ -7,6 +7,7 @@ import pytest
 import test_app_support as support
 import torch
 
+from engine.core.settings import DecodeSettings
 from app.jobs import GenerationRequest
 from app.pair import make_engine, validate_model_id
 from app.worker import Worker
@@ -54,7 +55,7 @@ def tokens_of(events, phase="main"):
 
 def test_greedy_answer_equals_the_engine_alone(worker, pair):
     ids = prompt(pair)
-    events = worker.submit(GenerationRequest(ids, max_new_tokens=40, tree=TREE)).wait(60)
+    events = worker.submit(GenerationRequest(ids, settings=DecodeSettings(max_new_tokens=40, tree=TREE))).wait(60)
     assert events[-1].kind == "done"
     kinds = [e.kind for e in events]
     first_step = kinds.index("step")
@@ -66,7 +67,7 @@ def test_greedy_answer_equals_the_engine_alone(worker, pair):
 
 def test_cancel_stops_within_one_step_and_the_next_request_works(worker, pair):
     worker.engine.delay = 0.05
-    job = worker.submit(GenerationRequest(prompt(pair), max_new_tokens=2000, tree=TREE))
+    job = worker.submit(GenerationRequest(prompt(pair), settings=DecodeSettings(max_new_tokens=2000, tree=TREE)))
     steps_before = 0
     for event in job.iter_events(timeout=30):
         if event.kind == "step":
@@ -79,7 +80,7 @@ def test_cancel_stops_within_one_step_and_the_next_request_works(worker, pair):
     assert sum(e.kind == "step" for e in rest) <= 1  # the step in flight when Stop came, at most
     worker.engine.delay = 0.0
     ids = prompt(pair, "Another question")
-    events = worker.submit(GenerationRequest(ids, max_new_tokens=20, tree=TREE)).wait(60)
+    events = worker.submit(GenerationRequest(ids, settings=DecodeSettings(max_new_tokens=20, tree=TREE))).wait(60)
     assert events[-1].kind == "done"
     assert tokens_of(events) == reference(pair, ids, max_new_tokens=20, tree=TREE)
 
@@ -88,8 +89,8 @@ def test_two_concurrent_requests_queue_and_both_complete_correctly(worker, pair)
     worker.engine.delay = 0.01
     a, b = prompt(pair, "First prompt"), prompt(pair, "Second, different prompt")
     jobs = support.run_in_threads([
-        lambda: worker.submit(GenerationRequest(a, max_new_tokens=30, tree=TREE), session="tab-a"),
-        lambda: worker.submit(GenerationRequest(b, max_new_tokens=30, tree=Tree.chain(3)), session="tab-b")])
+        lambda: worker.submit(GenerationRequest(a, settings=DecodeSettings(max_new_tokens=30, tree=TREE)), session="tab-a"),
+        lambda: worker.submit(GenerationRequest(b, settings=DecodeSettings(max_new_tokens=30, tree=Tree.chain(3))), session="tab-b")])
     positions = sorted(j.position() for j in jobs)
     assert positions == [0, 1] or positions[1] is None  # one runs, the other waits its turn
     results = support.run_in_threads([lambda: jobs[0].wait(60), lambda: jobs[1].wait(60)])
@@ -102,8 +103,8 @@ def test_two_concurrent_requests_queue_and_both_complete_correctly(worker, pair)
 
 def test_a_job_cancelled_while_waiting_never_runs(worker, pair):
     worker.engine.delay = 0.05
-    first = worker.submit(GenerationRequest(prompt(pair), max_new_tokens=2000, tree=TREE), session="x")
-    second = worker.submit(GenerationRequest(prompt(pair), max_new_tokens=10, tree=TREE), session="y")
+    first = worker.submit(GenerationRequest(prompt(pair), settings=DecodeSettings(max_new_tokens=2000, tree=TREE)), session="x")
+    second = worker.submit(GenerationRequest(prompt(pair), settings=DecodeSettings(max_new_tokens=10, tree=TREE)), session="y")
     assert second.position() == 1
     second.cancel()
     assert [e.kind for e in second.wait(5)] == ["queued", "cancelled"]
@@ -114,21 +115,21 @@ def test_a_job_cancelled_while_waiting_never_runs(worker, pair):
 
 def test_engine_error_becomes_an_error_event_and_the_worker_keeps_serving(worker, pair):
     worker.engine.fail_after = 2
-    events = worker.submit(GenerationRequest(prompt(pair), max_new_tokens=50, tree=TREE)).wait(30)
+    events = worker.submit(GenerationRequest(prompt(pair), settings=DecodeSettings(max_new_tokens=50, tree=TREE))).wait(30)
     assert events[-1].kind == "error"
     assert "simulated engine failure" in events[-1].data
     assert sum(e.kind == "step" for e in events) == 2
-    bad = worker.submit(GenerationRequest(prompt(pair), max_new_tokens=0, tree=TREE)).wait(10)
+    bad = worker.submit(GenerationRequest(prompt(pair), settings=DecodeSettings(max_new_tokens=0, tree=TREE))).wait(10)
     assert bad[-1].kind == "error" and "max_new_tokens" in bad[-1].data
     ids = prompt(pair, "Still there?")
-    events = worker.submit(GenerationRequest(ids, max_new_tokens=12, tree=TREE)).wait(60)
+    events = worker.submit(GenerationRequest(ids, settings=DecodeSettings(max_new_tokens=12, tree=TREE))).wait(60)
     assert events[-1].kind == "done"
     assert tokens_of(events) == reference(pair, ids, max_new_tokens=12, tree=TREE)
 
 
 def test_compare_mode_decodes_again_with_the_target_alone(worker, pair):
     ids = prompt(pair)
-    events = worker.submit(GenerationRequest(ids, max_new_tokens=16, tree=TREE, compare=True)).wait(60)
+    events = worker.submit(GenerationRequest(ids, settings=DecodeSettings(max_new_tokens=16, tree=TREE), compare=True)).wait(60)
     done = events[-1]
     assert done.kind == "done" and done.data["compare"]["tokens"] == 16
     assert tokens_of(events, "compare") == tokens_of(events, "main")  # greedy: identical answers
@@ -138,8 +139,7 @@ def test_compare_mode_decodes_again_with_the_target_alone(worker, pair):
 
 def test_the_main_phase_gives_every_nth_step_to_the_target_alone_and_compare_none(worker, pair):
     ids = prompt(pair)
-    events = worker.submit(GenerationRequest(ids, max_new_tokens=24, tree=TREE, compare=True,
-                                             time_alone_every=4)).wait(60)
+    events = worker.submit(GenerationRequest(ids, settings=DecodeSettings(max_new_tokens=24, tree=TREE), compare=True, time_alone_every=4)).wait(60)
     assert events[-1].kind == "done"
     main = [e.data for e in events if e.kind == "step" and e.phase == "main"]
     assert [s.index for s in main if s.timed_alone] == [i for i in range(len(main)) if i % 4 == 1]
@@ -158,7 +158,7 @@ def test_failed_model_load_keeps_the_previous_pair(worker, pair, monkeypatch):
     assert bad[-1].kind == "error" and "nor a Hugging Face id" in bad[-1].data
     assert (worker.engine, worker.info) == before and worker.pair_version == 0
     ids = prompt(pair)
-    events = worker.submit(GenerationRequest(ids, max_new_tokens=8, tree=TREE)).wait(60)
+    events = worker.submit(GenerationRequest(ids, settings=DecodeSettings(max_new_tokens=8, tree=TREE))).wait(60)
     assert tokens_of(events) == reference(pair, ids, max_new_tokens=8, tree=TREE)
 
 
@@ -250,9 +250,9 @@ def test_auto_tree_reports_the_optimizer_choice(worker, pair):
     try:
         auto = build_demo(worker, pair[2]).chat_app.c.auto
         assert auto.visible is True and auto.value is True  # the optimizer's pick by default
-        events = worker.submit(GenerationRequest(prompt(pair), max_new_tokens=12, tree="auto")).wait(60)
+        events = worker.submit(GenerationRequest(prompt(pair), settings=DecodeSettings(max_new_tokens=12, tree="auto"))).wait(60)
         assert events[-1].kind == "done"
-        choice = events[0].data["tree_choice"]
+        choice = events[0].data["decision"].choice
         assert choice is not None and choice.size > 1 and choice.predicted_speedup > 1
         assert all(e.data.tree_size == choice.size for e in events if e.kind == "step")
     finally:
@@ -365,7 +365,7 @@ def assert_let_go_and_the_old_pair_answers(w, pair, refs, seconds: float, messag
     assert support.wait_until(lambda: (gc.collect(), all(r() is None for r in refs))[1], seconds), message
     assert w.info["target"] == "a" and w.pair_version == 0
     ids = prompt(pair)
-    events = w.submit(GenerationRequest(ids, max_new_tokens=8, tree=TREE)).wait(60)
+    events = w.submit(GenerationRequest(ids, settings=DecodeSettings(max_new_tokens=8, tree=TREE))).wait(60)
     assert tokens_of(events) == reference(pair, ids, max_new_tokens=8, tree=TREE)
 
 
@@ -391,7 +391,7 @@ def test_stop_during_a_long_prefill_skips_the_remaining_chunks(pair):
     handles = [target.register_forward_pre_hook(hook("target"), with_kwargs=True),
                draft.register_forward_pre_hook(hook("draft"), with_kwargs=True)]
     try:
-        job = w.submit(GenerationRequest(ids, max_new_tokens=50, tree=TREE))
+        job = w.submit(GenerationRequest(ids, settings=DecodeSettings(max_new_tokens=50, tree=TREE)))
         assert entered.wait(30)
         job.cancel()  # from this thread, while the worker runs the first chunk
         resume.set()
@@ -506,7 +506,7 @@ def test_the_worker_tokenises_a_conversation_when_the_job_runs(pair):
     try:
         load = w.load_models("org/target", "org/draft")
         messages = [{"role": "user", "content": "Which tokenizer reads me?"}]
-        chat = w.submit(GenerationRequest(system="Be brief.", messages=messages, max_new_tokens=8, tree=TREE),
+        chat = w.submit(GenerationRequest(settings=DecodeSettings(max_new_tokens=8, tree=TREE), system="Be brief.", messages=messages),
                         session="tab")
         gate.set()
         assert load.wait(30)[-1].kind == "done"
@@ -549,7 +549,7 @@ def test_one_session_gets_one_job_however_many_threads_submit_at_once(pair):
     def submit():
         barrier.wait()
         try:
-            return w.submit(GenerationRequest(ids, max_new_tokens=4, tree=TREE), session="tab")
+            return w.submit(GenerationRequest(ids, settings=DecodeSettings(max_new_tokens=4, tree=TREE)), session="tab")
         except SessionBusy:
             return None
 
@@ -558,10 +558,10 @@ def test_one_session_gets_one_job_however_many_threads_submit_at_once(pair):
         jobs = support.run_in_threads([submit] * 8)
         accepted = [j for j in jobs if j is not None]
         assert len(accepted) == 1, f"{len(accepted)} jobs accepted for one session"
-        other = w.submit(GenerationRequest(ids, max_new_tokens=4, tree=TREE), session="another tab")
+        other = w.submit(GenerationRequest(ids, settings=DecodeSettings(max_new_tokens=4, tree=TREE)), session="another tab")
         gate.set()
         assert accepted[0].wait(60)[-1].kind == "done" and other.wait(60)[-1].kind == "done"
-        again = w.submit(GenerationRequest(ids, max_new_tokens=4, tree=TREE), session="tab")  # free again
+        again = w.submit(GenerationRequest(ids, settings=DecodeSettings(max_new_tokens=4, tree=TREE)), session="tab")  # free again
         assert again.wait(60)[-1].kind == "done"
     finally:
         gate.set()
@@ -576,7 +576,7 @@ def test_a_full_queue_and_a_client_past_its_share_are_refused(pair, monkeypatch)
 
     monkeypatch.setattr(worker_module, "MAX_WAITING", 6)
     w, gate = gated_worker(pair)
-    request = GenerationRequest(prompt(pair), max_new_tokens=2, tree=TREE)
+    request = GenerationRequest(prompt(pair), settings=DecodeSettings(max_new_tokens=2, tree=TREE))
     try:
         load = w.load_models("org/target", "org/draft")  # runs, holding the queue
         assert support.wait_until(lambda: w._current is load, 10)
@@ -602,12 +602,12 @@ def test_the_worker_fits_the_conversation_to_the_context_when_the_job_runs(worke
         long = "tree " * 60
         turns = [{"role": "user", "content": long}, {"role": "assistant", "content": "ok"},
                  {"role": "user", "content": long}]
-        events = worker.submit(GenerationRequest(messages=turns, max_new_tokens=8, tree=Tree.chain(4))).wait(60)
+        events = worker.submit(GenerationRequest(settings=DecodeSettings(max_new_tokens=8, tree=Tree.chain(4)), messages=turns)).wait(60)
         started = next(e for e in events if e.kind == "started")
         assert events[-1].kind == "done" and started.data["dropped"] == 2
         assert started.data["prompt_tokens"] == len(encode_chat(pair[2], turns[2:]))
         too_long = [{"role": "user", "content": "tree " * 400}]
-        events = worker.submit(GenerationRequest(messages=too_long, max_new_tokens=8, tree=Tree.chain(4))).wait(60)
+        events = worker.submit(GenerationRequest(settings=DecodeSettings(max_new_tokens=8, tree=Tree.chain(4)), messages=too_long)).wait(60)
         assert events[-1].kind == "error" and events[-1].data.startswith("Not sent:")
         assert "shorten it" in events[-1].data
     finally:
@@ -657,15 +657,14 @@ def test_an_expected_output_is_copied_from_in_the_main_phase_only(worker, pair):
     ids = prompt(pair)
     expected = reference(pair, ids, max_new_tokens=30, tree=TREE)
     text = pair[2].decode(expected, skip_special_tokens=True)
-    events = worker.submit(GenerationRequest(ids, max_new_tokens=30, tree=TREE, compare=True,
-                                             prediction=text)).wait(120)
+    events = worker.submit(GenerationRequest(ids, settings=DecodeSettings(max_new_tokens=30, tree=TREE), compare=True, prediction=text)).wait(120)
     assert events[-1].kind == "done"
     assert tokens_of(events) == expected == tokens_of(events, "compare")
     main = [e.data for e in events if e.kind == "step" and e.phase == "main"]
     baseline = [e.data for e in events if e.kind == "step" and e.phase == "compare"]
     assert sum(s.accepted_by_source()["copy"] for s in main) >= 5
     assert all(not s.sources for s in baseline)
-    off = worker.submit(GenerationRequest(ids, max_new_tokens=30, tree=TREE, copies=False)).wait(120)
+    off = worker.submit(GenerationRequest(ids, settings=DecodeSettings(max_new_tokens=30, tree=TREE, copies=False))).wait(120)
     assert all(not e.data.sources for e in off if e.kind == "step")
 
 

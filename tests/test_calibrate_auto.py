@@ -9,6 +9,7 @@ from engine import SpeculativeEngine, Tree
 from engine.tuning.calibrate import Acceptance, calibrate
 from engine.tuning.optimizer import AutoTuner, choose_tree, predict
 from engine.tuning.profile import HardwareProfile, measure_profile
+from engine.tuning.planner import TreePlanner
 
 PROMPTS = [[5, 17, 3, 42, 9, 11], [7, 8, 9], [1, 2, 3, 4]]
 
@@ -45,10 +46,10 @@ def test_auto_tree_uses_the_optimizer_and_stays_exact(models):
     flat = HardwareProfile("synthetic", "tiny", "float32", 8, target={1: 0.01, 64: 0.011},
                            draft={1: 0.001, 64: 0.001})
     tuner = AutoTuner(flat, {(0.0, 1.0): [0.8, 0.1, 0.05]}, max_size=32, max_depth=8)
-    engine = SpeculativeEngine(target, noisy, stop_token_ids=[], tuner=tuner)
-    result = engine.generate(PROMPTS[0], max_new_tokens=24, tree="auto")
-    assert engine.last_tree_choice is not None and engine.last_tree_choice.size > 8
-    assert result.steps[0].tree_size == engine.last_tree_choice.size
+    engine = SpeculativeEngine(target, noisy, stop_token_ids=[], planner=TreePlanner(tuner=tuner))
+    result = engine.generate(PROMPTS[0], max_new_tokens=24, tree="auto", copies=False)
+    assert result.decision.choice is not None and result.decision.choice.size > 8
+    assert result.steps[0].tree_size == result.decision.choice.size
     assert result.tokens == tm.hf_greedy(target, PROMPTS[0], 24)
 
 
@@ -82,9 +83,9 @@ def test_auto_honours_the_methods_constraint(models, method):
     flat = HardwareProfile("synthetic", "tiny", "float32", 8, target={1: 0.01, 64: 0.011},
                            draft={1: 0.001, 64: 0.001})
     tuner = AutoTuner(flat, {(0.0, 1.0): [0.8, 0.1, 0.05]}, max_size=32, max_depth=8)
-    engine = SpeculativeEngine(target, noisy, stop_token_ids=[], tuner=tuner)
-    result = engine.generate(PROMPTS[0], max_new_tokens=16, tree="auto", method=method)
-    chosen = engine.last_tree_choice.tree
+    engine = SpeculativeEngine(target, noisy, stop_token_ids=[], planner=TreePlanner(tuner=tuner))
+    result = engine.generate(PROMPTS[0], max_new_tokens=16, tree="auto", method=method, copies=False)
+    chosen = result.decision.choice.tree
     is_chain = chosen.size == chosen.depth + 1
     assert is_chain == (method == "chain")
     if method == "chain":
@@ -153,12 +154,13 @@ def test_the_optimizer_grows_chains_where_the_draft_is_sure_and_keeps_the_fixed_
 def test_auto_runs_the_grown_chain_it_picked_and_stays_exact(models):
     target, noisy, _ = models
     tuner = AutoTuner(DEAR_DRAFT, {(0.0, 1.0): [0.6]}, max_size=16, max_depth=8, confidence={(0.0, 1.0): SURE_OR_NOT})
-    engine = SpeculativeEngine(target, noisy, stop_token_ids=[], tuner=tuner)
-    steps = list(engine.stream(PROMPTS[0], max_new_tokens=24, tree="auto"))
-    choice = engine.last_tree_choice
+    engine = SpeculativeEngine(target, noisy, stop_token_ids=[], planner=TreePlanner(tuner=tuner))
+    generation = engine.stream(PROMPTS[0], max_new_tokens=24, tree="auto", copies=False)
+    steps = list(generation)
+    choice = generation.decision.choice
     assert choice.confidence > 0
     # the tiny draft's laws are flat (q ~ 0.02): under any such threshold every step stops at one level
     assert all(step.parents == [-1, 0] for step in steps)
     assert [t for step in steps for t in step.committed] == tm.hf_greedy(target, PROMPTS[0], 24)
-    forced = list(engine.stream(PROMPTS[0], max_new_tokens=24, tree="auto", confidence=0.0))
+    forced = list(engine.stream(PROMPTS[0], max_new_tokens=24, tree="auto", confidence=0.0, copies=False))
     assert max(len(step.tokens) for step in forced) == choice.tree.size  # an explicit threshold wins

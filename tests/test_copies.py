@@ -15,7 +15,7 @@ from test_engine_sampling import PIT_SAMPLES, PIT_TOKENS, PROMPT, SAMPLES, VOCAB
 from test_engine_sampling import pair  # noqa: F401  (fixture)
 from test_verify_stats import P_MIN, assert_exact
 
-import engine.core.speculative as speculative
+import engine.core.copy_policy as copy_policy
 from engine import SpeculativeEngine, Tree
 from engine.core.copy_policy import CopyStats, StepPlan, plan_step
 from engine.core.verify import accept_child
@@ -159,7 +159,7 @@ def test_copies_never_exceed_the_context(greedy_pair):
 def forced_copies(monkeypatch, length: int = 2) -> None:
     """Every step verifies ``length`` copied tokens beside the draft's tree, whatever the stats say
     (the plan depends on the past only, so any plan keeps the law: this one exercises mixed trees)."""
-    monkeypatch.setattr(speculative, "plan_step", lambda *a, **k: StepPlan(length, True, 1.0, 1.0))
+    monkeypatch.setattr(copy_policy, "plan_step", lambda *a, **k: StepPlan(length, True, 1.0, 1.0))
     monkeypatch.setattr(SpeculativeEngine, "copy_branches", 2)
 
 

@@ -20,6 +20,7 @@ from engine.core.draft_gate import DECAY, PRIOR_STEPS, PROBE_EVERY, DraftGate
 from engine.trees.tree import Tree
 from engine.tuning.optimizer import AutoTuner
 from engine.tuning.profile import HardwareProfile
+from engine.tuning.planner import TreePlanner
 
 # Drafting is dear here (a draft level costs 0.3 of a target step), so the optimizer's pick pays
 # only if the draft is kept as often as the acceptance vector says.
@@ -40,7 +41,7 @@ def target():
 
 def tuned_engine(target, draft) -> SpeculativeEngine:
     tuner = AutoTuner(PROFILE, {(0.0, 1.0): OPTIMISTIC, (0.7, 1.0): OPTIMISTIC}, max_size=16, max_depth=6)
-    return SpeculativeEngine(target, draft, stop_token_ids=[], tuner=tuner)
+    return SpeculativeEngine(target, draft, stop_token_ids=[], planner=TreePlanner(tuner=tuner))
 
 
 def test_the_gate_pauses_when_steps_keep_less_than_predicted_and_probes_meanwhile():
@@ -97,8 +98,8 @@ def test_an_answer_is_priced_by_its_steps_the_drafts_levels_and_its_rows():
 
 def test_a_draft_kept_less_than_calibrated_is_paused_and_the_output_is_the_targets(target):
     engine = tuned_engine(target, tm.perturbed(target, 0.3, seed=1))
-    result = engine.generate(PROMPT, max_new_tokens=40, tree="auto")
-    assert engine.last_tree_choice.predicted_speedup > 1.1 and engine.last_tree_choice.depth >= 1
+    result = engine.generate(PROMPT, max_new_tokens=40, tree="auto", copies=False)
+    assert result.decision.choice.predicted_speedup > 1.1 and result.decision.choice.depth >= 1
     paused = [step.draft_paused for step in result.steps]
     assert sum(paused) >= len(paused) // 2, paused
     assert all(step.tree_size == 1 for step in result.steps if step.draft_paused)
@@ -107,7 +108,7 @@ def test_a_draft_kept_less_than_calibrated_is_paused_and_the_output_is_the_targe
     assert result.tokens == tm.hf_greedy(target, PROMPT, 40)
 
     engine.gate_drafts = False  # the pick as it is, every step
-    ungated = engine.generate(PROMPT, max_new_tokens=40, tree="auto")
+    ungated = engine.generate(PROMPT, max_new_tokens=40, tree="auto", copies=False)
     assert not any(step.draft_paused for step in ungated.steps)
     assert all(step.tree_size > 1 for step in ungated.steps)
     assert ungated.tokens == result.tokens
@@ -115,10 +116,10 @@ def test_a_draft_kept_less_than_calibrated_is_paused_and_the_output_is_the_targe
 
 def test_a_draft_that_is_always_kept_is_never_paused_and_manual_trees_are_never_gated(target):
     engine = tuned_engine(target, tm.clone(target))
-    result = engine.generate(PROMPT, max_new_tokens=40, tree="auto")
+    result = engine.generate(PROMPT, max_new_tokens=40, tree="auto", copies=False)
     assert not any(step.draft_paused for step in result.steps)
     poor = tuned_engine(target, tm.perturbed(target, 0.3, seed=1))
-    manual = poor.generate(PROMPT, max_new_tokens=40, tree=poor.tuner.choose(0.0, 1.0).tree)
+    manual = poor.generate(PROMPT, max_new_tokens=40, tree=poor.planner.choose(0.0, 1.0, "sequoia").tree, copies=False)
     assert not any(step.draft_paused for step in manual.steps)
 
 
@@ -131,7 +132,7 @@ def test_answers_that_switch_between_drafting_and_the_target_alone_follow_the_ta
     generator = torch.Generator().manual_seed(31)
     values, paused, drafted = [], 0, 0
     for seed in range(PIT_SAMPLES):
-        result = engine.generate(PROMPT, max_new_tokens=8, temperature=0.7, tree="auto", seed=seed)
+        result = engine.generate(PROMPT, max_new_tokens=8, temperature=0.7, tree="auto", seed=seed, copies=False)
         values += pit_values(target, result.tokens, 0.7, 1.0, generator)
         paused += sum(step.draft_paused for step in result.steps)
         drafted += sum(step.tree_size > 1 for step in result.steps)

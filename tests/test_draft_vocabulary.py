@@ -16,7 +16,7 @@ from test_verify_stats import P_MIN
 
 from engine import SpeculativeEngine, Tree
 from engine.backends.draft_vocabulary import SubVocabularyHead, ascii_token_ids, kept_count, with_draft_vocabulary
-from engine.core.speculative import draft_for_prompt
+from engine.core.step import draft_for_prompt
 from engine.backends.kquant import KQuantLinear, select_outputs, unpack_weight
 from engine.backends.kquant_model import kquant_model
 from engine.core.runner import DynamicRunner
@@ -111,7 +111,7 @@ def test_greedy_with_a_restricted_draft_is_the_targets_own_decoding(tree):
         ref = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
     assert any(token >= KEPT for token in ref), "the reference never needs a token the draft cannot propose"
     engine = SpeculativeEngine(target, draft)
-    assert engine.generate(prompt, max_new_tokens=24, temperature=0.0, tree=tree, stop_token_ids=[]).tokens == ref
+    assert engine.generate(prompt, max_new_tokens=24, temperature=0.0, tree=tree, stop_token_ids=[], copies=False).tokens == ref
 
 
 @pytest.mark.parametrize("method,tree,temperature,top_p", [
@@ -131,7 +131,7 @@ def test_answers_with_a_restricted_draft_follow_the_targets_law(method, tree, te
     values, outside, accepted = [], 0, 0
     for seed in range(PIT_SAMPLES):
         result = engine.generate(PROMPT, max_new_tokens=PIT_TOKENS, temperature=temperature, top_p=top_p,
-                                 tree=tree, seed=seed, method=method)
+                                 tree=tree, seed=seed, method=method, copies=False)
         values += pit_values(target, result.tokens, temperature, top_p, generator)
         outside += sum(token >= KEPT for token in result.tokens)
         accepted += sum(step.accepted_draft_tokens for step in result.steps)
@@ -152,7 +152,7 @@ def test_a_prompt_mostly_outside_the_kept_ids_is_drafted_with_the_whole_head():
     for prompt, drafts_outside in ((inside, False), (outside, True)):
         with torch.inference_mode():
             ref = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):]
-        result = engine.generate(prompt, max_new_tokens=24, temperature=0.0, tree=Tree.k_ary(3, 2), stop_token_ids=[])
+        result = engine.generate(prompt, max_new_tokens=24, temperature=0.0, tree=Tree.k_ary(3, 2), stop_token_ids=[], copies=False)
         assert result.tokens == ref.tolist()
         drafted = [token for step in result.steps for token in step.tokens[1:]]
         assert any(token >= KEPT for token in drafted) == drafts_outside

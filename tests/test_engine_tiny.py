@@ -21,7 +21,8 @@ from transformers import DynamicCache
 
 from engine import SpeculativeEngine, Tree
 from engine.core.sampling import logits_to_probs
-from engine.core.speculative import _DecodeState
+from engine.core.settings import settings_from
+from engine.core.step import Decoding
 from engine.errors import (
     ContextOverflowError,
     EngineError,
@@ -110,7 +111,7 @@ def test_references_have_no_near_ties(qwen, llama):
 @pytest.mark.parametrize("tree_name", list(TREES))
 def test_greedy_matches_target_generate_qwen(qwen, tree_name, draft_kind, static):
     result = engine_for(qwen, draft_kind, static_cache=static).generate(PROMPT, max_new_tokens=NEW_TOKENS, temperature=0,
-                                                   tree=TREES[tree_name])
+                                                   tree=TREES[tree_name], copies=False)
     assert result.tokens == qwen["ref"]
     assert result.finish_reason == "length"
     assert result.prompt_tokens == len(PROMPT)
@@ -120,7 +121,7 @@ def test_greedy_matches_target_generate_qwen(qwen, tree_name, draft_kind, static
 @pytest.mark.parametrize("tree_name", ["none", "chain1", "chain3", "3ary2", "irregular"])
 def test_greedy_matches_target_generate_one_token_prompt(qwen, tree_name):
     """A one-token prompt: no prefill at all, the first verification starts from an empty cache."""
-    result = engine_for(qwen, "close").generate(SHORT_PROMPT, max_new_tokens=NEW_TOKENS, tree=TREES[tree_name])
+    result = engine_for(qwen, "close").generate(SHORT_PROMPT, max_new_tokens=NEW_TOKENS, tree=TREES[tree_name], copies=False)
     assert result.tokens == qwen["ref_short"]
 
 
@@ -129,13 +130,13 @@ def test_greedy_matches_target_generate_one_token_prompt(qwen, tree_name):
 @pytest.mark.parametrize("tree_name", ["none", "chain3", "2ary2", "3ary2", "2indep3", "irregular"])
 def test_greedy_matches_target_generate_llama(llama, tree_name, draft_kind, static):
     """Not Qwen-specific: a Llama pair (multi-head attention, different config class) works the same."""
-    result = engine_for(llama, draft_kind, static_cache=static).generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=TREES[tree_name])
+    result = engine_for(llama, draft_kind, static_cache=static).generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=TREES[tree_name], copies=False)
     assert result.tokens == llama["ref"]
 
 
 def test_target_only_engine_matches_target_generate(qwen):
     engine = SpeculativeEngine(qwen["target"], None, stop_token_ids=[])
-    result = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS)
+    result = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, copies=False)  # the target alone, no free drafts
     assert result.tokens == qwen["ref"]
     assert len(result.steps) == NEW_TOKENS
     assert all(s.tokens == [s.tokens[0]] and s.accepted == [0] and len(s.committed) == 1 for s in result.steps)
@@ -145,7 +146,7 @@ def test_close_draft_accepts_through_lower_ranked_children(qwen):
     """The exactness tests are only meaningful if some steps accept draft tokens, including via
     children other than the draft's first choice (the branches that only a tree has)."""
     tree = TREES["3ary2"]
-    result = engine_for(qwen, "close").generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree)
+    result = engine_for(qwen, "close").generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree, copies=False)
     assert result.tokens == qwen["ref"]
     assert sum(s.accepted_draft_tokens for s in result.steps) >= 6
     assert any(tree.ranks[a] > 1 for s in result.steps for a in s.accepted)
@@ -154,8 +155,8 @@ def test_close_draft_accepts_through_lower_ranked_children(qwen):
 def test_engine_is_reusable_and_does_not_modify_the_prompt(qwen):
     engine = engine_for(qwen, "close")
     prompt = list(PROMPT)
-    first = engine.generate(prompt, max_new_tokens=NEW_TOKENS, tree=TREES["2ary2"]).tokens
-    second = engine.generate(tuple(prompt), max_new_tokens=NEW_TOKENS, tree=TREES["2ary2"]).tokens
+    first = engine.generate(prompt, max_new_tokens=NEW_TOKENS, tree=TREES["2ary2"], copies=False).tokens
+    second = engine.generate(tuple(prompt), max_new_tokens=NEW_TOKENS, tree=TREES["2ary2"], copies=False).tokens
     assert prompt == PROMPT
     assert first == second == qwen["ref"]
 
@@ -165,7 +166,7 @@ def test_engine_is_reusable_and_does_not_modify_the_prompt(qwen):
 def test_clone_draft_accepts_whole_chain(qwen, depth):
     """With draft == target, every draft token is the target's argmax: each step accepts the whole
     chain and commits depth + 1 tokens. A wrong tree mask or wrong positions would reject some."""
-    result = engine_for(qwen, "clone").generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=Tree.chain(depth))
+    result = engine_for(qwen, "clone").generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=Tree.chain(depth), copies=False)
     assert result.tokens == qwen["ref"]
     assert result.tokens_per_step > depth
     assert all(s.accepted == list(range(depth + 1)) for s in result.steps[:-1])
@@ -175,7 +176,7 @@ def test_clone_draft_accepts_whole_chain(qwen, depth):
 @pytest.mark.parametrize("tree_name", ["2ary2", "3ary2", "2indep3", "irregular"])
 def test_clone_draft_accepts_first_choice_path(qwen, tree_name):
     tree = TREES[tree_name]
-    result = engine_for(qwen, "clone").generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree)
+    result = engine_for(qwen, "clone").generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree, copies=False)
     assert result.tokens == qwen["ref"]
     assert result.tokens_per_step > tree.depth
     for step in result.steps[:-1]:
@@ -185,7 +186,7 @@ def test_clone_draft_accepts_first_choice_path(qwen, tree_name):
 
 def test_clone_draft_llama(llama):
     engine = SpeculativeEngine(llama["target"], tm.clone(llama["target"]), stop_token_ids=[])
-    result = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=Tree.k_ary(2, 3))
+    result = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=Tree.k_ary(2, 3), copies=False)
     assert result.tokens == llama["ref"]
     assert result.tokens_per_step > 3
 
@@ -224,8 +225,9 @@ def test_kv_caches_equal_recomputed_caches_after_each_step(qwen, tree_name, stat
     (for the static cache: in its first slots; the rest is stale and masked)."""
     tree = TREES[tree_name]
     engine = engine_for(qwen, "close", static_cache=static)
-    params = engine._validate(list(PROMPT), 64, 0.0, 1.0, tree, 0, [])
-    state = _DecodeState(engine, list(PROMPT), params)
+    params = engine._prepare(list(PROMPT), settings_from(max_new_tokens=64, temperature=0.0, top_p=1.0,
+        tree=tree, seed=0, stop_token_ids=[], copies=False))
+    state = Decoding(engine, list(PROMPT), params)
     state.prefill()
     assert_caches_close(state.target_runner, len(PROMPT) - 1, fresh_cache(qwen["target"], PROMPT[:-1]),
                         "after prefill")
@@ -262,7 +264,7 @@ def path_probs(model, context, tokens, tree, node):
 @pytest.mark.parametrize("tree_name", ["chain3", "3ary2", "2indep3", "irregular"])
 def test_step_records(qwen, tree_name):
     tree = TREES[tree_name]
-    result = engine_for(qwen, "close").generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree)
+    result = engine_for(qwen, "close").generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree, copies=False)
     assert result.tokens == qwen["ref"]
     context = list(PROMPT)
     for k, step in enumerate(result.steps):
@@ -353,7 +355,7 @@ THRESHOLDS = [1e-7, 4e-4, 0.0201, 0.5]
 @pytest.mark.parametrize("tree_name", ["chain4", "3ary2", "2indep3", "irregular"])
 def test_growth_by_confidence_stays_exact_and_cuts_where_it_should(qwen, tree_name, threshold):
     tree = TREES[tree_name]
-    result = engine_for(qwen, "close").generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree, confidence=threshold)
+    result = engine_for(qwen, "close").generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree, confidence=threshold, copies=False)
     assert result.tokens == qwen["ref"]
     for step in result.steps:
         assert_cut_of(step, tree, threshold)
@@ -364,9 +366,9 @@ def test_growth_by_confidence_cuts_some_steps_and_not_others(qwen):
     """A threshold at the median path confidence of the uncut chain's second level leaves some steps
     deeper than two and cuts others there: the test above checks both kinds of step."""
     tree = TREES["chain4"]
-    uncut = engine_for(qwen, "close").generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree)
+    uncut = engine_for(qwen, "close").generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree, copies=False)
     threshold = sorted(path_confidence(step, 2) for step in uncut.steps)[len(uncut.steps) // 2]
-    result = engine_for(qwen, "close").generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree, confidence=threshold)
+    result = engine_for(qwen, "close").generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree, confidence=threshold, copies=False)
     depths = {drafted_tree(step).depth for step in result.steps}
     assert result.tokens == qwen["ref"]
     assert min(depths) <= 2 < max(depths), depths
@@ -378,8 +380,9 @@ def test_kv_caches_stay_exact_when_growth_stops_early(qwen, tree_name, static):
     """As test_kv_caches_equal_recomputed_caches_after_each_step, for trees cut by confidence: the
     draft keeps the accepted nodes of every level it drafted."""
     engine = engine_for(qwen, "close", static_cache=static)
-    params = engine._validate(list(PROMPT), 64, 0.0, 1.0, TREES[tree_name], 0, [], confidence=0.0201)
-    state = _DecodeState(engine, list(PROMPT), params)
+    params = engine._prepare(list(PROMPT), settings_from(max_new_tokens=64, temperature=0.0, top_p=1.0,
+        tree=TREES[tree_name], seed=0, stop_token_ids=[], copies=False, confidence=0.0201))
+    state = Decoding(engine, list(PROMPT), params)
     state.prefill()
     cut = 0
     for n in range(8):
@@ -402,7 +405,7 @@ def test_nothing_grows_below_a_stop_token(qwen):
     ref = qwen["ref"]
     stop = ref[1]
     result = engine_for(qwen, "clone", stop_token_ids=[stop]).generate(PROMPT, max_new_tokens=NEW_TOKENS,
-                                                                       tree=Tree.chain(4))
+                                                                       tree=Tree.chain(4), copies=False)
     first = result.steps[0]
     assert first.tokens == [PROMPT[-1], ref[0], stop] and first.parents == [-1, 0, 1]
     assert result.tokens == ref[:2] and result.finish_reason == "stop"
@@ -425,8 +428,8 @@ def mid_step_stop(result, ref):
 def test_stop_token_ends_generation_mid_step(qwen):
     ref, tree = qwen["ref"], Tree.chain(4)
     engine = engine_for(qwen, "clone")
-    k, stop = mid_step_stop(engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree), ref)
-    result = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree, stop_token_ids=[stop])
+    k, stop = mid_step_stop(engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree, copies=False), ref)
+    result = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree, stop_token_ids=[stop], copies=False)
     assert result.tokens == ref[: k + 1]
     assert result.tokens[-1] == stop
     assert result.finish_reason == "stop"
@@ -442,10 +445,10 @@ def test_stop_tokens_from_constructor_and_override(qwen, tree_name):
     k = next(i for i in range(3, NEW_TOKENS) if ref[i] not in ref[:i])
     unused = next(t for t in range(tm.VOCAB) if t not in ref)
     engine = SpeculativeEngine(qwen["target"], qwen["close"], stop_token_ids=[unused, ref[k]])
-    stopped = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree)
+    stopped = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree, copies=False)
     assert stopped.tokens == ref[: k + 1] and stopped.finish_reason == "stop"
     # A per-call list replaces the engine's: [] means only the budget stops.
-    full = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree, stop_token_ids=[])
+    full = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, tree=tree, stop_token_ids=[], copies=False)
     assert full.tokens == ref and full.finish_reason == "length"
 
 
@@ -460,14 +463,14 @@ def test_default_stop_tokens_come_from_generation_config(qwen):
                              max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[0, len(PROMPT):].tolist()
     assert hf == ref[: k + 1]
     result = SpeculativeEngine(target, qwen["close"]).generate(PROMPT, max_new_tokens=NEW_TOKENS,
-                                                              tree=Tree.k_ary(2, 2))
+                                                              tree=Tree.k_ary(2, 2), copies=False)
     assert result.tokens == hf and result.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("budget", list(range(1, 12)) + [NEW_TOKENS])
 def test_max_new_tokens_is_exact(qwen, budget):
     """The budget is met exactly even when the last step accepts more tokens than remain."""
-    result = engine_for(qwen, "clone").generate(PROMPT, max_new_tokens=budget, tree=Tree.chain(4))
+    result = engine_for(qwen, "clone").generate(PROMPT, max_new_tokens=budget, tree=Tree.chain(4), copies=False)
     assert result.tokens == qwen["ref"][:budget]
     assert len(result.tokens) == budget
     assert result.finish_reason == "length" and result.steps[-1].finish_reason == "length"
@@ -477,13 +480,13 @@ def test_max_new_tokens_is_exact(qwen, budget):
 
 
 def test_max_new_tokens_one_without_draft(qwen):
-    result = SpeculativeEngine(qwen["target"], stop_token_ids=[]).generate(PROMPT, max_new_tokens=1)
+    result = SpeculativeEngine(qwen["target"], stop_token_ids=[]).generate(PROMPT, max_new_tokens=1, copies=False)
     assert result.tokens == qwen["ref"][:1] and len(result.steps) == 1 and result.finish_reason == "length"
 
 
 def test_stream_yields_steps_incrementally(qwen):
     engine = engine_for(qwen, "close")
-    stream = engine.stream(PROMPT, max_new_tokens=NEW_TOKENS, tree=Tree.k_ary(2, 2))
+    stream = engine.stream(PROMPT, max_new_tokens=NEW_TOKENS, tree=Tree.k_ary(2, 2), copies=False)
     first = next(stream)
     assert first.index == 0 and first.committed == qwen["ref"][: len(first.committed)]
     rest = list(stream)
@@ -552,10 +555,10 @@ def test_bad_input_raises_documented_error(qwen, case, api):
 def test_tree_with_draft_tokens_needs_a_draft(qwen):
     engine = SpeculativeEngine(qwen["target"], None, stop_token_ids=[])
     with pytest.raises(InvalidParameterError) as info:
-        engine.generate(PROMPT, max_new_tokens=4, tree=Tree.chain(1))
+        engine.generate(PROMPT, max_new_tokens=4, tree=Tree.chain(1), copies=False)
     assert single_line(info.value)
     # A root-only tree is plain decoding and needs no draft.
-    assert engine.generate(PROMPT, max_new_tokens=4, tree=Tree.chain(0)).tokens == qwen["ref"][:4]
+    assert engine.generate(PROMPT, max_new_tokens=4, tree=Tree.chain(0), copies=False).tokens == qwen["ref"][:4]
 
 
 def test_invalid_tree_errors_are_engine_errors():
@@ -579,15 +582,15 @@ def test_context_limit_counts_prompt_budget_and_tree():
     engine = SpeculativeEngine(target, tm.perturbed(target, 0.003), stop_token_ids=[])
     prompt = PROMPT  # 6 tokens
     ref = tm.hf_greedy(target, prompt, context - len(prompt) - 1)
-    fits = engine.generate(prompt, max_new_tokens=context - len(prompt) - 1)  # + root-only tree = 32
+    fits = engine.generate(prompt, max_new_tokens=context - len(prompt) - 1, tree=None, copies=False)  # + root = 32
     assert fits.tokens == ref
     tree = Tree.chain(3)
-    assert engine.generate(prompt, max_new_tokens=context - len(prompt) - tree.size, tree=tree).tokens == \
+    assert engine.generate(prompt, max_new_tokens=context - len(prompt) - tree.size, tree=tree, copies=False).tokens == \
         ref[: context - len(prompt) - tree.size]
     # Overflows whatever the exact accounting: the deepest draft position would be past the context.
     for budget, t in ((context - len(prompt) + 2, None), (context - len(prompt) + 2 - tree.depth, tree)):
         with pytest.raises(ContextOverflowError) as info:
-            engine.generate(prompt, max_new_tokens=budget, tree=t)
+            engine.generate(prompt, max_new_tokens=budget, tree=t, copies=False)
         assert single_line(info.value)
 
 
@@ -622,7 +625,7 @@ def test_static_cache_crossing_a_window_boundary_stays_exact():
     ref = tm.hf_greedy(target, prompt, 40)
     assert tm.min_top2_gap(target, prompt + ref, len(prompt)) > 1e-4
     engine = SpeculativeEngine(target, draft, stop_token_ids=[], static_cache=True)
-    assert engine.generate(prompt, max_new_tokens=40, tree=Tree.k_ary(2, 3)).tokens == ref
+    assert engine.generate(prompt, max_new_tokens=40, tree=Tree.k_ary(2, 3), copies=False).tokens == ref
     assert engine._static_runners["target"].window.slots == 512
 
 
@@ -631,7 +634,7 @@ def test_step_records_say_what_the_verifier_judged_each_node_on(qwen, method):
     engine = engine_for(qwen, "close")
     tried = 0
     for step in engine.stream(PROMPT, max_new_tokens=24, temperature=0.8, tree=Tree.k_ary(2, 2), seed=3,
-                              method=method):
+                              method=method, copies=False):
         assert step.method == method and not step.greedy
         assert len(step.verifier_p) == len(step.verifier_q) == step.tree_size
         for node in step.accepted[1:]:
@@ -644,5 +647,5 @@ def test_step_records_say_what_the_verifier_judged_each_node_on(qwen, method):
             assert step.verifier_q[first] is None
         tried += sum(p is not None for p in step.verifier_p)
     assert tried > 0
-    greedy = engine.generate(PROMPT, max_new_tokens=8, tree=Tree.k_ary(2, 2)).steps[0]
+    greedy = engine.generate(PROMPT, max_new_tokens=8, tree=Tree.k_ary(2, 2), copies=False).steps[0]
     assert greedy.greedy and all(p is None for p in greedy.verifier_p)

@@ -3,16 +3,21 @@ sentences, and the app's handlers (tiny models with the real tokenizer; the bund
 calibrations). No mocks: real DP tables, real profiles, real decoding with the trace on."""
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import pytest
 import test_app_support as support
 
 from app import explain_figures as xf
+from app import explain_text
 from app import answer_stream, ui
+from engine.core.settings import DecodeSettings
 from app.jobs import GenerationRequest
 from app.pair import make_engine
 from app.worker import Worker
+from engine.tuning.planner import TreePlanner
 from engine.core.records import StepRecord, StepTimings, VerifierEvent
 from engine.trees import dp
 from engine.trees.tree import Tree
@@ -104,10 +109,10 @@ def test_tables_are_cached_and_fast_after_the_first_call():
 
 
 def test_profile_source_names_the_bundled_file():
-    assert explain.profile_source(profile(Q4K)) == f"bundled with the app: assets/profiles/{PROFILES[Q4K].name}"
+    assert explain_text.profile_source(profile(Q4K)) == f"bundled with the app: assets/profiles/{PROFILES[Q4K].name}"
     changed = profile(Q4K)
     changed.target[1] *= 2
-    assert explain.profile_source(changed).startswith("not saved")
+    assert explain_text.profile_source(changed).startswith("not saved")
 
 
 # ----- engine.tuning.explain: the sentence -------------------------------------------------------------------
@@ -116,13 +121,13 @@ def test_the_sentence_explains_honestly_why_a_dear_draft_drafts_nothing():
     pick = choose_tree(v, prof, 64, 16)
     assert pick.size == 1
     mine = predict(Tree.optimal(v, 8, 4), v, prof)
-    line = explain.explain_choice(pick, mine, prof)
+    line = explain_text.explain_choice(pick, mine, prof)
     assert line.startswith("The optimizer drafts nothing")
     assert f"{mine.expected_tokens:.2f} tokens per step" in line and f"{mine.predicted_speedup:.2f}×" in line
     assert f"{prof.draft_time(1) / prof.target_time(1):.2f}" in line  # a draft forward ≈ 1.05 target tokens
     assert f"{prof.target_time(4) / prof.target_time(1):.1f}× / {prof.target_time(8) / prof.target_time(1):.1f}× one token" \
         in line  # verifying 4 / 8 tokens
-    same = explain.explain_choice(pick, pick, prof)
+    same = explain_text.explain_choice(pick, pick, prof)
     assert same.startswith("Your setting is the optimizer's pick") and "No tree is predicted to pay" in same
 
 
@@ -130,13 +135,13 @@ def test_the_sentence_compares_the_numbers_of_both_settings():
     v, prof = vector(FLOAT), profile(FLOAT)
     pick = choose_tree(v, prof, 64, 16)
     mine = predict(Tree.chain(1), v, prof)
-    line = explain.explain_choice(pick, mine, prof)
+    line = explain_text.explain_choice(pick, mine, prof)
     assert line.startswith(f"The optimizer picks {pick.size} nodes, depth {pick.depth} over your 2 nodes, depth 1")
     for choice in (pick, mine):
         assert f"G = {choice.expected_tokens:.2f} tokens/step" in line
         assert f"{prof.target_time(choice.size) * 1e3:.0f} ms verify" in line
         assert f"predicted {choice.predicted_speedup:.2f}×" in line
-    alone = explain.explain_choice(pick, predict(Tree.chain(0), v, prof), prof)
+    alone = explain_text.explain_choice(pick, predict(Tree.chain(0), v, prof), prof)
     assert "over the target alone" in alone
 
 
@@ -172,7 +177,7 @@ def test_profile_figure_shows_both_curves_in_ms():
     assert list(target.x) == sorted(prof.target) and target.y[0] == pytest.approx(prof.target[1] * 1e3)
     assert f"{prof.target[8] / prof.target[1]:.2f}× one target token" in target.text[3]  # t_T(8) / t_T(1)
     assert f"every step also costs {prof.step_overhead * 1e3:.0f} ms" in xf.profile_caption(prof, "")
-    assert "bundled" in xf.profile_caption(prof, explain.profile_source(prof))
+    assert "bundled" in xf.profile_caption(prof, explain_text.profile_source(prof))
 
 
 # ----- app.explain_figures: acceptance per position -----------------------------------------------------
@@ -277,8 +282,9 @@ def test_focus_tree_outlines_the_node_being_judged():
 def app():
     tokenizer = support.tokenizer()
     target, draft = support.tiny_pair()
-    worker = Worker(make_engine(target, draft, tokenizer), tokenizer, {"target": "tiny-target", "draft": "tiny-draft"})
-    demo = ui.build_demo(worker, tokenizer, {"pair": FLOAT})
+    worker = Worker(make_engine(target, draft, tokenizer), tokenizer, {"target": "tiny-target", "draft": "tiny-draft"},
+                    planner=TreePlanner(FLOAT))
+    demo = ui.build_demo(worker, tokenizer)
     yield demo.chat_app
     worker.close()
 
@@ -314,8 +320,7 @@ def test_why_follows_the_controls(app):
 
 
 def test_why_on_the_int4_cpu_explains_the_small_chain_it_picks(app):
-    app.worker.set_tuner(tuner_for(Q4K))
-    app.options["pair"] = Q4K
+    app.worker.set_tuner(tuner_for(Q4K))  # its calibrations are the tuner's: Q4K's
     try:
         pick = app.worker.tuner.choose(0.0, 1.0)
         text = app.explain.why("sequoia", 8, 4, False, 0.0, 1.0)[0]
@@ -323,7 +328,6 @@ def test_why_on_the_int4_cpu_explains_the_small_chain_it_picks(app):
         assert f"{profile(Q4K).step_overhead * 1e3:.0f} ms other" in text  # the step overhead, named
     finally:
         app.worker.set_tuner(None)
-        app.options["pair"] = FLOAT
 
 
 def test_why_without_a_profile_shows_g_only(app):
@@ -335,14 +339,15 @@ def test_why_without_a_profile_shows_g_only(app):
 def test_walking_a_traced_answer_on_tiny_models(app):
     """The app asks for the trace only for a session that ticked the box; the walk then covers every
     decision of every step, Next crossing from one step to the next."""
-    request = GenerationRequest(messages=[{"role": "user", "content": "Hi"}], max_new_tokens=12,
-                                   temperature=0.9, tree=Tree.k_ary(2, 2), seed=3,
-                                   trace=app.explain.wants_trace("local"))
-    assert request.trace is False
+    settings = DecodeSettings(max_new_tokens=12, temperature=0.9, tree=Tree.k_ary(2, 2), seed=3,
+                              trace=app.explain.wants_trace("local"))
+    request = GenerationRequest(settings=settings, messages=[{"role": "user", "content": "Hi"}])
+    assert request.settings.trace is False
     app.explain.set_trace(True)
     assert app.explain.wants_trace("local")
     app.explain.set_trace(False)
-    job = app.worker.submit(GenerationRequest(**{**request.__dict__, "trace": True}), session="walk")
+    job = app.worker.submit(dataclasses.replace(request, settings=dataclasses.replace(request.settings, trace=True)),
+                            session="walk")
     steps = [e.data for e in job.wait(timeout=120) if e.kind == "step"]
     assert steps and all(s.trace for s in steps)
     run = answer_stream.Run(steps=steps, texts={})
@@ -364,7 +369,7 @@ def test_walking_a_traced_answer_on_tiny_models(app):
 
 def test_a_grown_pick_is_named_with_its_threshold_everywhere_it_is_shown():
     from app.text import describe_choice
-    from engine.tuning.explain import describe_setting
+    from app.explain_text import describe_setting
     from engine.tuning.optimizer import TreeChoice
 
     grown = TreeChoice(Tree.chain(2), 3, 2, 2.3, 0.06, 1.08, confidence=0.7)
@@ -372,4 +377,4 @@ def test_a_grown_pick_is_named_with_its_threshold_everywhere_it_is_shown():
     assert describe_setting(grown) == "a chain of up to 2 grown while the draft's path confidence is ≥ 0.7"
     assert describe_setting(fixed) == "2 nodes, depth 1"
     assert describe_choice(grown).startswith(describe_setting(grown) + " · predicted 2.30 tokens/step")
-    assert "per step on average" in explain.explain_choice(grown, fixed, profile(Q4K))
+    assert "per step on average" in explain_text.explain_choice(grown, fixed, profile(Q4K))

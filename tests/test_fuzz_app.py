@@ -56,8 +56,8 @@ def test_any_request_body_is_a_call_or_an_openai_error(worker, body):
         assert 400 <= error.status < 500 and error.message and "\n" not in error.message
         assert set(error.body()["error"]) == {"message", "type", "param", "code"}
         return
-    request = call.request
-    assert request.max_new_tokens >= 1 and 0 <= request.temperature <= 2 and 0 < request.top_p <= 1
+    request, settings = call.request, call.request.settings
+    assert settings.max_new_tokens >= 1 and 0 <= settings.temperature <= 2 and 0 < settings.top_p <= 1
     assert request.messages and request.messages[-1]["role"] == "user"
     assert all(isinstance(m["content"], str) for m in request.messages)
     assert all(0 < len(s) <= openai_requests.MAX_STOP_CHARS for s in call.stops)

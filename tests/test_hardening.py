@@ -20,6 +20,7 @@ from gradio_client import Client  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 
 from app.conversation import clean_text, import_conversation
+from engine.core.settings import DecodeSettings
 from app.jobs import GenerationRequest
 from app.pair import make_engine
 from engine.models.prompts import encode_chat
@@ -137,7 +138,7 @@ def test_stop_at_random_moments_100_times(server):
                 assert job.wait(10)[-1].kind == "cancelled"
                 assert worker.info == before
                 continue
-            job = worker.submit(GenerationRequest(ids, max_new_tokens=400, tree=TREE))
+            job = worker.submit(GenerationRequest(ids, settings=DecodeSettings(max_new_tokens=400, tree=TREE)))
             time.sleep(rng.uniform(0, 0.06))
             steps_at_stop = worker.engine.steps_run
             job.cancel()
@@ -145,7 +146,7 @@ def test_stop_at_random_moments_100_times(server):
             assert events[-1].kind in ("cancelled", "done"), events[-1]
             assert worker.engine.steps_run - steps_at_stop <= 1, "ran on after Stop"
             if i % 10 == 9:
-                answer = worker.submit(GenerationRequest(ids, max_new_tokens=12, tree=TREE)).wait(30)
+                answer = worker.submit(GenerationRequest(ids, settings=DecodeSettings(max_new_tokens=12, tree=TREE))).wait(30)
                 assert [t for e in answer if e.kind == "step" for t in e.data.committed] == reference
                 gc.collect()
                 rss.append(rss_bytes())

@@ -24,7 +24,7 @@ def test_second_turn_with_reuse_equals_fresh_engine_and_hf_generate(real_pair, c
 
     prompt = multiturn_reference["prompt"]
     with_reuse = engine.generate(prompt, max_new_tokens=REFERENCE_TOKENS, tree=tree, cache=cache)
-    reused = engine.last_reused_tokens
+    reused = with_reuse.reused_tokens
     without = SpeculativeEngine(target, draft).generate(prompt, max_new_tokens=REFERENCE_TOKENS, tree=tree)
     assert reused >= len(chat_prompts[0]), "the first turn's prompt should have been reused"
     assert with_reuse.tokens == without.tokens == multiturn_reference["reference"]

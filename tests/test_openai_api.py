@@ -515,10 +515,10 @@ def test_defaults_the_rest_of_the_context_and_a_fresh_seed(server):
     worker, _ = server
     body = {"model": MODEL, "messages": QUESTION, "temperature": 0.8}
     call = openai_requests.parse_chat(body, worker, {"tree_size": 8, "depth": 4})
-    assert call.request.max_new_tokens == worker.engine.max_context - call.prompt_tokens - 8  # not 256
-    seeds = {openai_requests.parse_chat(body, worker, {}).request.seed for _ in range(5)}
+    assert call.request.settings.max_new_tokens == worker.engine.max_context - call.prompt_tokens - 8  # not 256
+    seeds = {openai_requests.parse_chat(body, worker, {}).request.settings.seed for _ in range(5)}
     assert len(seeds) > 1  # seed 0 every time made sampled answers repeat
-    assert openai_requests.parse_chat(body | {"seed": 7}, worker, {}).request.seed == 7
+    assert openai_requests.parse_chat(body | {"seed": 7}, worker, {}).request.settings.seed == 7
     # harmless values of the refused parameters pass
     assert openai_requests.parse_chat(body | {"frequency_penalty": 0, "response_format": {"type": "text"}}, worker, {})
 

@@ -7,7 +7,9 @@ import tiny_models as tm
 import torch
 from transformers import DynamicCache
 
-from engine.core.speculative import SpeculativeEngine, _DecodeState, forward
+from engine.core.settings import settings_from
+from engine.core.speculative import SpeculativeEngine, forward
+from engine.core.step import Decoding
 from engine.errors import GenerationCancelled
 from engine.trees.tree import Tree
 
@@ -48,7 +50,8 @@ def layers(runner, length: int):
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_prefill_runs_in_chunks_and_fills_the_caches_of_one_forward(models, static):
     engine = engine_for(models, 16, static)
-    state = _DecodeState(engine, list(PROMPT), engine._validate(list(PROMPT), 8, 0.0, 1.0, Tree.chain(3), 0, []))
+    state = Decoding(engine, list(PROMPT), engine._prepare(list(PROMPT), settings_from(max_new_tokens=8, temperature=0.0, top_p=1.0,
+        tree=Tree.chain(3), seed=0, stop_token_ids=[], copies=False)))
     calls, handles = count_forwards(models)
     try:
         state.prefill()
@@ -68,7 +71,7 @@ def test_prefill_runs_in_chunks_and_fills_the_caches_of_one_forward(models, stat
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("tree", [None, Tree.chain(3), Tree.k_ary(2, 2)], ids=["target", "chain3", "2ary2"])
 def test_chunked_prefill_gives_the_one_shot_answer(models, static, tree):
-    answers = {chunk: engine_for(models, chunk, static).generate(PROMPT, max_new_tokens=24, tree=tree).tokens
+    answers = {chunk: engine_for(models, chunk, static).generate(PROMPT, max_new_tokens=24, tree=tree, copies=False).tokens
                for chunk in (4096, 16, 7)}
     assert answers[16] == answers[7] == answers[4096] == tm.hf_greedy(models[0], PROMPT, 24)
 
@@ -78,7 +81,7 @@ def test_should_stop_is_consulted_between_prefill_chunks(models):
     calls, handles = count_forwards(models)
     try:
         with pytest.raises(GenerationCancelled, match="stopped"):
-            engine.generate(PROMPT, max_new_tokens=8, tree=Tree.chain(2), should_stop=lambda: calls["target"] >= 2)
+            engine.generate(PROMPT, max_new_tokens=8, tree=Tree.chain(2), should_stop=lambda: calls["target"] >= 2, copies=False)
     finally:
         for handle in handles:
             handle.remove()
@@ -90,11 +93,11 @@ def test_should_stop_is_consulted_between_steps(models):
     steps = []
     with pytest.raises(GenerationCancelled):
         for record in engine.stream(PROMPT, max_new_tokens=64, tree=Tree.chain(2),
-                                    should_stop=lambda: len(steps) >= 3):
+                                    should_stop=lambda: len(steps) >= 3, copies=False):
             steps.append(record)
     assert len(steps) == 3
-    assert engine.generate(PROMPT, max_new_tokens=8, tree=Tree.chain(2), should_stop=lambda: False).tokens == \
-        engine.generate(PROMPT, max_new_tokens=8, tree=Tree.chain(2)).tokens
+    assert engine.generate(PROMPT, max_new_tokens=8, tree=Tree.chain(2), should_stop=lambda: False, copies=False).tokens == \
+        engine.generate(PROMPT, max_new_tokens=8, tree=Tree.chain(2), copies=False).tokens
 
 
 def test_the_prefill_reports_its_progress_after_every_chunk(models):
@@ -102,8 +105,8 @@ def test_the_prefill_reports_its_progress_after_every_chunk(models):
     work, the fraction growing to 1; it changes nothing in the answer."""
     engine = engine_for(models, 16)
     reports = []
-    with_reports = engine.generate(PROMPT, max_new_tokens=12, tree=Tree.chain(2), on_prefill=reports.append).tokens
-    assert with_reports == engine.generate(PROMPT, max_new_tokens=12, tree=Tree.chain(2)).tokens
+    with_reports = engine.generate(PROMPT, max_new_tokens=12, tree=Tree.chain(2), on_prefill=reports.append, copies=False).tokens
+    assert with_reports == engine.generate(PROMPT, max_new_tokens=12, tree=Tree.chain(2), copies=False).tokens
     assert len(reports) == 20  # 149 tokens in chunks of 16, both models
     assert [r.done for r in reports[:10]] == [min(16 * (i + 1), 149) for i in range(10)]
     assert all(r.done == r.total == 149 for r in reports[10:])
@@ -112,7 +115,7 @@ def test_the_prefill_reports_its_progress_after_every_chunk(models):
     assert fractions[9] == pytest.approx(0.5)  # the draft here is the target's twin: half of the work
     assert reports[0].eta_s is not None and reports[-1].eta_s == 0.0
     alone = []
-    engine.generate(PROMPT, max_new_tokens=4, tree=None, on_prefill=alone.append)
+    engine.generate(PROMPT, max_new_tokens=4, tree=None, on_prefill=alone.append, copies=False)
     assert len(alone) == 10 and alone[-1].fraction == 1.0  # the target alone: no draft to prefill
 
 
@@ -121,9 +124,9 @@ def test_the_prefill_progress_counts_tokens_a_conversation_cache_held(models):
 
     engine = engine_for(models, 16)
     cache = ConversationCache(*models)
-    engine.generate(PROMPT[:100], max_new_tokens=4, tree=Tree.chain(2), cache=cache)
+    engine.generate(PROMPT[:100], max_new_tokens=4, tree=Tree.chain(2), cache=cache, copies=False)
     reports = []
-    engine.generate(PROMPT, max_new_tokens=4, tree=Tree.chain(2), cache=cache, on_prefill=reports.append)
+    engine.generate(PROMPT, max_new_tokens=4, tree=Tree.chain(2), cache=cache, on_prefill=reports.append, copies=False)
     assert reports[0].done > 99 and reports[-1].fraction == 1.0  # only the new tokens are read
 
 
@@ -145,7 +148,7 @@ def test_a_long_prompts_first_token_waits_for_the_target_alone(models, static):
     calls, handles = count_forwards(models)
     steps, draft_calls = [], []
     try:
-        for record in engine.stream(PROMPT, max_new_tokens=40, tree=Tree.chain(3)):
+        for record in engine.stream(PROMPT, max_new_tokens=40, tree=Tree.chain(3), copies=False):
             steps.append(record)
             draft_calls.append(calls["draft"])
     finally:
@@ -160,20 +163,24 @@ def test_a_long_prompts_first_token_waits_for_the_target_alone(models, static):
     assert [s.timings.reading_s > 0 for s in steps[:catching_up + 2]] == [False] + [True] * catching_up + [False]
     answer = [t for s in steps for t in s.committed]
     assert answer == tm.hf_greedy(models[0], PROMPT, 40)
-    result = engine.generate(PROMPT, max_new_tokens=40, tree=Tree.chain(3))
-    reading = sum(s.timings.reading_s for s in result.steps)  # prompt reading: in prefill_s, not in decode_s
-    assert result.tokens == answer and reading > 0
-    assert result.prefill_s == pytest.approx(engine.last_prefill_s + reading)
+    generation = engine.stream(PROMPT, max_new_tokens=40, tree=Tree.chain(3), copies=False)
+    steps = list(generation)
+    result = engine.generate(PROMPT, max_new_tokens=40, tree=Tree.chain(3), copies=False)
+    reading = sum(s.timings.reading_s for s in steps)  # prompt reading: in prefill_s, not in decode_s
+    assert [t for s in steps for t in s.committed] == answer and reading > 0
+    assert result.tokens == answer and sum(s.timings.reading_s for s in result.steps) > 0
+    assert result.prefill_s == pytest.approx(generation.prefill_s + reading, rel=0.5)
     assert result.decode_s == pytest.approx(sum(s.timings.draft_s + s.timings.verify_s + s.timings.bookkeeping_s
                                                 for s in result.steps))
-    assert result.first_token_s == pytest.approx(engine.last_prefill_s + result.steps[0].timings.total_s)
+    assert result.first_token_s == pytest.approx(result.prefill_s - sum(s.timings.reading_s for s in result.steps)
+                                                 + result.steps[0].timings.total_s)
     engine.draft_deferral = 10_000  # the draft reads the prompt up front: the same answer
-    assert engine.generate(PROMPT, max_new_tokens=40, tree=Tree.chain(3)).tokens == answer
+    assert engine.generate(PROMPT, max_new_tokens=40, tree=Tree.chain(3), copies=False).tokens == answer
 
 
 def test_a_deferred_draft_leaves_the_prefill_progress_to_the_target(models):
     reports = []
-    deferring_engine(models).generate(PROMPT, max_new_tokens=4, tree=Tree.chain(2), on_prefill=reports.append)
+    deferring_engine(models).generate(PROMPT, max_new_tokens=4, tree=Tree.chain(2), on_prefill=reports.append, copies=False)
     assert [r.done for r in reports] == [min(16 * (i + 1), 149) for i in range(10)]
     assert reports[-1].fraction == 1.0
 
@@ -185,16 +192,16 @@ def test_a_conversation_cache_keeps_what_a_deferred_draft_has_read(models):
 
     engine = deferring_engine(models)
     cache = ConversationCache(*models)
-    first = engine.generate(PROMPT, max_new_tokens=3, tree=Tree.chain(2), cache=cache).tokens
+    first = engine.generate(PROMPT, max_new_tokens=3, tree=Tree.chain(2), cache=cache, copies=False).tokens
     assert first == tm.hf_greedy(models[0], PROMPT, 3)
     assert cache.tokens["draft"] == PROMPT[:2 * 16]  # read before the second and the third steps
     follow_up = PROMPT + first + [9, 4, 1]
-    assert engine.generate(follow_up, max_new_tokens=30, tree=Tree.chain(2), cache=cache).tokens == \
+    assert engine.generate(follow_up, max_new_tokens=30, tree=Tree.chain(2), cache=cache, copies=False).tokens == \
         tm.hf_greedy(models[0], follow_up, 30)
 
 
 def test_the_engine_says_before_the_prefill_whether_the_draft_reads_later(models):
-    """``last_draft_deferred`` is set when ``stream`` returns (before any forward) and follows what
+    """A generation's ``draft_deferred`` is set when ``stream`` returns (before any forward) and follows what
     the prefill then does: a conversation cache holding most of a long prompt leaves the draft
     little to read, so it reads up front; a target-alone run has no draft to defer."""
     from engine.core.prefix_cache import ConversationCache
@@ -203,19 +210,17 @@ def test_the_engine_says_before_the_prefill_whether_the_draft_reads_later(models
     cache = ConversationCache(*models)
     calls, handles = count_forwards(models)
     try:
-        stream = engine.stream(PROMPT, max_new_tokens=30, tree=Tree.chain(2), cache=cache)
-        assert engine.last_draft_deferred and calls == {"target": 0, "draft": 0}
+        stream = engine.stream(PROMPT, max_new_tokens=30, tree=Tree.chain(2), cache=cache, copies=False)
+        assert stream.draft_deferred and calls == {"target": 0, "draft": 0}
         first = [t for record in stream for t in record.committed]  # the draft catches up on the way
         follow_up = PROMPT + first + [9, 4, 1]
-        stream = engine.stream(follow_up, max_new_tokens=3, tree=Tree.chain(2), cache=cache)
-        assert not engine.last_draft_deferred
+        stream = engine.stream(follow_up, max_new_tokens=3, tree=Tree.chain(2), cache=cache, copies=False)
+        assert not stream.draft_deferred
         drafted_before = calls["draft"]
         next(stream)
         assert calls["draft"] > drafted_before  # the draft read its few new tokens before the first token
     finally:
         for handle in handles:
             handle.remove()
-    engine.stream(follow_up, max_new_tokens=3, tree=None)
-    assert not engine.last_draft_deferred
-    engine.stream(follow_up, max_new_tokens=3, tree=Tree.chain(2))  # no cache: the whole prompt to read
-    assert engine.last_draft_deferred
+    assert not engine.stream(follow_up, max_new_tokens=3, tree=None, copies=False).draft_deferred
+    assert engine.stream(follow_up, max_new_tokens=3, tree=Tree.chain(2), copies=False).draft_deferred  # no cache: the whole prompt

@@ -51,9 +51,10 @@ def no_near_ties(target, prompt, answer):
 def test_second_turn_prefills_only_new_tokens_and_stays_exact(models, tree_name):
     tree = TREES[tree_name]
     engine, cache = engine_for(models), ConversationCache(*models)
-    answer1 = engine.generate(TURN1, max_new_tokens=NEW, tree=tree, cache=cache).tokens
+    first = engine.generate(TURN1, max_new_tokens=NEW, tree=tree, cache=cache, copies=False)
+    answer1 = first.tokens
     assert answer1 == tm.hf_greedy(models[0], TURN1, NEW)
-    assert engine.last_reused_tokens == 0
+    assert first.reused_tokens == 0
     held = list(cache.tokens["target"])  # all but the next step's root, or all when a step was cut short
     assert held == (TURN1 + answer1)[:len(held)] and len(held) >= len(TURN1) + len(answer1) - 1
 
@@ -62,35 +63,38 @@ def test_second_turn_prefills_only_new_tokens_and_stays_exact(models, tree_name)
     no_near_ties(models[0], prompt2, reference)
     seen, handle = prefilled_tokens(models[0])
     try:
-        answer2 = engine.generate(prompt2, max_new_tokens=NEW, tree=tree, cache=cache).tokens
+        second = engine.generate(prompt2, max_new_tokens=NEW, tree=tree, cache=cache, copies=False)
+        answer2 = second.tokens
     finally:
         handle.remove()
-    assert engine.last_reused_tokens == len(held)
+    assert second.reused_tokens == len(held)
     assert seen[0] == len(prompt2) - 1 - len(held)  # the first target forward: only what was not cached
-    fresh = engine_for(models).generate(prompt2, max_new_tokens=NEW, tree=tree).tokens
+    fresh = engine_for(models).generate(prompt2, max_new_tokens=NEW, tree=tree, copies=False).tokens
     assert answer2 == fresh == reference
 
 
 def test_an_edit_falls_back_to_the_longest_common_prefix(models):
     engine, cache = engine_for(models), ConversationCache(*models)
-    answer1 = engine.generate(TURN1, max_new_tokens=NEW, tree=Tree.chain(3), cache=cache).tokens
+    answer1 = engine.generate(TURN1, max_new_tokens=NEW, tree=Tree.chain(3), cache=cache, copies=False).tokens
     edited = TURN1[:4] + [60, 61] + USER2  # the first message changed at token 4
-    answer = engine.generate(edited, max_new_tokens=NEW, tree=Tree.chain(3), cache=cache).tokens
-    assert engine.last_reused_tokens == 4
+    result = engine.generate(edited, max_new_tokens=NEW, tree=Tree.chain(3), cache=cache, copies=False)
+    answer = result.tokens
+    assert result.reused_tokens == 4
     assert answer == tm.hf_greedy(models[0], edited, NEW)
     # regenerate: the same prompt again reuses all of it but its last token
-    again = engine.generate(edited, max_new_tokens=NEW, tree=Tree.chain(3), cache=cache).tokens
-    assert engine.last_reused_tokens == len(edited) - 1 and again == answer
+    again = engine.generate(edited, max_new_tokens=NEW, tree=Tree.chain(3), cache=cache, copies=False)
+    assert again.reused_tokens == len(edited) - 1 and again.tokens == answer
     # a prompt sharing nothing starts from an empty cache
     other = [40, 41, 42]
-    assert engine.generate(other, max_new_tokens=8, cache=cache).tokens == tm.hf_greedy(models[0], other, 8)
-    assert engine.last_reused_tokens == 0 and answer1
+    fresh = engine.generate(other, max_new_tokens=8, tree=Tree.chain(3), cache=cache, copies=False)
+    assert fresh.tokens == tm.hf_greedy(models[0], other, 8)
+    assert fresh.reused_tokens == 0 and answer1
 
 
 def test_cache_contents_equal_caches_computed_from_scratch(models):
     engine, cache = engine_for(models), ConversationCache(*models)
-    answer1 = engine.generate(TURN1, max_new_tokens=NEW, tree=Tree.k_ary(2, 2), cache=cache).tokens
-    engine.generate(TURN1 + answer1 + USER2, max_new_tokens=NEW, tree=Tree.k_ary(2, 2), cache=cache)
+    answer1 = engine.generate(TURN1, max_new_tokens=NEW, tree=Tree.k_ary(2, 2), cache=cache, copies=False).tokens
+    engine.generate(TURN1 + answer1 + USER2, max_new_tokens=NEW, tree=Tree.k_ary(2, 2), cache=cache, copies=False)
     for role, model in zip(("target", "draft"), models):
         tokens = cache.tokens[role]
         assert len(tokens) > len(TURN1) + len(answer1)
@@ -107,12 +111,12 @@ def test_a_stop_token_mid_step_keeps_a_valid_record(models):
     reference = tm.hf_greedy(models[0], TURN1, NEW)
     stop = next(t for k, t in enumerate(reference) if k >= 3 and t not in reference[:k])
     engine, cache = engine_for(models, stop_token_ids=[stop]), ConversationCache(*models)
-    answer1 = engine.generate(TURN1, max_new_tokens=NEW, tree=Tree.chain(4), cache=cache).tokens
+    answer1 = engine.generate(TURN1, max_new_tokens=NEW, tree=Tree.chain(4), cache=cache, copies=False).tokens
     assert answer1[-1] == stop and answer1 == reference[:len(answer1)]
     assert cache.tokens["target"] == (TURN1 + answer1)[:len(cache.tokens["target"])]
     prompt2 = TURN1 + answer1 + USER2
-    answer2 = engine.generate(prompt2, max_new_tokens=NEW, tree=Tree.chain(4), cache=cache).tokens
-    fresh = engine_for(models, stop_token_ids=[stop]).generate(prompt2, max_new_tokens=NEW, tree=Tree.chain(4)).tokens
+    answer2 = engine.generate(prompt2, max_new_tokens=NEW, tree=Tree.chain(4), cache=cache, copies=False).tokens
+    fresh = engine_for(models, stop_token_ids=[stop]).generate(prompt2, max_new_tokens=NEW, tree=Tree.chain(4), copies=False).tokens
     assert answer2 == fresh
 
 
@@ -123,19 +127,19 @@ def test_a_prefill_stopped_midway_leaves_a_usable_cache(models):
     calls = []
     with pytest.raises(GenerationCancelled):
         engine.generate(prompt, max_new_tokens=8, tree=Tree.chain(2), cache=cache,
-                        should_stop=lambda: len(calls.append(1) or calls) > 3)
+                        should_stop=lambda: len(calls.append(1) or calls) > 3, copies=False)
     assert cache.tokens["target"] == prompt[:12] and cache.tokens["draft"] == []
-    answer = engine.generate(prompt, max_new_tokens=8, tree=Tree.chain(2), cache=cache).tokens
-    assert engine.last_reused_tokens == 12
-    assert answer == tm.hf_greedy(models[0], prompt, 8)
+    result = engine.generate(prompt, max_new_tokens=8, tree=Tree.chain(2), cache=cache, copies=False)
+    assert result.reused_tokens == 12
+    assert result.tokens == tm.hf_greedy(models[0], prompt, 8)
 
 
 def test_a_cache_of_other_models_is_refused(models):
     engine = engine_for(models)
     with pytest.raises(InvalidParameterError, match="ConversationCache"):
-        engine.generate(TURN1, max_new_tokens=4, cache=ConversationCache(tm.qwen2(seed=3), models[1]))
+        engine.generate(TURN1, max_new_tokens=4, cache=ConversationCache(tm.qwen2(seed=3), models[1]), copies=False)
     with pytest.raises(InvalidParameterError, match="ConversationCache"):
-        engine.generate(TURN1, max_new_tokens=4, cache=object())
+        engine.generate(TURN1, max_new_tokens=4, cache=object(), copies=False)
 
 
 def test_common_prefix():
@@ -149,7 +153,7 @@ def test_store_keeps_one_cache_per_key_and_evicts_least_recently_used(models):
 
     def filled(prompt):
         cache = ConversationCache(*models)
-        engine.generate(prompt, max_new_tokens=4, tree=Tree.chain(2), cache=cache)
+        engine.generate(prompt, max_new_tokens=4, tree=Tree.chain(2), cache=cache, copies=False)
         return cache
 
     a, b, c = filled(TURN1), filled(TURN1 + USER2), filled(USER2 + TURN1)

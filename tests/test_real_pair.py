@@ -11,7 +11,9 @@ from transformers import DynamicCache
 
 from engine import SpeculativeEngine, Tree
 from engine.backends.quantize import draft_format
-from engine.core.speculative import _DecodeState, forward
+from engine.core.settings import settings_from
+from engine.core.speculative import forward
+from engine.core.step import Decoding
 
 pytestmark = pytest.mark.real_pair
 
@@ -75,13 +77,14 @@ def test_every_tree_on_every_prompt_switching_tree_each_step(engine, chat_prompt
     trees = list(TREES.values())
     used = set()
     for ids, ref in zip(chat_prompts, greedy_references):
-        params = engine._validate(ids, NEW_TOKENS, 0.0, 1.0, trees[0], 0, None)
-        state = _DecodeState(engine, list(ids), params)
+        params = engine._prepare(ids, settings_from(max_new_tokens=NEW_TOKENS, temperature=0.0, top_p=1.0,
+            tree=trees[0], seed=0, stop_token_ids=None, copies=False))
+        state = Decoding(engine, list(ids), params)
         state.prefill()
         tokens = []
         while not state.finished:
             tree = trees[state.steps % len(trees)]
-            state.params = dataclasses.replace(params, tree=tree)
+            state.params = dataclasses.replace(params, decision=dataclasses.replace(params.decision, tree=tree))
             tokens += state.step().committed
             used.add(tree)
         assert tokens == ref
@@ -120,8 +123,9 @@ def test_kv_caches_after_20_steps_equal_a_fresh_prefill(real_pair, chat_prompts,
     activation scale for the whole batch, is no default: see
     :func:`engine.backends.quantize.fastest_format`.)"""
     target, draft, _ = real_pair
-    params = engine._validate(chat_prompts[1], 200, 0.0, 1.0, Tree.k_ary(2, 3), 0, [])
-    state = _DecodeState(engine, list(chat_prompts[1]), params)
+    params = engine._prepare(chat_prompts[1], settings_from(max_new_tokens=200, temperature=0.0, top_p=1.0,
+        tree=Tree.k_ary(2, 3), seed=0, stop_token_ids=[], copies=False))
+    state = Decoding(engine, list(chat_prompts[1]), params)
     state.prefill()
     for _ in range(20):
         state.step()
@@ -188,19 +192,20 @@ def test_greedy_answers_to_a_long_prompt_are_the_targets_at_any_thread_count(thr
     answer reuses its caches (the multi-turn path), so chunked prefill, cache reuse and
     verification rows all run at this thread count."""
     from engine.core.prefix_cache import ConversationCache
+    from engine.tuning.planner import TreePlanner
 
     target, draft, _ = real_pair
     prompt, reference = long_reference
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        engine = SpeculativeEngine(target, draft, tuner=bundled_tuner)
+        engine = SpeculativeEngine(target, draft, planner=TreePlanner(bundled_tuner.pair, bundled_tuner))
         cache = ConversationCache(target, draft)
         reused = []
         for name, tree in THREAD_TREES.items():
             result = engine.generate(prompt, max_new_tokens=len(reference), temperature=0.0, tree=tree, cache=cache)
             assert result.tokens == reference, f"{name} at {threads} threads"
-            reused.append(engine.last_reused_tokens)
+            reused.append(result.reused_tokens)
         assert len(prompt) > engine.prefill_chunk and reused[0] == 0 and min(reused[1:]) > engine.prefill_chunk
     finally:
         torch.set_num_threads(before)

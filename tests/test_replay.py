@@ -24,7 +24,7 @@ def pair():
                                   Tree.k_independent(2, 3), Tree.optimal([0.6, 0.2, 0.1], 10, 4)])
 def test_replay_matches_engine_steps(pair, tree):
     target, draft = pair
-    result = SpeculativeEngine(target, draft, stop_token_ids=[]).generate(PROMPT, max_new_tokens=40, tree=tree)
+    result = SpeculativeEngine(target, draft, stop_token_ids=[]).generate(PROMPT, max_new_tokens=40, tree=tree, copies=False)
     ranks = draft_ranks(draft, PROMPT, result.tokens)
     assert replay(tree, ranks) == (len(result.tokens), len(result.steps))
 

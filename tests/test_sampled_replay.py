@@ -43,7 +43,7 @@ def engine_counts(pair, setting: Setting) -> np.ndarray:
     counts = np.zeros(setting.tree.depth + 2, dtype=int)
     for seed in range(SEEDS):
         step = next(engine.stream(PROMPT, max_new_tokens=setting.tree.depth + 1, temperature=setting.temperature,
-                                  top_p=setting.top_p, tree=setting.tree, seed=seed, method=setting.method))
+                                  top_p=setting.top_p, tree=setting.tree, seed=seed, method=setting.method, copies=False))
         counts[len(step.committed)] += 1
     _ENGINE_COUNTS[id(setting)] = counts
     return counts

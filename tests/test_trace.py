@@ -35,7 +35,7 @@ def pair():
 
 def decode(pair, trace, **kwargs):
     engine = SpeculativeEngine(pair[0], pair[1], stop_token_ids=[])
-    return engine.generate(PROMPT, max_new_tokens=20, trace=trace, **kwargs)
+    return engine.generate(PROMPT, max_new_tokens=20, trace=trace, copies=False, **kwargs)
 
 
 SETTINGS = [(0.0, 1.0, "sequoia"), (0.9, 1.0, "sequoia"), (0.9, 0.8, "specinfer"), (1.0, 1.0, "topk"),

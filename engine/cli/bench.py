@@ -157,11 +157,12 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     from engine.models.prompts import encode_chat, load_prompt_set
     from engine.tuning.acceptance import acceptance_for
     from engine.tuning.optimizer import TreeChoice, load_tuner
+    from engine.tuning.planner import TreePlanner
 
     target, draft, tokenizer = pair or load_default_pair(target_format=target_format)
     name = pair_name("default-target", "default-draft", draft, target) if pair is None else None
     tuner = load_tuner(name, target) if name else None
-    engine = SpeculativeEngine(target, draft, tuner=tuner)
+    engine = SpeculativeEngine(target, draft, planner=TreePlanner(name, tuner) if name else None)
     prompt_set_entries = load_prompt_set(prompt_set)[:prompts]
     prompt_ids = [encode_chat(tokenizer, p["messages"]) for p in prompt_set_entries]
     # the code each code-edit prompt pastes: what a client would give as the expected output
@@ -170,7 +171,7 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     configs = configurations(quick, draft, acceptance_for(name, temperature, top_p) if name else None,
                              auto=tuner is not None, greedy=temperature == 0, hf=hf, copies=copies,
                              predicted=predictions is not None)
-    engine.generate(prompt_ids[0], max_new_tokens=4, tree=Tree.chain(2))  # warm-up
+    engine.generate(prompt_ids[0], max_new_tokens=4, tree=Tree.chain(2), copies=False)  # warm-up
     ours, theirs = [c for c in configs if c.hf is None], [c for c in configs if c.hf is not None]
     peer_side = PeerSide(peer, prompt_ids, tokenizer, new_tokens, temperature, top_p,
                          peer_ggufs if peer_ggufs or pair is not None else "default", ngram=copies) if peer else None
@@ -187,7 +188,7 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
                                      copies=config.copies,
                                      prediction=predictions[i] if config.predicted else None)
             if config.tree == "auto":
-                choice = engine.last_tree_choice
+                choice = result.decision.choice
             if choice is not None:
                 config.chosen, config.predicted_speedup = choice.tree, choice.predicted_speedup
                 config.confidence = choice.confidence

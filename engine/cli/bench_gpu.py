@@ -90,8 +90,8 @@ def end_to_end(target, draft, prompt: list[int], new_tokens: int, trees: dict, a
                           ("engine target-only, static cache, eager", {"cuda_graphs": False}),
                           ("engine target-only, dynamic cache, eager", {"static_cache": False})):
         engine = SpeculativeEngine(target, None, stop_token_ids=[], **options)
-        engine.generate(prompt, max_new_tokens=8)
-        runs = [engine.generate(prompt, max_new_tokens=new_tokens) for _ in range(3)]
+        engine.generate(prompt, max_new_tokens=8, tree=None, copies=False)
+        runs = [engine.generate(prompt, max_new_tokens=new_tokens, tree=None, copies=False) for _ in range(3)]
         out[name] = {"tokens_per_s": statistics.median(r.tokens_per_second for r in runs)}
     baseline = out["engine target-only, static cache + CUDA graphs"]["tokens_per_s"]
     out.update(speculative_steps(SpeculativeEngine(target, draft, stop_token_ids=[]), prompt, new_tokens, trees,
@@ -107,8 +107,8 @@ def speculative_steps(engine, prompt: list[int], new_tokens: int, trees: dict, a
     for setting, tree in trees.items():
         if tree.size == 1:
             continue
-        engine.generate(prompt, max_new_tokens=new_tokens, tree=tree)  # captures every width's graph
-        result = engine.generate(prompt, max_new_tokens=new_tokens, tree=tree)
+        engine.generate(prompt, max_new_tokens=new_tokens, tree=tree, copies=False)  # captures every width's graph
+        result = engine.generate(prompt, max_new_tokens=new_tokens, tree=tree, copies=False)
         steps = result.steps
         step_s = result.decode_s / len(steps)
         expected = tree.expected_tokens(acceptances[setting])
@@ -141,8 +141,8 @@ def offload_section(shape: str, draft, dtype, prefix: list[int], sizes: list[int
                               target=streamed, draft=draft_profile)
     result["choices"] = choices(acceptances, profile, max(sizes))
     engine = SpeculativeEngine(target, None, stop_token_ids=[])
-    engine.generate(prefix, max_new_tokens=2)
-    baseline = engine.generate(prefix, max_new_tokens=new_tokens).tokens_per_second
+    engine.generate(prefix, max_new_tokens=2, tree=None, copies=False)
+    baseline = engine.generate(prefix, max_new_tokens=new_tokens, tree=None, copies=False).tokens_per_second
     result["end_to_end"] = {"engine target-only, offloaded": {"tokens_per_s": baseline}}
     trees = {name: Tree.from_parents(c["parents"]) for name, c in result["choices"].items()}
     result["end_to_end"].update(speculative_steps(SpeculativeEngine(target, draft, stop_token_ids=[]), prefix,

@@ -46,10 +46,10 @@ def run(engine, tokenizer, turns: int, new_tokens: int, doc_tokens: int, tree, r
     for turn in range(turns):
         ids = encode_chat(tokenizer, messages)
         start = time.perf_counter()
-        stream = engine.stream(ids, max_new_tokens=new_tokens, tree=tree, cache=cache)
+        stream = engine.stream(ids, max_new_tokens=new_tokens, tree=tree, copies=False, cache=cache)
         tokens = list(next(stream).committed)
         ttft = time.perf_counter() - start
-        prefill_s, reused = engine.last_prefill_s, engine.last_reused_tokens
+        prefill_s, reused = stream.prefill_s, stream.reused_tokens
         for record in stream:
             tokens.extend(record.committed)
         rows.append({"turn": turn + 1, "prompt_tokens": len(ids), "reused_tokens": reused,
@@ -74,7 +74,7 @@ def bench(turns: int = 4, new_tokens: int = 32, doc_tokens: int = 1300, out_dir:
     target, draft, tokenizer = load_default_pair(draft_format=draft_format, target_format=target_format)
     engine = SpeculativeEngine(target, draft)
     tree = build_tree(8, 4)
-    engine.generate(encode_chat(tokenizer, [{"role": "user", "content": "Hi"}]), max_new_tokens=4, tree=tree)
+    engine.generate(encode_chat(tokenizer, [{"role": "user", "content": "Hi"}]), max_new_tokens=4, tree=tree, copies=False)
     fresh = run(engine, tokenizer, turns, new_tokens, doc_tokens, tree, reuse=False)
     reuse = run(engine, tokenizer, turns, new_tokens, doc_tokens, tree, reuse=True)
     later = range(1, turns)

@@ -35,7 +35,7 @@ def busy_neighbour(stop, duty: float, period_s: float = 0.1) -> None:
 
 def decode_once(engine, ids: list[int], max_new: int) -> dict:
     """One greedy answer: its decode rate and the median draft, verify and step times (ms)."""
-    result = engine.generate(ids, max_new_tokens=max_new, temperature=0.0, tree="auto")
+    result = engine.generate(ids, max_new_tokens=max_new, temperature=0.0, tree="auto", copies=False)
     timings = [step.timings for step in result.steps]
     return {"tokens_per_s": result.tokens_per_second,
             "step_ms": 1e3 * statistics.median(t.total_s for t in timings),
@@ -66,10 +66,12 @@ def bench(rounds: int, duties: list[float], max_new: int, out_dir: Path) -> dict
 
     sys.setswitchinterval(0.0005)  # as launch.py sets it for the app
     target, draft, tokenizer = load_default_pair()
-    tuner = load_tuner(pair_name("default-target", "default-draft", draft, target), target)
-    engine = SpeculativeEngine(target, draft, tuner=tuner)
+    from engine.tuning.planner import TreePlanner
+
+    pair = pair_name("default-target", "default-draft", draft, target)
+    engine = SpeculativeEngine(target, draft, planner=TreePlanner(pair, load_tuner(pair, target)))
     ids = encode_chat(tokenizer, load_prompt_set("chat")[0]["messages"][-1:])
-    engine.generate(ids, max_new_tokens=16, temperature=0.0, tree="auto")  # warm-up
+    engine.generate(ids, max_new_tokens=16, temperature=0.0, tree="auto", copies=False)  # warm-up
     runs = []
     for round_ in range(rounds):
         for duty in duties:

@@ -47,9 +47,10 @@ def our_prefill_s(engine, prompt: list[int]) -> float:
     """Seconds the engine's prefill took on ``prompt`` (its first ``len - 1`` tokens are read)."""
     from engine.trees.tree import Tree
 
-    for _ in engine.stream(prompt, max_new_tokens=1, tree=None if engine.draft is None else Tree.chain(2)):
-        break
-    return engine.last_prefill_s
+    generation = engine.stream(prompt, max_new_tokens=1, tree=None if engine.draft is None else Tree.chain(2),
+                               copies=False)
+    next(generation)
+    return generation.prefill_s
 
 
 def pair_first_token_s(engine, prompt: list[int]) -> tuple[float, float | None]:
@@ -59,7 +60,7 @@ def pair_first_token_s(engine, prompt: list[int]) -> tuple[float, float | None]:
 
     start, first = time.perf_counter(), None
     budget = len(prompt) // max(1, engine.draft_catch_up) + 8
-    for record in engine.stream(prompt, max_new_tokens=budget, tree=Tree.chain(2)):
+    for record in engine.stream(prompt, max_new_tokens=budget, tree=Tree.chain(2), copies=False):
         first = first or time.perf_counter() - start
         if len(record.tokens) > 1:
             return first, time.perf_counter() - start

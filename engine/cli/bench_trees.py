@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     ranks, sequences = [], []
     for i, ids in enumerate(prompts):
-        continuation = engine.generate(ids, max_new_tokens=args.new_tokens, tree=Tree.chain(4)).tokens
+        continuation = engine.generate(ids, max_new_tokens=args.new_tokens, tree=Tree.chain(4), copies=False).tokens
         ranks.append(draft_ranks(draft, ids, continuation))
         sequences.append((len(ids), ids + continuation))
         print(f"prompt {i}: {len(continuation)} greedy tokens ranked", flush=True)

@@ -43,36 +43,35 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from engine.core.speculative import SpeculativeEngine, check_confidence, check_params
+    from engine.core.settings import TreeSize, settings_from
+    from engine.core.speculative import SpeculativeEngine
     from engine.models.loading import load_pair, pair_name
     from engine.models.prompts import encode_chat
-    from engine.tuning.acceptance import acceptance_for
-    from engine.tuning.tree_store import build_tree
+    from engine.tuning.planner import TreePlanner
 
     if not args.prompt.strip():
         raise EngineError("--prompt is empty: give the message to answer, e.g. --prompt \"Hello\"")
-    check_params(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.method)
-    check_confidence(args.confidence)
     if args.tree_size < 1:
         raise EngineError(f"--tree-size must be >= 1, got {args.tree_size}")
-    tree = build_tree(args.tree_size, args.depth)  # checks size and depth before the models load
-    if args.method == "autoregressive":
-        tree = None
-    elif args.method == "chain" and tree is not None and tree.size != tree.depth + 1:
+    depth = args.tree_size - 1 if args.depth is None else args.depth
+    if args.tree_size > 1 and not 1 <= depth < args.tree_size:
+        raise EngineError(f"--depth must be between 1 and tree size - 1 ({args.tree_size - 1}), got {depth}")
+    if args.method == "chain" and args.tree_size > 1 and depth != args.tree_size - 1:
         raise EngineError("--method chain needs a chain: leave --depth unset or set it to --tree-size - 1")
+    # checked before the models load
+    settings = settings_from(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                             seed=args.seed, method=args.method, confidence=args.confidence,
+                             tree=TreeSize(args.tree_size, max(depth, 1)) if args.tree_size > 1 else None)
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
                                          args.trust_remote_code, draft_format=args.draft_format,
                                          target_format=args.target_format, draft_vocabulary=args.draft_vocab)
-    if tree is not None and tree.size != tree.depth + 1:  # Sequoia's tree for this pair's calibration
-        tree = build_tree(args.tree_size, args.depth,
-                          acceptance_for(pair_name(args.target, args.draft, draft, target), args.temperature, args.top_p))
+    engine = SpeculativeEngine(target, draft if settings.tree is not None else None,
+                               planner=TreePlanner(pair_name(args.target, args.draft, draft, target)))
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                [{"role": "user", "content": args.prompt}]
     input_ids = encode_chat(tokenizer, messages)
-    engine = SpeculativeEngine(target, draft if tree is not None else None)
-    result = engine.generate(input_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             top_p=args.top_p, tree=tree, seed=args.seed, method=args.method,
-                             confidence=args.confidence)
+    result = engine.generate(input_ids, settings)
+    tree = result.decision.tree if result.decision.drafts else None
     if args.json:
         print(json.dumps({"text": tokenizer.decode(result.tokens, skip_special_tokens=True),
                           "tree": tree.to_dict() if tree else None, **result.to_dict()}))

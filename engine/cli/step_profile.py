@@ -16,9 +16,10 @@ def profile_steps(engine, prompt: list[int], tree, tokens: int, temperature: flo
                   rows: int = 15) -> str:
     """Profile ``engine.cli.generate`` over ``tokens`` new tokens (after a warm-up answer); returns
     the operator table sorted by total CPU time."""
-    engine.generate(prompt, max_new_tokens=8, tree=tree, temperature=temperature, top_p=top_p)
+    engine.generate(prompt, max_new_tokens=8, tree=tree, temperature=temperature, top_p=top_p, copies=False)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        result = engine.generate(prompt, max_new_tokens=tokens, tree=tree, temperature=temperature, top_p=top_p)
+        result = engine.generate(prompt, max_new_tokens=tokens, tree=tree, temperature=temperature, top_p=top_p,
+                                 copies=False)
     steps = len(result.steps)
     header = (f"{steps} steps, {result.tokens_per_step:.2f} tokens/step, {result.tokens_per_second:.2f} tokens/s; "
               f"per step: draft {1e3 * sum(s.timings.draft_s for s in result.steps) / steps:.0f} ms, "

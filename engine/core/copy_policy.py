@@ -8,8 +8,10 @@ both, the copy first. A copy that has not paid recently stops being proposed.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
+from engine.trees.copies import SOURCE_COPY, ContextIndex, CopyProposal, MergedTree
 from engine.trees.tree import Tree
 
 MATCH_BUCKETS = (3, 6, 12, 24)       # a match of m tokens falls in the last bucket whose bound is <= m
@@ -96,8 +98,9 @@ def unmeasured_target_time(rows: int, profile: object | None) -> float:
 
 @dataclass
 class StepClock:
-    """What steps cost while this conversation decodes: verification seconds per tree width and the
-    draft model's seconds per drafted step (moving averages). The profile's curve was measured
+    """What steps cost while this answer decodes: verification seconds per tree width and the draft
+    model's seconds per drafted step (moving averages; fed at T = 0 only, where the tree cannot
+    change the answer: a sampled answer's trees depend on no clock, so a seed reproduces it). The profile's curve was measured
     after a short prefix; over a long conversation attention makes every extra row dearer, so
     copies are sized by what verification costs now. Widths not seen yet follow the profile (or
     the default costs), scaled by the measured width nearest to them."""
@@ -159,3 +162,55 @@ def plan_step(stats: CopyStats, match_len: int, available: int, model_tree: Tree
             if rate > best_rate:
                 best, best_rate = plan, rate
     return best
+
+
+MAX_COPY = 32        # copied tokens verified in one step at most
+PREDICTION_LEAD = 8  # prompt tokens put before an expected output, so its start matches the prompt's end
+
+
+class CopyPolicy:
+    """One generation's copies from the context, asked by each step: which continuations to verify
+    beside the draft's tree (:meth:`plan`) and what the step's verdict teaches (:meth:`learn`).
+
+    Everything it measures (copies' acceptance, the draft tree's tokens per step, step costs) is
+    the generation's own, so a seeded answer's trees depend on nothing an earlier one left behind.
+    ``expected``: the draft tree's expected tokens per step before any is measured (the
+    optimizer's prediction, else one per level half the time)."""
+
+    def __init__(self, prompt: list[int], prediction: tuple[int, ...] | None, expected: float) -> None:
+        self.index = ContextIndex()
+        self.index.sync(prompt)
+        if prediction:
+            self.index.add_document(list(prompt[-PREDICTION_LEAD:]) + list(prediction))
+        self.stats = CopyStats()
+        self.clock = StepClock()  # this generation's measured step costs (its context length's)
+        self.model_tokens = expected
+
+    def plan(self, seq: list[int], tree: Tree, room: int | None, stops: frozenset[int], branches: int,
+             profile: object | None) -> tuple[list[CopyProposal], bool]:
+        """This step's copied continuations of ``seq`` (possibly none) and whether the draft model
+        drafts ``tree`` beside them; ``room``: nodes the context leaves (None: no limit)."""
+        self.index.sync(seq)
+        budget = MAX_COPY if room is None else min(MAX_COPY, room // branches)
+        proposals = self.index.lookup(budget, branches, stops) if budget > 0 else []
+        if not proposals:
+            return [], True
+        plan = plan_step(self.stats, proposals[0].match_len, len(proposals[0].tokens), tree, self.model_tokens,
+                         profile, self.clock)
+        if plan.copy_len == 0:
+            return [], True
+        return [dataclasses.replace(p, tokens=p.tokens[:plan.copy_len]) for p in proposals], plan.draft
+
+    def learn(self, merged: MergedTree, proposals: list[CopyProposal], accepted: list[int], drafted: bool) -> None:
+        """Count what the copies and the draft's tree gave this step (the verifier tries the copies
+        first, in order, and stops at the first whose first token it keeps); ``drafted``: the draft
+        model drafted a tree this step."""
+        kept = set(accepted)
+        for proposal, chain in zip(proposals, merged.chains):
+            taken = sum(1 for node in chain if node in kept)
+            self.stats.observe(proposal.match_len, len(chain), taken)
+            if taken:
+                break
+        if drafted and not any(merged.sources[a] == SOURCE_COPY for a in accepted):
+            from_draft = sum(1 for a in accepted[1:] if merged.model_node[a] > 0)
+            self.model_tokens = 0.9 * self.model_tokens + 0.1 * (1 + from_draft)

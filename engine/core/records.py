@@ -1,7 +1,9 @@
 """Plain dataclass records the engine emits; the app and the benchmarks consume only these."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -193,6 +195,9 @@ class GenerationResult:
     prompt_tokens: int
     prefill_s: float  # reading the prompt: both models' prefill, and a deferred draft's reads between steps
     finish_reason: str
+    reused_tokens: int = 0  # prompt tokens a conversation cache held, not read again
+    # the tree it decoded with (an engine.core.settings.TreeDecision: the optimizer's choice under "auto")
+    decision: Any = field(default=None, compare=False)
 
     @property
     def decode_s(self) -> float:
@@ -214,7 +219,8 @@ class GenerationResult:
         return len(self.tokens) / self.decode_s if self.decode_s > 0 else 0.0
 
     def to_dict(self) -> dict:
-        out = asdict(self)
+        out = asdict(dataclasses.replace(self, decision=None))
+        out.pop("decision")
         out.update(decode_s=self.decode_s, tokens_per_step=self.tokens_per_step,
                    tokens_per_second=self.tokens_per_second)
         return out

@@ -67,7 +67,7 @@ def calibrate(engine: SpeculativeEngine, prompts: list[list[int]], temperature: 
     with tqdm(total=positions, desc=f"calibrating T={temperature} top-p={top_p}", disable=not progress) as bar:
         for i, ids in enumerate(prompts * (positions // max(len(prompts), 1) + 1)):
             for step in engine.stream(ids, max_new_tokens=tokens_per_prompt, temperature=temperature, top_p=top_p,
-                                      tree=tree, seed=seed + i, method="sequoia"):
+                                      tree=tree, seed=seed + i, method="sequoia", copies=False):
                 if len(step.accepted) > 1:
                     counts[step.ranks[step.accepted[1]] - 1] += 1
                 seen += 1
@@ -96,7 +96,7 @@ def _sampled_confidence(engine: SpeculativeEngine, prompts: list[list[int]], tem
     with tqdm(total=positions, desc=f"confidence T={temperature} top-p={top_p}", disable=not progress) as bar:
         for i, ids in enumerate(prompts * (positions // max(len(prompts), 1) + 1)):
             answer = engine.generate(ids, max_new_tokens=tokens_per_prompt, temperature=temperature, top_p=top_p,
-                                     seed=seed + i).tokens
+                                     seed=seed + i, tree=None, copies=False).tokens
             text = torch.tensor([ids + answer])
             with torch.inference_mode():
                 p, q = (logits_to_probs(model(input_ids=text).logits[0, len(ids) - 1:-1].float().cpu(), temperature,
@@ -132,7 +132,7 @@ def _greedy_calibration(engine: SpeculativeEngine, prompts: list[list[int]], k: 
     ranks: list[int] = []
     tops: list[float] = []
     for ids in tqdm(prompts, desc="calibrating T=0 (greedy replay)", disable=not progress):
-        continuation = engine.generate(ids, max_new_tokens=per_prompt, tree=Tree.chain(4)).tokens
+        continuation = engine.generate(ids, max_new_tokens=per_prompt, tree=Tree.chain(4), copies=False).tokens
         prompt_ranks, prompt_tops = draft_ranks_and_confidence(engine.draft, ids, continuation)
         ranks, tops = ranks + prompt_ranks, tops + prompt_tops
     ranks, tops = ranks[:positions], tops[:positions]

@@ -239,7 +239,7 @@ def _nearest_profiles(directories, pair: str, target) -> list[Path]:
 
 
 def _tuner_from(directory: Path, pair: str, target, path: Path | None = None):
-    from engine.backends.kquant import kernel_digest
+    from engine.kernels.build import kernel_digest
     from engine.tuning.calibrate import acceptance_vectors, find_calibrations
     from engine.tuning.profile import device_name, profile_path
 

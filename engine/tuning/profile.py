@@ -32,7 +32,7 @@ class HardwareProfile:
     # seconds every decoding step costs beyond the forwards timed above: the engine's work around
     # them and attention over a real chat's context rather than the profile's prefix
     step_overhead: float = 0.0
-    # the CPU kernels' sources it was measured with (engine.backends.kquant.kernel_digest): a
+    # the CPU kernels' sources it was measured with (engine.kernels.build.kernel_digest): a
     # profile of this machine measured with other kernels is measured again
     kernels: str = ""
 
@@ -124,7 +124,7 @@ def measure_profile(target, draft, prefix: list[int], sizes: list[int], widths: 
     four-row one here."""
     from tqdm.auto import tqdm
 
-    from engine.backends.kquant import kernel_digest
+    from engine.kernels.build import kernel_digest
 
     device = next(target.parameters()).device
     profile = HardwareProfile(device=device_name(device), pair=pair, dtype=str(target.dtype).removeprefix("torch."),
@@ -183,8 +183,8 @@ def measure_step_overhead(target, draft, prompt: list[int], forward_s: float, to
     from engine.core.speculative import SpeculativeEngine
 
     engine = SpeculativeEngine(target, draft)
-    engine.generate(prompt, max_new_tokens=4, tree=Tree.chain(0))
-    per_token = min(1.0 / engine.generate(prompt, max_new_tokens=tokens, tree=Tree.chain(0)).tokens_per_second
+    engine.generate(prompt, max_new_tokens=4, tree=None, copies=False)
+    per_token = min(1.0 / engine.generate(prompt, max_new_tokens=tokens, tree=None, copies=False).tokens_per_second
                     for _ in range(rounds))
     return max(per_token - forward_s, 0.0)
 
@@ -203,8 +203,8 @@ def cpu_isa() -> str:
     """The widest integer vector ISA this CPU advertises that the kernels use: ``avx512vnni``,
     ``avx2`` or ``generic`` (also where the flags cannot be read); the narrower one the kernels are
     built for when ``$SEQUOIA_KERNEL_MARCH`` picks another path (``x86-64-v3``: ``avx2``)."""
-    from engine.backends.kernels import cpu_flags
-    from engine.backends.kquant import kernel_march
+    from engine.kernels.cpu import cpu_flags
+    from engine.kernels.build import kernel_march
 
     march = kernel_march()
     if march != "native":
