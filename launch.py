@@ -16,11 +16,11 @@ from engine.backends.hugepages import restart_with_huge_pages
 if __name__ == "__main__":  # before torch loads: glibc reads its tunables when a process starts
     restart_with_huge_pages()
 
-from engine.cli.arguments import add_format_arguments  # noqa: E402
+from engine.cli.arguments import add_format_arguments, formats_of  # noqa: E402
 from engine.errors import EngineError  # noqa: E402
 from engine.models.loading import DTYPES  # noqa: E402
-from app.cross_origin import parse_origins  # noqa: E402
-from app.server_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_CONNECTIONS  # noqa: E402
+from app.web.cross_origin import parse_origins  # noqa: E402
+from app.web.server_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_CONNECTIONS  # noqa: E402
 
 KV_CACHE_MB = 1024  # default budget of the conversation KV caches (engine.core.prefix_cache.DEFAULT_BUDGET_BYTES)
 
@@ -84,14 +84,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_worker(args: argparse.Namespace):
-    from app.worker import Worker
+    from app.serving.worker import Worker
     from engine.tuning.optimizer import load_tuner
     from engine.tuning.planner import TreePlanner
 
     if args.tiny:
         import torch
 
-        from app.pair import load_tokenizer, tiny_pair
+        from app.serving.pair import load_tokenizer, tiny_pair
         torch.set_num_threads(1)
         tokenizer = load_tokenizer()
         target, draft = tiny_pair(tokenizer)
@@ -103,8 +103,7 @@ def build_worker(args: argparse.Namespace):
           flush=True)
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
                                          args.trust_remote_code, offload=args.offload,
-                                         draft_format=args.draft_format, target_format=args.target_format,
-                                         draft_vocabulary=args.draft_vocab)
+                                         formats=formats_of(args))
     pair = pair_name(args.target, args.draft, draft, target)
     return Worker.from_models(target, draft, tokenizer, args.target, args.draft,
                               planner=TreePlanner(pair, load_tuner(pair, target)), **worker_policy(args))
@@ -204,7 +203,7 @@ def models_panel(args: argparse.Namespace) -> bool:
 def server_limits(args: argparse.Namespace):
     """The connection limits of --header-timeout, --body-timeout and --max-connections (SystemExit,
     one line, for a value that is not positive)."""
-    from app.server_limits import ServerLimits
+    from app.web.server_limits import ServerLimits
     for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
                         ("--max-connections", args.max_connections)):
         if not value > 0:
@@ -215,8 +214,8 @@ def server_limits(args: argparse.Namespace):
 
 def other_machines_line(host: str, local_url: str) -> str | None:
     """When the server binds every interface: the line that lists this machine's addresses (the
-    Host allowlist takes them, app.host_guard); None otherwise."""
-    from app.host_guard import ANY_INTERFACE, host_name, reachable_addresses
+    Host allowlist takes them, app.web.host_guard); None otherwise."""
+    from app.web.host_guard import ANY_INTERFACE, host_name, reachable_addresses
 
     if host_name(host) not in ANY_INTERFACE:
         return None
@@ -249,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-    from app import ui
+    from app.page import ui
     from engine.models.loading import pair_name
     from engine.tuning.calibrate import find_acceptance
 
@@ -267,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                                           inbrowser=args.inbrowser, prevent_thread_lock=True, quiet=True,
                                           extra_hosts=args.allowed_hosts.split(","), api_key=key,
                                           cors_origins=origins, limits=limits)
-    from app import openai_api
+    from app.api import openai_api
     openai_api.mount(app, worker, {"tree_size": max(1, args.tree_size), "depth": max(1, args.depth)}, api_key=key)
     print(f"Sequoia Chat is running at {local_url}" + (f" (public link: {share_url})" if share_url else ""),
           flush=True)

@@ -1,22 +1,12 @@
-"""The Sequoia Chat web app: a Gradio UI around one engine worker.
+"""The Sequoia Chat web app: a Gradio UI around one engine worker, by concern.
 
-- ``app.ui``: the layout; ``build_demo(worker, tokenizer, options)`` returns the ``gr.Blocks`` app;
-- ``app.handlers``: :class:`ChatApp`, the event handlers the layout wires to its components;
-- ``app.answer_stream``: one answer's events turned into the chat's updates, a run's views;
-- ``app.controls``: what the controls mean: defaults, clamped values, the tree they name;
-- ``app.explain_view``: the three teaching tabs under the chat;
-- ``app.text``: the text and HTML the UI shows (pure functions);
-- ``app.figures``: pure functions from engine step records to the per-step chart, stats lines and
-  the Compare race; ``app.tree_figures``: the token tree of a step (plotly figure and live SVG);
-- ``app.conversation``: the chat's messages, context fitting, import and export;
-- ``app.worker``: the background thread that owns the models and serves requests in order;
-- ``app.jobs``: what the worker is asked (requests), and the jobs and events it answers with;
-- ``app.openai_api``: ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` on the same
-  worker; ``app.openai_requests``: their request bodies checked and turned into calls;
-- ``app.pair``: which models may load and how a pair becomes an engine; a tiny random pair (real
-  tokenizer) for trying the UI without the weights;
-- ``app.gradio_stubs``: imports Gradio without the type-stub writer it runs at every import.
+- :mod:`app.page`: the page's layout, the handlers of its events, what its controls mean (read once
+  into a :class:`~engine.core.settings.DecodeSettings`), one answer streamed, the teaching tabs;
+- :mod:`app.views`: pure functions from step records and plain values to figures, SVG, HTML, text;
+- :mod:`app.serving`: the worker thread that owns the models, the jobs it serves, the pairs it may load;
+- :mod:`app.api`: the OpenAI-compatible ``/v1`` routes;
+- :mod:`app.web`: the server's guards (Host, Origin, body and connection limits, private events).
 """
-from app.gradio_stubs import skip_stub_writer
+from app.page.gradio_stubs import skip_stub_writer
 
 skip_stub_writer()  # before any app module imports gradio: its import skips rewriting type stubs

@@ -1,4 +1,4 @@
-// The page's side of app/live_feed.py. When the live-tree box holds an element with a
+// The page's side of app/page/live_feed.py. When the live-tree box holds an element with a
 // data-sc-feed token (the first update of a streaming answer), it reads /sc-live/<token> and
 // applies each record itself: text deltas appended to the answer's bubble, the step's tree SVG,
 // the status and stats lines. Gradio's final update of the answer then replaces all of it.

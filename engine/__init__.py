@@ -13,7 +13,7 @@ The library, by concern:
 - :mod:`engine.backends`: CPU and CUDA machinery (kquant, kernels, quantize, mapped,
   hugepages, offload);
 - :mod:`engine.models`: loading pairs, the bundled prompts, random-weight stand-ins;
-- :mod:`engine.peer`: llama.cpp run on the same files, for benchmarks;
+- :mod:`bench.peer`: llama.cpp run on the same files, for benchmarks;
 - :mod:`engine.cli`: the command lines (``python -m engine.cli.<tool>``, the one way to run
   each); nothing in the library imports them.
 

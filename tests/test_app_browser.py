@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import test_app_support as support
 
-from app.pair import make_engine
-from app.worker import Worker
+from app.serving.pair import make_engine
+from app.serving.worker import Worker
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 CHROMIUM = os.environ.get("SEQUOIA_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")

@@ -9,7 +9,7 @@ import pytest
 import test_app_support as support
 from test_app_real import ARTIFACTS, browser_page
 
-from app.worker import Worker
+from app.serving.worker import Worker
 from engine.models.loading import pair_name
 from engine.models.prompts import ASSETS
 from engine.tuning.calibrate import find_acceptance

@@ -47,7 +47,7 @@ def test_the_app_imports_gradio_without_its_stub_writer():
     import sys
 
     script = (
-        "import app, gradio, gradio.component_meta as meta, app.gradio_stubs as stubs\n"
+        "import app, gradio, gradio.component_meta as meta, app.page.gradio_stubs as stubs\n"
         "assert meta.create_or_modify_pyi is stubs._write_no_stub\n"
         "assert not any(isinstance(f, stubs._StubWriterSwap) for f in sys.meta_path)\n"
         "assert gradio.Textbox(label='x').label == 'x'\n"
@@ -112,7 +112,7 @@ def test_the_models_panel_is_off_beyond_loopback_unless_asked_for():
 def test_the_connection_limit_flags():
     import pytest
 
-    from app.server_limits import ServerLimits
+    from app.web.server_limits import ServerLimits
     assert launch.server_limits(launch.parse_args([])) == ServerLimits()
     limits = launch.server_limits(launch.parse_args(["--header-timeout", "2.5", "--body-timeout", "7",
                                                     "--max-connections", "50"]))
@@ -123,7 +123,7 @@ def test_the_connection_limit_flags():
 
 
 def test_binding_every_interface_lists_this_machines_addresses(monkeypatch):
-    from app import host_guard
+    from app.web import host_guard
     monkeypatch.setattr(host_guard, "reachable_addresses", lambda: ["192.168.1.23", "2001:db8::5"])
     line = launch.other_machines_line("0.0.0.0", "http://localhost:7861/")
     assert "http://192.168.1.23:7861/" in line and "http://[2001:db8::5]:7861/" in line

@@ -7,9 +7,9 @@ import pytest
 import test_app_support as support
 
 from engine.core.settings import DecodeSettings
-from app.jobs import GenerationRequest
-from app.pair import make_engine
-from app.worker import Worker, WorkerPolicy
+from app.serving.jobs import GenerationRequest
+from app.serving.pair import make_engine
+from app.serving.worker import Worker, WorkerPolicy
 from engine.models.prompts import encode_chat
 from engine.tuning.tree_store import build_tree
 
@@ -138,7 +138,7 @@ def test_a_model_swap_empties_the_store(pair):
 
 def test_measuring_the_target_alone_leaves_the_sessions_cache(pair):
     """"Measure the target alone" runs in the tab's session; the next turn still reuses the chat."""
-    from app.handlers import ChatApp
+    from app.page.handlers import ChatApp
 
     tokenizer = pair[2]
     worker = new_worker(pair)

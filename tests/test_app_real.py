@@ -11,9 +11,9 @@ import pytest
 import test_app_support as support
 from test_app_server import CHATBOT, STATUS, TREE_PLOT, answer_text, chat_args
 
-from app.conversation import safe_markdown
-from app.pair import make_engine
-from app.worker import Worker
+from app.views.conversation import safe_markdown
+from app.serving.pair import make_engine
+from app.serving.worker import Worker
 from engine.tuning.tree_store import build_tree
 
 pytestmark = pytest.mark.real_pair

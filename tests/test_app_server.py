@@ -8,8 +8,8 @@ import pytest
 import test_app_support as support
 from gradio_client import Client  # noqa: E402
 
-from app.conversation import safe_markdown
-from app.pair import make_engine
+from app.views.conversation import safe_markdown
+from app.serving.pair import make_engine
 from engine.tuning.tree_store import build_tree
 
 # outputs of the /chat endpoint (gr.State outputs are not part of the API)

@@ -27,7 +27,7 @@ def one_torch_thread():
 
 @functools.lru_cache(maxsize=1)
 def _tokenizer():
-    from app.pair import load_tokenizer
+    from app.serving.pair import load_tokenizer
     return load_tokenizer()
 
 
@@ -39,7 +39,7 @@ def tokenizer():
 
 @functools.lru_cache(maxsize=1)
 def _pair():
-    from app.pair import tiny_pair
+    from app.serving.pair import tiny_pair
     return tiny_pair(_tokenizer(), noise=0.003)
 
 
@@ -105,7 +105,7 @@ def free_port() -> int:
 
 def start_server(worker, options: dict | None = None):
     """The real app on a local port, in this process; returns ``(demo, url)``."""
-    from app import ui
+    from app.page import ui
     demo = ui.build_demo(worker, worker.tokenizer, options)
     _, url, _ = ui.launch(demo, server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True,
                           quiet=True)
@@ -115,8 +115,8 @@ def start_server(worker, options: dict | None = None):
 def tiny_server(delay: float = 0.0):
     """A generator for module fixtures: yields ``(worker, url)`` of the app serving the tiny pair
     (wrapped in :class:`SlowEngine`), and shuts both down afterwards."""
-    from app.pair import make_engine
-    from app.worker import Worker
+    from app.serving.pair import make_engine
+    from app.serving.worker import Worker
     tok = tokenizer()
     target, draft = tiny_pair()
     engine = SlowEngine(make_engine(target, draft, tok), delay)

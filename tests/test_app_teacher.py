@@ -11,11 +11,17 @@ import pytest
 import test_app_support as support
 from test_app_worker import fake_tuner
 
-from app import answer_stream, controls, handlers, ui
-from app import text as ui_text
-from app.conversation import export_conversation, highlight_html, import_steps
-from app.pair import make_engine
-from app.worker import Worker
+from app.page import answer_stream
+
+from app.page import controls
+
+from app.page import handlers
+
+from app.page import ui
+from app.views import text as ui_text
+from app.views.conversation import export_conversation, highlight_html, import_steps
+from app.serving.pair import make_engine
+from app.serving.worker import Worker
 from engine.core.settings import TreeSize, settings_from
 from engine.tuning.planner import TreePlanner
 from engine.core.records import StepRecord, StepTimings
@@ -195,7 +201,7 @@ def test_a_depth_the_tree_does_not_reach_is_reported(app):
 
 
 def test_a_message_sent_during_an_answer_is_refused_with_a_message(app):
-    from app.jobs import GenerationRequest
+    from app.serving.jobs import GenerationRequest
     from engine.core.settings import DecodeSettings
 
     blocker = app.worker.submit(GenerationRequest(settings=DecodeSettings(max_new_tokens=2000, tree=None,
@@ -353,7 +359,7 @@ def test_a_long_prompts_draft_reading_between_steps_is_said(app, monkeypatch):
 
 
 def test_the_int4_target_is_named_by_what_it_stores():
-    from app.text import model_format
+    from app.views.text import model_format
 
     assert model_format({"target": "default-target", "target_format": "q4k"}, "target") == \
         "int4: the GGUF Q4_K_M blocks as stored"
@@ -385,7 +391,7 @@ def test_exports_in_the_same_second_never_share_a_file_and_the_folder_goes_with_
 
 
 def test_the_vocabularys_longest_entry_is_read_when_the_app_starts_not_before_the_first_answer(app):
-    from app import conversation
+    from app.views import conversation
 
     conversation._LONGEST.pop(app.worker.tokenizer, None)
     handlers.ChatApp(app.worker)

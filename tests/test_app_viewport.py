@@ -24,8 +24,8 @@ def _one_torch_thread():
 
 @pytest.fixture(scope="module")
 def url():
-    from app.pair import make_engine
-    from app.worker import Worker
+    from app.serving.pair import make_engine
+    from app.serving.worker import Worker
     tokenizer = support.tokenizer()
     target, draft = support.tiny_pair()
     engine = make_engine(target, draft, tokenizer)

@@ -1,4 +1,4 @@
-"""app.worker: one thread owns the engine; cancel, queueing, errors and model loading."""
+"""app.serving.worker: one thread owns the engine; cancel, queueing, errors and model loading."""
 from __future__ import annotations
 
 import gc
@@ -8,9 +8,9 @@ import test_app_support as support
 import torch
 
 from engine.core.settings import DecodeSettings
-from app.jobs import GenerationRequest
-from app.pair import make_engine, validate_model_id
-from app.worker import Worker
+from app.serving.jobs import GenerationRequest
+from app.serving.pair import make_engine, validate_model_id
+from app.serving.worker import Worker
 from engine.errors import ModelLoadError
 from engine.models.prompts import encode_chat
 from engine.trees.tree import Tree
@@ -243,7 +243,7 @@ def fake_tuner():
 
 
 def test_auto_tree_reports_the_optimizer_choice(worker, pair):
-    from app.ui import build_demo
+    from app.page.ui import build_demo
     demo = build_demo(worker, pair[2])
     assert demo.chat_app.c.auto.visible is False  # no tuner: no auto checkbox
     worker.set_tuner(fake_tuner())
@@ -261,8 +261,8 @@ def test_auto_tree_reports_the_optimizer_choice(worker, pair):
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_models_panel_counts_and_names_a_quantised_draft(fmt):
-    from app.text import pair_markdown
-    from app.pair import describe_pair
+    from app.views.text import pair_markdown
+    from app.serving.pair import describe_pair
     from engine.backends.quantize import quantize_draft
 
     target, draft = support.tiny_pair()
@@ -294,7 +294,7 @@ def test_a_hub_id_naming_a_folder_in_the_working_directory_is_refused(pair, tmp_
     the server's working directory: outside --models-dir, so it must be refused and never read."""
     import transformers
 
-    from app.pair import default_loader
+    from app.serving.pair import default_loader
 
     _save_tiny_model(tmp_path / "secret" / "model", 31)
     models = tmp_path / "models"
@@ -477,7 +477,7 @@ def gated_swap(pair):
 def test_a_chat_queued_behind_a_model_load_is_tokenised_with_the_new_pair(pair):
     """The UI submits a chat while a model load is running: the prompt is tokenised (and its context
     checked) when the job runs, with the tokenizer of the pair the load put in place."""
-    from app.ui import build_demo
+    from app.page.ui import build_demo
 
     w, used, old, new, gate = gated_swap(pair)
     try:
@@ -540,7 +540,7 @@ def test_one_session_gets_one_job_however_many_threads_submit_at_once(pair):
     (checking for a pending or running job and registering the new one is one locked step)."""
     import threading
 
-    from app.jobs import SessionBusy
+    from app.serving.jobs import SessionBusy
 
     w, gate = gated_worker(pair)
     ids = prompt(pair)
@@ -571,8 +571,8 @@ def test_one_session_gets_one_job_however_many_threads_submit_at_once(pair):
 def test_a_full_queue_and_a_client_past_its_share_are_refused(pair, monkeypatch):
     """MAX_WAITING jobs wait at most (any client, UI sessions included); one client gets
     MAX_PER_CLIENT jobs waiting or running. Refusals say when to come back; others still get in."""
-    from app import worker as worker_module
-    from app.jobs import QueueFull
+    from app.serving import worker as worker_module
+    from app.serving.jobs import QueueFull
 
     monkeypatch.setattr(worker_module, "MAX_WAITING", 6)
     w, gate = gated_worker(pair)
@@ -669,7 +669,7 @@ def test_an_expected_output_is_copied_from_in_the_main_phase_only(worker, pair):
 
 
 def test_the_free_draft_settings_are_per_session(pair):
-    from app.handlers import ChatApp
+    from app.page.handlers import ChatApp
 
     target, draft, tokenizer = pair
     w = Worker(make_engine(target, draft, tokenizer), tokenizer, {"target": "tiny-target", "draft": "tiny-draft"})

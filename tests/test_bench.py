@@ -1,4 +1,4 @@
-"""``python -m engine.cli.bench`` on the tiny pair: our engine and Hugging Face's generate / assisted
+"""``python -m bench.decode`` on the tiny pair: our engine and Hugging Face's generate / assisted
 generation side by side, outputs compared, figures saved."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import test_app_support as support
 
-from engine.cli import bench
+from bench import decode as bench
 
 
 def test_bench_runs_ours_and_hugging_face_side_by_side(tmp_path, capsys):

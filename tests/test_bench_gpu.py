@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from engine.cli import bench_gpu
+from bench import gpu as bench_gpu
 
 
 def test_gpu_benchmark_runs_end_to_end_on_cpu(tmp_path, capsys):

@@ -1,10 +1,10 @@
-"""engine.cli.bench_multiturn's conversation runner on the tiny pair (the benchmark itself runs on the real one)."""
+"""bench.multiturn's conversation runner on the tiny pair (the benchmark itself runs on the real one)."""
 from __future__ import annotations
 
 import pytest
 import test_app_support as support
 
-from engine.cli.bench_multiturn import markdown_table, run
+from bench.multiturn import markdown_table, run
 from engine.core.speculative import SpeculativeEngine
 from engine.trees.tree import Tree
 

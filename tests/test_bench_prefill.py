@@ -1,4 +1,4 @@
-"""``python -m engine.cli.bench_prefill`` on the tiny pair: prompts cut from real code, our prefill
+"""``python -m bench.prefill`` on the tiny pair: prompts cut from real code, our prefill
 timed alone and with the draft, figures saved (llama.cpp is left out: it needs ``make peer``)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import test_app_support as support
 
-from engine.cli import bench_prefill
+from bench import prefill as bench_prefill
 
 
 def test_prompts_are_real_code_of_exactly_the_asked_length():

@@ -1,8 +1,8 @@
-"""What ``python -m app.bench_ui`` calls the time an answer's tokens showed on screen (the
+"""What ``python -m bench.ui`` calls the time an answer's tokens showed on screen (the
 benchmark itself drives Chromium and stays out of the suite; this checks its arithmetic)."""
 from __future__ import annotations
 
-from app.bench_ui import on_screen_timing
+from bench.ui import on_screen_timing
 
 
 def test_the_last_token_shows_at_the_live_feeds_last_change_not_at_the_markdown_rerender():
@@ -27,7 +27,7 @@ def test_nothing_visible_is_no_timing():
 
 
 def test_rounds_are_summed_up_prompt_by_prompt():
-    from app.bench_ui import per_prompt
+    from bench.ui import per_prompt
 
     runs = [{"prompt_index": i % 3, "rate": rate} for i, rate in enumerate([10.0, 20.0, 30.0, 12.0, 18.0, 36.0,
                                                                               11.0, 25.0, None])]
@@ -47,9 +47,9 @@ def _as_shown(markup: str) -> str:
 def test_the_page_speedups_are_read_as_the_app_writes_them():
     """The bench reads the stats line's headline and Compare's verdict from the text the app itself
     makes (figures.stats_line, answer_stream.compare_markdown), not from a copy of its wording."""
-    from app import figures
-    from app.answer_stream import Run, compare_markdown
-    from app.bench_ui import page_speedups
+    from app.views import figures
+    from app.page.answer_stream import Run, compare_markdown
+    from bench.ui import page_speedups
     from test_figures import steps
 
     below = figures.stats_line(steps(), baseline_tokens_per_s=40.0, baseline_source=figures.MEASURED_AT_START,

@@ -6,7 +6,7 @@ import tiny_models as tm
 import torch
 
 from engine import SpeculativeEngine, Tree
-from engine.tuning.calibrate import Acceptance, calibrate
+from engine.tuning.calibrate import CalibrationPlan, Acceptance, calibrate
 from engine.tuning.optimizer import AutoTuner, choose_tree, predict
 from engine.tuning.profile import HardwareProfile, measure_profile
 from engine.tuning.planner import TreePlanner
@@ -25,8 +25,7 @@ def models():
 
 def test_a_clone_draft_is_always_accepted_at_rank_1(models):
     target, _, clone = models
-    result = calibrate(SpeculativeEngine(target, clone, stop_token_ids=[]), PROMPTS, temperature=0.0, k=4,
-                       positions=30, tokens_per_prompt=12, progress=False)
+    result = calibrate(SpeculativeEngine(target, clone, stop_token_ids=[]), PROMPTS, temperature=0.0, plan=CalibrationPlan(k=4, positions=30, tokens_per_prompt=12), progress=False)
     assert result.positions == 30 and result.vector == [1.0, 0.0, 0.0, 0.0]
 
 
@@ -34,7 +33,7 @@ def test_a_clone_draft_is_always_accepted_at_rank_1(models):
 def test_calibration_counts_ranks(models, temperature):
     target, noisy, _ = models
     result = calibrate(SpeculativeEngine(target, noisy, stop_token_ids=[]), PROMPTS, temperature=temperature,
-                       k=8, positions=40, tokens_per_prompt=10, progress=False)
+                       plan=CalibrationPlan(k=8, positions=40, tokens_per_prompt=10), progress=False)
     assert result.positions == 40 and sum(result.counts) <= 40
     assert result.vector == [c / 40 for c in result.counts]
     assert result.vector[0] > 0.3 and result.none_accepted >= 0
@@ -117,11 +116,9 @@ SURE_OR_NOT = [(0.95, 1)] * 6 + [(0.2, 1)] * 3 + [(0.2, 0)] * 7
 
 def test_calibration_records_what_growth_is_predicted_from(models):
     target, noisy, clone = models
-    sure = calibrate(SpeculativeEngine(target, clone, stop_token_ids=[]), PROMPTS, temperature=0.0, k=4,
-                     positions=20, tokens_per_prompt=8, progress=False)
+    sure = calibrate(SpeculativeEngine(target, clone, stop_token_ids=[]), PROMPTS, temperature=0.0, plan=CalibrationPlan(k=4, positions=20, tokens_per_prompt=8), progress=False)
     assert len(sure.confidence) == 20 and all(accepted == 1 and 0 < q <= 1 for q, accepted in sure.confidence)
-    sampled = calibrate(SpeculativeEngine(target, noisy, stop_token_ids=[]), PROMPTS, temperature=0.8, k=4,
-                        positions=20, tokens_per_prompt=8, progress=False)
+    sampled = calibrate(SpeculativeEngine(target, noisy, stop_token_ids=[]), PROMPTS, temperature=0.8, plan=CalibrationPlan(k=4, positions=20, tokens_per_prompt=8), progress=False)
     assert len(sampled.confidence) == 20 and {accepted for _, accepted in sampled.confidence} <= {0, 1}
     assert Acceptance.from_json(sampled.to_json()) == sampled
 

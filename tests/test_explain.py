@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import test_app_support as support
 
-from app import explain_figures as xf
-from app import explain_text
-from app import answer_stream, ui
+from app.views import explain_figures as xf
+from app.views import explain_text
+from app.page import answer_stream
+from app.page import ui
 from engine.core.settings import DecodeSettings
-from app.jobs import GenerationRequest
-from app.pair import make_engine
-from app.worker import Worker
+from app.serving.jobs import GenerationRequest
+from app.serving.pair import make_engine
+from app.serving.worker import Worker
 from engine.tuning.planner import TreePlanner
 from engine.core.records import StepRecord, StepTimings, VerifierEvent
 from engine.trees import dp
@@ -368,8 +369,8 @@ def test_walking_a_traced_answer_on_tiny_models(app):
 
 
 def test_a_grown_pick_is_named_with_its_threshold_everywhere_it_is_shown():
-    from app.text import describe_choice
-    from app.explain_text import describe_setting
+    from app.views.text import describe_choice
+    from app.views.explain_text import describe_setting
     from engine.tuning.optimizer import TreeChoice
 
     grown = TreeChoice(Tree.chain(2), 3, 2, 2.3, 0.06, 1.08, confidence=0.7)

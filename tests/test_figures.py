@@ -1,4 +1,4 @@
-"""app.figures and app.conversation: pure functions, tested on hand-made step records."""
+"""app.views.figures and app.conversation: pure functions, tested on hand-made step records."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,8 +7,10 @@ import re
 
 import pytest
 
-from app import figures, tree_figures
-from app.conversation import (
+from app.views import figures
+
+from app.views import tree_figures
+from app.views.conversation import (
     ContextTooLong,
     chat_messages,
     display_messages,
@@ -268,7 +270,7 @@ def test_a_stats_line_below_the_target_alone_says_why():
 
 
 def test_steps_the_draft_gate_paused_are_named_so():
-    from app.tree_figures import step_title
+    from app.views.tree_figures import step_title
 
     paused = StepRecord(index=3, tokens=[100], parents=[-1], ranks=[0], draft_probs=[1.0], target_probs=[1.0],
                         accepted=[0], committed=[101], timings=StepTimings(verify_s=0.05), draft_paused=True)
@@ -283,7 +285,7 @@ def test_steps_the_draft_gate_paused_are_named_so():
 def test_an_answer_with_steps_of_the_target_alone_is_measured_against_them():
     """From three target-alone steps on (the first step aside), the stats line, the running speedup
     and the slower-than explanation use them: the target alone under the answer's own load."""
-    from app.tree_figures import step_title
+    from app.views.tree_figures import step_title
 
     def alone(index, seconds, **flags):
         return StepRecord(index=index, tokens=[100], parents=[-1], ranks=[0], draft_probs=[1.0], target_probs=[1.0],
@@ -456,7 +458,7 @@ def test_the_live_tree_is_svg_with_legible_labels_and_the_whole_text_on_hover():
 def test_copied_nodes_have_their_own_colour_hover_and_count():
     """A step whose tree holds a chain copied from the context: violet borders in the live SVG and
     the plotly tree, a hover that says where the copy came from, and the count in title and stats."""
-    from app.tree_figures import COPY_COLOUR, step_title, tree_figure, tree_svg
+    from app.views.tree_figures import COPY_COLOUR, step_title, tree_figure, tree_svg
     from engine.core.records import StepRecord
 
     step = StepRecord(index=0, tokens=[1, 20, 21, 30], parents=[-1, 0, 1, 0], ranks=[0, 1, 1, 2],

@@ -11,10 +11,12 @@ import test_app_support as support
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app import openai_api, openai_requests
-from app.conversation import export_conversation, import_conversation
-from app.pair import make_engine
-from app.worker import Worker
+from app.api import openai_api
+
+from app.api import openai_requests
+from app.views.conversation import export_conversation, import_conversation
+from app.serving.pair import make_engine
+from app.serving.worker import Worker
 
 EXAMPLES = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                             HealthCheck.function_scoped_fixture])

@@ -127,7 +127,7 @@ def test_a_quantised_copy_takes_the_embedding_and_computes_the_same(tiny_gguf, q
 
 
 def test_the_models_panel_counts_an_embedding_in_blocks(tiny_gguf):
-    from app.pair import weight_count
+    from app.serving.pair import weight_count
 
     model = tm.qwen2(seed=5)
     assert weight_count(int4_draft(model, embedding=gguf_embedding(tiny_gguf[0]))) == weight_count(int4_draft(model))

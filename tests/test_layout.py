@@ -4,6 +4,7 @@ engine/ imports itself back."""
 from __future__ import annotations
 
 import ast
+import re
 import importlib.util
 import subprocess
 import sys
@@ -11,12 +12,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "engine"
-LIBRARY_PACKAGES = {"kernels", "core", "trees", "tuning", "backends", "models", "peer"}
+LIBRARY_PACKAGES = {"kernels", "core", "trees", "tuning", "backends", "models"}
 
 # The library's layers, bottom up, and what each package's modules may import besides their own
 # package: only packages of lower layers, and of those only the ones it uses (a new arrow is a
 # decision, made here). The command lines (cli) stand above them all and may import anything.
-LAYERS = ["errors", "user_cache", "kernels", "trees", "core", "backends", "models", "tuning", "peer"]
+LAYERS = ["errors", "user_cache", "kernels", "trees", "core", "backends", "models", "tuning"]
 ALLOWED = {
     "errors": set(),
     "user_cache": set(),
@@ -26,7 +27,6 @@ ALLOWED = {
     "backends": {"core", "kernels", "errors", "user_cache"},
     "models": {"backends", "errors", "user_cache"},
     "tuning": {"core", "trees", "kernels", "models", "errors", "user_cache"},
-    "peer": {"models", "errors", "user_cache"},
 }
 
 
@@ -68,8 +68,32 @@ def test_no_library_module_imports_a_command_line():
     assert offenders == {}
 
 
+APP_PACKAGES = {"page", "views", "serving", "api", "web"}
+
+
+def test_the_app_has_one_folder_per_concern_and_leaves_the_benchmarks_apart():
+    """app/ by concern (the page, pure views, the worker, the OpenAI API, web guards), each saying
+    what it holds; neither the app nor the library imports the benchmarks (bench/), which import both."""
+    app = ROOT / "app"
+    assert sorted(p.name for p in app.iterdir() if p.name != "__pycache__") == sorted(["__init__.py", *APP_PACKAGES])
+    for package in APP_PACKAGES:
+        assert (app / package / "__init__.py").read_text().strip(), f"app/{package} says what it holds"
+    graph = import_graph()
+    assert not {name: sorted(m for m in used if m.split(".")[0] == "bench") for name, used in graph.items()
+                if any(m.split(".")[0] == "bench" for m in used)}
+    assert (ROOT / "bench" / "__init__.py").is_file() and not (ENGINE / "peer").exists()
+
+
+def test_pure_views_import_nothing_of_the_page_the_worker_or_gradio():
+    """app/views: step records and plain values in, figures and HTML out."""
+    for path in (ROOT / "app" / "views").glob("*.py"):
+        text = path.read_text()
+        assert "import gradio" not in text and "from gradio" not in text, path
+        assert not re.search(r"^\s*from app\.(page|serving|api|web)\b", text, re.M), path
+
+
 def test_the_app_uses_the_library_not_the_command_lines():
-    for path in (ROOT / "app").glob("*.py"):
+    for path in (ROOT / "app").rglob("*.py"):
         assert not any(package_of(m) == "cli" for m in engine_imports(path)), path
 
 
@@ -193,12 +217,3 @@ def test_the_package_root_imports_nothing_of_the_library():
     loaded = subprocess.run([sys.executable, "-c", "import engine, sys; print(sorted(m for m in sys.modules "
                              "if m.startswith('engine.')))"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert loaded.stdout.strip() == "[]", loaded.stderr[-2000:]
-
-
-def test_figures_and_text_are_pure():
-    """The app's figures and text are functions of records and plain values: no Gradio, no worker."""
-    for name in ("figures.py", "tree_figures.py", "text.py", "explain_figures.py"):
-        tree = ast.parse((ROOT / "app" / name).read_text())
-        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-        imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-        assert not any(m.split(".")[0] == "gradio" or m in ("worker", "handlers") for m in imported), (name, imported)

@@ -1,4 +1,4 @@
-"""The live feed's server side (app/live_feed.py) over a real local server: records in order as
+"""The live feed's server side (app/page/live_feed.py) over a real local server: records in order as
 server-sent events, a reconnect replays them, an unknown token is a 404, closed feeds expire."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import test_app_support as support
 import uvicorn
 from fastapi import FastAPI
 
-from app import live_feed
-from app.live_feed import LiveFeeds
+from app.page import live_feed
+from app.page.live_feed import LiveFeeds
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,11 @@ import test_app_support as support
 import tiny_models as tm
 import torch
 
-from app import openai_api, ui
-from app.pair import make_engine
-from app.worker import Worker
+from app.api import openai_api
+
+from app.page import ui
+from app.serving.pair import make_engine
+from app.serving.worker import Worker
 from engine import SpeculativeEngine, StepRecord, Tree
 from engine.core.copy_policy import StepClock
 from engine.core.records import TokenLogprob
@@ -130,7 +132,7 @@ QUESTION = [{"role": "user", "content": "Write a haiku about trees"}]
 def server():
     """``(worker, base_url, fresh target)``: the app with the API mounted (tree 8, depth 4 by
     default), and a copy of its target that no engine has prepared or run."""
-    from app.pair import tiny_pair
+    from app.serving.pair import tiny_pair
 
     tok = support.tokenizer()
     target, draft = support.tiny_pair()
@@ -314,7 +316,7 @@ def record(tokens: list[int], finish: str | None = None) -> StepRecord:
 
 def byte_tokens(tok, data: bytes) -> list[int]:
     """The single-byte tokens of a byte-level BPE vocabulary that spell ``data``."""
-    from app.openai_logprobs import _byte_decoder
+    from app.api.openai_logprobs import _byte_decoder
 
     alphabet = {b: c for c, b in _byte_decoder().items()}
     return [tok.convert_tokens_to_ids(alphabet[b]) for b in data]
@@ -396,7 +398,7 @@ def test_token_offsets_inside_a_step_are_those_of_the_whole_prefix_and_cost_no_s
 def test_growing_text_falls_back_to_the_whole_prefix_where_a_window_would_differ():
     """A decoder whose text depends on where decoding starts (it numbers the words it writes): the
     window's text does not begin with the anchor's, so the whole prefix is decoded."""
-    from app.growing_text import GrowingText
+    from app.api.growing_text import GrowingText
 
     class Numbering:
         def decode(self, ids, skip_special_tokens=True):

@@ -206,17 +206,17 @@ def test_a_failed_pair_load_leaves_only_the_pair_in_use_referenced(tmp_path, mon
     monkeypatch.setattr(models, "_load_hub_model", spy)
     ids = {name: str(tmp_path / name) for name in ("good-target", "good-draft", "other-target", "odd-draft")}
 
-    target, draft, tokenizer = models.load_pair(ids["good-target"], ids["good-draft"], draft_format="none")
+    target, draft, tokenizer = models.load_pair(ids["good-target"], ids["good-draft"], formats=models.PairFormats(draft="none"))
     failed = False
     try:
-        models.load_pair(ids["other-target"], ids["odd-draft"], draft_format="none")
+        models.load_pair(ids["other-target"], ids["odd-draft"], formats=models.PairFormats(draft="none"))
     except VocabularyMismatchError:
         failed = True  # the exception (and its traceback) is gone once this block ends
     assert failed
     gc.collect()
     assert [r() for r in made["other-target"] + made["odd-draft"]] == [None, None], \
         "a model of the failed pair is still referenced"
-    again = models.load_pair(ids["good-target"], ids["good-draft"], draft_format="none")
+    again = models.load_pair(ids["good-target"], ids["good-draft"], formats=models.PairFormats(draft="none"))
     assert again[0] is target and again[1] is draft  # the pair in use, not a second copy
     assert len(made["good-target"]) == len(made["good-draft"]) == 1
     engine = SpeculativeEngine(target, draft, stop_token_ids=[])
@@ -224,6 +224,6 @@ def test_a_failed_pair_load_leaves_only_the_pair_in_use_referenced(tmp_path, mon
     # a new pair in use replaces the old one: nothing keeps the old pair once its user lets it go
     old = [weakref.ref(target), weakref.ref(draft)]
     del target, draft, tokenizer, again, engine
-    models.load_pair(ids["other-target"], ids["good-draft"], draft_format="none")
+    models.load_pair(ids["other-target"], ids["good-draft"], formats=models.PairFormats(draft="none"))
     gc.collect()
     assert old[0]() is None and old[1]() is not None  # the draft is part of the new pair

@@ -10,10 +10,16 @@ import openai
 import pytest
 import test_app_support as support
 
-from app import jobs, openai_api, openai_requests, ui
-from app import worker as worker_module
-from app.pair import make_engine
-from app.worker import Worker
+from app.serving import jobs
+
+from app.api import openai_api
+
+from app.api import openai_requests
+
+from app.page import ui
+from app.serving import worker as worker_module
+from app.serving.pair import make_engine
+from app.serving.worker import Worker
 from engine.models.prompts import encode_chat
 from engine.tuning.tree_store import build_tree
 

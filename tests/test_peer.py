@@ -1,4 +1,4 @@
-"""llama.cpp as a peer (engine/peer/llama_cpp.py, `python -m engine.cli.bench --peer llama.cpp`), without building it:
+"""llama.cpp as a peer (bench/peer/llama_cpp.py, `python -m bench.decode --peer llama.cpp`), without building it:
 command lines, the not-built path, parsing of recorded llama.cpp output, and process cleanup. One
 test runs the real build on the real GGUF when `make peer` has been run, and skips otherwise."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import test_app_support as support
 
-from engine.cli import bench
-from engine.peer import llama_cpp as peer
-from engine.peer.llama_cpp import PeerConfig, PeerError, PeerResult, PeerRuns, PeerServer
+from bench import decode as bench
+from bench.peer import llama_cpp as peer
+from bench.peer.llama_cpp import PeerConfig, PeerError, PeerResult, PeerRuns, PeerServer
 
 DATA = Path(__file__).parent / "data" / "peer"
 TARGET, DRAFT = Path("/models/target.gguf"), Path("/models/draft.gguf")

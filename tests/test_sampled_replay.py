@@ -113,7 +113,7 @@ def test_oracle_logits_equal_causal_forward(pair):
 
 def test_bench_trees_sampled_report_runs_end_to_end(pair, tmp_path):
     """The benchmark's sampled part on tiny models: every row present, tokens/step in range, plot written."""
-    from engine.cli.bench_trees import plot, sampled_measurements
+    from bench.trees import plot, sampled_measurements
     sequences = [(len(PROMPT), PROMPT + [2, 6, 5, 3, 5, 8, 9, 7])] * 2
     sampled = sampled_measurements(*pair, sequences[:1], sequences[1:], sizes=(2, 4, 8),
                                    scalability_setting=(0.6, 1.0), grid=[(0.6, 1.0), (1.0, 0.8)],

@@ -1,4 +1,4 @@
-"""What one client may cost the server (app/server_limits.py, app/private_events.py), on real
+"""What one client may cost the server (app/web/server_limits.py, app/web/private_events.py), on real
 local servers (tiny pair) through raw sockets: slow request heads and bodies are closed after
 their deadlines, connections past the cap are closed at once, a body over the limit gets 413 on
 every route, and the Models panel's event is not callable by name (nor there at all when off)."""
@@ -13,11 +13,13 @@ import pytest
 import test_app_support as support
 from gradio_client import Client
 
-from app import openai_api, ui
-from app.pair import make_engine
-from app.private_events import callable_names, event_name
-from app.server_limits import BodyLimitMiddleware, ServerLimits
-from app.worker import Worker
+from app.api import openai_api
+
+from app.page import ui
+from app.serving.pair import make_engine
+from app.web.private_events import callable_names, event_name
+from app.web.server_limits import BodyLimitMiddleware, ServerLimits
+from app.serving.worker import Worker
 
 HEAD_S, BODY_S = 1.0, 1.5      # the deadlines of the `limited` server
 SLACK_S = 10.0                 # how late past a deadline a socket may still be closed (a busy machine)

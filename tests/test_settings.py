@@ -13,11 +13,11 @@ import pytest
 import test_app_support as support
 import tiny_models as tm
 
-from app import openai_requests
-from app.controls import DEFAULTS, ChatControls
-from app.jobs import GenerationRequest
-from app.pair import make_engine
-from app.worker import Worker
+from app.api import openai_requests
+from app.page.controls import DEFAULTS, ChatControls
+from app.serving.jobs import GenerationRequest
+from app.serving.pair import make_engine
+from app.serving.worker import Worker
 from engine import SpeculativeEngine
 from engine.core.settings import (
     AUTO,

@@ -9,7 +9,7 @@ import pytest
 import tiny_models as tm
 import torch
 
-from app.conversation import export_conversation, import_steps
+from app.views.conversation import export_conversation, import_steps
 from engine import SpeculativeEngine, Tree
 from engine.core.records import VerifierEvent
 from engine.core.verify import (TRACE_TOP, JudgedRecorder, TraceRecorder, WalkRecorder, accept_child, top_tokens,

@@ -4,6 +4,13 @@ from __future__ import annotations
 import argparse
 
 
+def formats_of(args: argparse.Namespace):
+    """The :class:`engine.models.loading.PairFormats` the format options name."""
+    from engine.models.loading import PairFormats
+
+    return PairFormats(args.target_format, args.draft_format, args.draft_vocab)
+
+
 def add_format_arguments(parser: argparse.ArgumentParser) -> None:
     """``--draft-format``, ``--target-format`` (how each model's weights are stored on CPU) and ``--draft-vocab``."""
     from engine.backends.quantize import DRAFT_FORMATS, TARGET_FORMATS

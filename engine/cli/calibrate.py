@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.cli.arguments import add_format_arguments
+from engine.cli.arguments import add_format_arguments, formats_of
 from engine.core.speculative import SpeculativeEngine
 from engine.models.loading import load_pair, pair_name
 from engine.models.prompts import encode_chat, load_prompt_set
 from engine.user_cache import cache_dir
-from engine.tuning.calibrate import acceptance_path, calibrate
+from engine.tuning.calibrate import CalibrationPlan, acceptance_path, calibrate
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,13 +29,11 @@ def main(argv: list[str] | None = None) -> None:
     add_format_arguments(parser)
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: the user cache)")
     args = parser.parse_args(argv)
-    target, draft, tokenizer = load_pair(args.target, args.draft, draft_format=args.draft_format,
-                                         target_format=args.target_format, draft_vocabulary=args.draft_vocab)
+    target, draft, tokenizer = load_pair(args.target, args.draft, formats=formats_of(args))
     prompts = [encode_chat(tokenizer, p["messages"]) for p in load_prompt_set("chat")]
     pair = pair_name(args.target, args.draft, draft, target)
-    result = calibrate(SpeculativeEngine(target, draft), prompts, args.temperature, args.top_p, args.k,
-                       args.positions, args.tokens_per_prompt, args.seed, pair,
-                       confidence_positions=args.confidence_positions)
+    plan = CalibrationPlan(args.k, args.positions, args.tokens_per_prompt, args.seed, args.confidence_positions)
+    result = calibrate(SpeculativeEngine(target, draft), prompts, args.temperature, args.top_p, pair, plan)
     path = args.out or acceptance_path(cache_dir() / "acceptance", pair, args.temperature, args.top_p)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(result.to_json())

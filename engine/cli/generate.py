@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from engine.cli.arguments import add_format_arguments
+from engine.cli.arguments import add_format_arguments, formats_of
 from engine.errors import EngineError
 from engine.models.loading import DTYPES
 
@@ -63,8 +63,7 @@ def _run(args: argparse.Namespace) -> int:
                              seed=args.seed, method=args.method, confidence=args.confidence,
                              tree=TreeSize(args.tree_size, max(depth, 1)) if args.tree_size > 1 else None)
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
-                                         args.trust_remote_code, draft_format=args.draft_format,
-                                         target_format=args.target_format, draft_vocabulary=args.draft_vocab)
+                                         args.trust_remote_code, formats=formats_of(args))
     engine = SpeculativeEngine(target, draft if settings.tree is not None else None,
                                planner=TreePlanner(pair_name(args.target, args.draft, draft, target)))
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.cli.arguments import add_format_arguments
+from engine.cli.arguments import add_format_arguments, formats_of
 from engine.models.loading import DTYPES, load_pair, pair_name
 from engine.user_cache import cache_dir
 from engine.tuning.profile import (measure_profile, measure_step_overhead, powers_of_two, profile_path,
@@ -26,8 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: the user cache)")
     args = parser.parse_args(argv)
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
-                                         draft_format=args.draft_format, target_format=args.target_format,
-                                         draft_vocabulary=args.draft_vocab)
+                                         formats=formats_of(args))
     prefix, chat = profile_prompts(tokenizer, args.prefix)
     pair = pair_name(args.target, args.draft, draft, target)
     profile = measure_profile(target, draft, prefix, powers_of_two(args.max_tokens), powers_of_two(args.max_width),

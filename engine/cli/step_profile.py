@@ -29,7 +29,7 @@ def profile_steps(engine, prompt: list[int], tree, tokens: int, temperature: flo
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine.cli.arguments import add_format_arguments
+    from engine.cli.arguments import add_format_arguments, formats_of
     from engine.core.speculative import SpeculativeEngine
     from engine.models.loading import load_pair, pair_name
     from engine.models.prompts import encode_chat, load_prompt_set
@@ -45,8 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=1, help="index of the bundled chat prompt")
     add_format_arguments(parser)
     args = parser.parse_args(argv)
-    target, draft, tokenizer = load_pair(draft_format=args.draft_format, target_format=args.target_format,
-                                         draft_vocabulary=args.draft_vocab)
+    target, draft, tokenizer = load_pair(formats=formats_of(args))
     tree = build_tree(args.tree_size, args.depth,
                       acceptance_for(pair_name("default-target", "default-draft", draft, target), args.temperature, args.top_p))
     prompt = encode_chat(tokenizer, load_prompt_set("chat")[args.prompt]["messages"])

@@ -332,23 +332,32 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str = 
             f"{differing} entries differ): choose a draft from the same model family as the target")
 
 
+@dataclass(frozen=True)
+class PairFormats:
+    """How a pair's weights are stored (the command lines' ``--target-format``, ``--draft-format`` and
+    ``--draft-vocab``): see :func:`load_pair`."""
+
+    target: str = "auto"
+    draft: str = "auto"
+    draft_vocabulary: int | str = "auto"
+
+
 def load_pair(target_id: str = "default-target", draft_id: str = "default-draft",
               dtype: torch.dtype = torch.float32, device: str = "cpu", trust_remote_code: bool = False,
-              offload: bool = False, draft_format: str = "auto", prepare: bool = True,
-              target_format: str = "auto", draft_vocabulary: int | str = "auto"):
+              offload: bool = False, formats: PairFormats = PairFormats(), prepare: bool = True):
     """Load ``(target, draft, tokenizer)``; the draft is refused unless it shares the target's vocabulary.
 
     ``prepare`` readies both for the engine's CPU fast path (:func:`engine.backends.kernels.prepare`:
     float32 linears repacked for oneDNN, in place); ``prepare=False`` returns them as loaded.
 
-    ``draft_format`` (:func:`engine.backends.quantize.quantize_draft`): ``auto`` quantises a CPU float32
+    ``formats.draft`` (:func:`engine.backends.quantize.quantize_draft`): ``auto`` quantises a CPU float32
     draft to whichever of int4/int8/fp32 runs fastest on this machine; levels get several times
     cheaper, acceptance a little lower, outputs stay the same (the target alone decides them).
-    ``target_format`` (:func:`engine.backends.quantize.target_quantization`): ``auto`` (the default, as
+    ``formats.target`` (:func:`engine.backends.quantize.target_quantization`): ``auto`` (the default, as
     in the app and the command lines) and ``int4`` give a CPU float32 target as the k-quant model (a
     model of its own, about 7x fewer bytes a token, rows independent of the batch); ``float32`` keeps
     it as loaded.
-    ``draft_vocabulary`` (:func:`restrict_draft`): how many token ids the draft's head computes.
+    ``formats.draft_vocabulary`` (:func:`restrict_draft`): how many token ids the draft's head computes.
 
     ``offload`` keeps the target's decoder layers in pinned CPU memory and streams them to the
     GPU ``device`` layer by layer (:mod:`engine.backends.offload`); the draft sits on the GPU."""
@@ -356,20 +365,20 @@ def load_pair(target_id: str = "default-target", draft_id: str = "default-draft"
         raise ModelLoadError(f"offloading streams the target's weights to a CUDA GPU: use --device cuda, not {device}")
     from engine.backends.quantize import target_quantization
 
-    target_fmt = target_quantization(target_format, dtype == torch.float32 and not offload and device == "cpu")
+    target_fmt = target_quantization(formats.target, dtype == torch.float32 and not offload and device == "cpu")
     target, tokenizer = load_model(target_id, dtype, "cpu" if offload else device, trust_remote_code, target_fmt)
     try:
         if offload:
             from engine.backends.offload import stream_layers
 
             stream_layers(target, device)
-        draft, draft_tokenizer = load_model(draft_id, dtype, device, trust_remote_code, draft_format)
+        draft, draft_tokenizer = load_model(draft_id, dtype, device, trust_remote_code, formats.draft)
         check_same_vocabulary(tokenizer, draft_tokenizer, target_id, draft_id)
     except BaseException:
         target = draft = None  # the traceback keeps this frame: it must not keep the failed pair's target
         raise
     keep_pair((target, tokenizer), (draft, draft_tokenizer))
-    draft = restrict_draft(draft, draft_id, draft_tokenizer, draft_vocabulary)
+    draft = restrict_draft(draft, draft_id, draft_tokenizer, formats.draft_vocabulary)
     if prepare:
         from engine.backends.kernels import prepare as prepare_models
 
@@ -416,8 +425,7 @@ def pair_name(target_id: str, draft_id: str, draft: torch.nn.Module | None = Non
     return f"{tagged(target_id, target)}+{tagged(draft_id, draft)}"
 
 
-def load_default_pair(dtype: torch.dtype = torch.float32, device: str = "cpu", draft_format: str = "auto",
-                      prepare: bool = True, target_format: str = "auto", draft_vocabulary: int | str = "auto"):
+def load_default_pair(dtype: torch.dtype = torch.float32, device: str = "cpu", formats: PairFormats = PairFormats(),
+                      prepare: bool = True):
     """The embedded Qwen2.5-Coder 1.5B target and 0.5B draft: ``(target, draft, tokenizer)``."""
-    return load_pair("default-target", "default-draft", dtype, device, draft_format=draft_format, prepare=prepare,
-                     target_format=target_format, draft_vocabulary=draft_vocabulary)
+    return load_pair("default-target", "default-draft", dtype, device, formats=formats, prepare=prepare)

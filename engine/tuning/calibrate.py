@@ -48,16 +48,29 @@ class Acceptance:
         return cls(**fields)
 
 
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """How much a calibration measures: ``k`` children a position, ``positions`` positions counted,
+    answers of ``tokens_per_prompt`` tokens from ``seed`` on, and ``confidence_positions`` (default
+    as many) positions of the draft's confidence."""
+
+    k: int = 32
+    positions: int = 300
+    tokens_per_prompt: int = 96
+    seed: int = 0
+    confidence_positions: int | None = None
+
+
 def calibrate(engine: SpeculativeEngine, prompts: list[list[int]], temperature: float, top_p: float = 1.0,
-              k: int = 32, positions: int = 300, tokens_per_prompt: int = 96, seed: int = 0,
-              pair: str = "", progress: bool = True, confidence_positions: int | None = None) -> Acceptance:
-    """Run one-level K-child trees over the prompts until ``positions`` steps are counted; then
-    record, at ``confidence_positions`` positions (default as many) of the target's own answers, the
-    draft's q of a token it drew and whether a one-token chain would accept it (``confidence``).
-    At T = 0 both come from one replay of ``max(positions, confidence_positions)`` positions."""
+              pair: str = "", plan: CalibrationPlan = CalibrationPlan(), progress: bool = True) -> Acceptance:
+    """Run one-level K-child trees over the prompts until ``plan.positions`` steps are counted; then
+    record, at ``plan.confidence_positions`` positions of the target's own answers, the draft's q of
+    a token it drew and whether a one-token chain would accept it (``confidence``). At T = 0 both
+    come from one replay of ``max(positions, confidence_positions)`` positions."""
     from tqdm.auto import tqdm
 
-    confidence_positions = confidence_positions or positions
+    k, positions, tokens_per_prompt, seed = plan.k, plan.positions, plan.tokens_per_prompt, plan.seed
+    confidence_positions = plan.confidence_positions or positions
     if temperature == 0:
         return _greedy_calibration(engine, prompts, k, max(positions, confidence_positions), pair, progress)
 

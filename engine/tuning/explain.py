@@ -1,5 +1,5 @@
 """Why the optimizer picks the tree it picks: the tables behind :func:`engine.tuning.optimizer.choose_tree`,
-laid out for display (the app words them: :mod:`app.explain_text`).
+laid out for display (the app words them: :mod:`app.views.explain_text`).
 
 For every tree size n and depth bound d on a grid:
 

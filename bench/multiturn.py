@@ -8,7 +8,7 @@ twice: once reusing one :class:`~engine.core.prefix_cache.ConversationCache` acr
 fresh engine cache every turn. Time to first token = from ``stream()`` to its first step (prefill
 + one draft/verify step). Prints a table and writes ``results/multiturn-*.json``.
 
-    python -m engine.cli.bench_multiturn
+    python -m bench.multiturn
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from engine.cli.arguments import add_format_arguments
 from engine.core.prefix_cache import ConversationCache
 from engine.models.prompts import encode_chat
 
-SOURCE = Path(__file__).resolve().parents[1] / "core" / "speculative.py"
+SOURCE = Path(__file__).resolve().parents[1] / "engine" / "core" / "speculative.py"
 FOLLOW_UPS = ["Which method validates the generation parameters, and what does it check?",
               "What does the prefill step do with the prompt?",
               "Name one thing you would unit-test in this module.",
@@ -68,10 +68,10 @@ def bench(turns: int = 4, new_tokens: int = 32, doc_tokens: int = 1300, out_dir:
     """Both runs on the embedded pair (weights as the app loads them by default); the report (also
     saved as JSON)."""
     from engine.core.speculative import SpeculativeEngine
-    from engine.models.loading import load_default_pair, pair_name
+    from engine.models.loading import PairFormats, load_default_pair, pair_name
     from engine.tuning.tree_store import build_tree
 
-    target, draft, tokenizer = load_default_pair(draft_format=draft_format, target_format=target_format)
+    target, draft, tokenizer = load_default_pair(formats=PairFormats(target_format, draft_format))
     engine = SpeculativeEngine(target, draft)
     tree = build_tree(8, 4)
     engine.generate(encode_chat(tokenizer, [{"role": "user", "content": "Hi"}]), max_new_tokens=4, tree=tree, copies=False)
@@ -109,7 +109,7 @@ def markdown_table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.cli.bench_multiturn", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.multiturn", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=4, help="turns of the conversation (4)")
     parser.add_argument("--new-tokens", type=int, default=32, help="answer budget per turn (32)")

@@ -1,6 +1,6 @@
 """What the UI's controls mean, as plain values: the app's defaults, a value clamped into its
 range, and the chat's controls read once into the settings an answer decodes with. The handlers
-(:mod:`app.handlers`) and the teaching views (:mod:`app.explain_view`) both use them; nothing
+(:mod:`app.page.handlers`) and the teaching views (:mod:`app.page.explain_view`) both use them; nothing
 here knows Gradio or the worker."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Pure functions from engine step records to plotly figures and summary lines: the per-step
 chart, the stats line, Compare as a race, and what every figure shares (node statuses and their
-colours, fonts, token text made visible). The token tree of a step is :mod:`app.tree_figures`.
+colours, fonts, token text made visible). The token tree of a step is :mod:`app.views.tree_figures`.
 
 Nothing here touches models or the UI: the inputs are :class:`engine.core.records.StepRecord` objects
 and the text of their tokens, the outputs plotly figures or Markdown strings.

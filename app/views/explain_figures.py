@@ -22,8 +22,10 @@ from engine.core.records import StepRecord, VerifierEvent
 from engine.tuning.explain import Tables
 from engine.tuning.profile import HardwareProfile
 
-from . import figures, tree_figures
-from .figures import FONT, MONO, visible_token
+from app.views import figures
+
+from app.views import tree_figures
+from app.views.figures import FONT, MONO, visible_token
 
 PICK_COLOUR = "#f59e0b"   # the optimizer's pick
 YOURS_COLOUR = "#0f172a"  # the user's setting
@@ -66,8 +68,12 @@ def _label(size: int, depth: int, text: str, colour: str, below: bool) -> dict:
                 bgcolor="rgba(255,255,255,0.92)", bordercolor=colour, borderwidth=1, borderpad=2)
 
 
-def _heatmap_figure(tables: Tables, grid, title: str, colourbar: str, hover: list[list[str]], pick, yours,
-                    kind: str, **scale) -> go.Figure:
+def _heatmap_figure(tables: Tables, grid, title: str, colourbar: str, marks: tuple, kind: str,
+                    **scale) -> go.Figure:
+    """A heatmap of ``grid`` over the tables' sizes and depths; ``marks``: (pick, yours), each an
+    (n, d) to mark or None."""
+    pick, yours = marks
+    hover = _hover_cells(tables)
     traces = [dict(type="heatmap", x=list(tables.sizes), y=list(tables.depths), z=[list(r) for r in grid],
                    text=hover, hovertemplate="%{text}<extra></extra>", xgap=0.5, ygap=0.5,
                    colorbar=dict(title=dict(text=colourbar, side="right"), thickness=12, len=0.9), meta={"kind": kind},
@@ -114,8 +120,8 @@ def expected_heatmap(tables: Tables, pick: tuple[int, int] | None = None, yours:
     under the acceptance vector in use; ``pick`` and ``yours`` are (n, d) marked on it."""
     title = "G(n, d): expected tokens per step" + (f" <span style='font-size:11px;color:#64748b'>"
                                                    f"({html.escape(calibration)})</span>" if calibration else "")
-    return _heatmap_figure(tables, tables.expected, title, "tokens/step", _hover_cells(tables), pick, yours,
-                           "expected", colorscale="Viridis")
+    return _heatmap_figure(tables, tables.expected, title, "tokens/step", (pick, yours), "expected",
+                           colorscale="Viridis")
 
 
 def speedup_heatmap(tables: Tables, pick: tuple[int, int] | None = None,
@@ -131,7 +137,7 @@ def speedup_heatmap(tables: Tables, pick: tuple[int, int] | None = None,
     scale = [[0.0, "#b91c1c"], [middle / 2, "#f87171"], [middle, "#fef9c3"],
              [middle + (1 - middle) / 2, "#4ade80"], [1.0, "#166534"]]
     return _heatmap_figure(tables, tables.speedup, "S(n, d): predicted speedup over the target alone", "speedup ×",
-                           _hover_cells(tables), pick, yours, "speedup", colorscale=scale, zmin=low, zmax=high)
+                           (pick, yours), "speedup", colorscale=scale, zmin=low, zmax=high)
 
 
 def profile_figure(profile: HardwareProfile) -> go.Figure:
@@ -300,7 +306,7 @@ def event_figure(event: VerifierEvent, texts: TokenTexts, top: int = 8, after_re
 
 
 def focus_tree(step: StepRecord, texts: TokenTexts, event: VerifierEvent | None, scale: float = 1.0) -> go.Figure:
-    """The step's tree (:func:`app.tree_figures.tree_figure`) with the chip of the node being judged outlined
+    """The step's tree (:func:`app.views.tree_figures.tree_figure`) with the chip of the node being judged outlined
     in amber (the bonus chip for a bonus event) and the node the walk stands on outlined in black."""
     fig = tree_figures.tree_figure(step, texts, scale=scale, max_height=420)
     if event is None:

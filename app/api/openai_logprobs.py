@@ -3,7 +3,7 @@ target's own scores that the engine puts in each step record (:mod:`engine.core.
 log_softmax of the raw logits, whatever the sampling settings).
 
 An entry is released with the text it spells: :class:`LogprobTrail` follows the answer's text
-(:class:`app.openai_api.Answer`), which holds back the start of a possible stop string and a
+(:class:`app.api.openai_api.Answer`), which holds back the start of a possible stop string and a
 character still being spelled by byte tokens, and cuts at a stop string. A token is released once
 all of its text has been sent, so the released tokens' text is always a prefix of the text sent;
 a token cut (in whole or in part) by a stop string never is, nor the stop token that ends an
@@ -89,7 +89,7 @@ class LogprobTrail:
         """Score ``record``'s committed tokens, the answer's last ones: its text so far (cut by no
         stop string) is ``text``, and ``ends`` says, per committed token, how long the answer's
         text is up to it and whether that ends inside a character
-        (:meth:`app.growing_text.GrowingText.extend`)."""
+        (:meth:`app.api.growing_text.GrowingText.extend`)."""
         texts = token_texts(tokenizer)
         for i, (scored, (length, ragged)) in enumerate(zip(record.token_logprobs, ends)):
             name, raw = texts(scored.token)

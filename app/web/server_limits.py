@@ -37,7 +37,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
 MAX_CONNECTIONS = 200
-MAX_BODY_BYTES = 8 << 20       # every request body (app.openai_requests.MAX_BODY_BYTES: the same)
+MAX_BODY_BYTES = 8 << 20       # every request body (app.api.openai_requests.MAX_BODY_BYTES: the same)
 QUEUE_SIZE = 64                # events waiting in Gradio's queue (the worker's own queue is behind it)
 KEEP_ALIVE_S = 5               # uvicorn's default, stated
 MAX_HEAD_BYTES = 16 * 1024     # h11's default, stated

@@ -53,9 +53,9 @@ from pathlib import Path
 
 import torch
 
-from app.conversation import ContextTooLong, fit_context
-from app.jobs import GenerationRequest, Job, LoadRequest, ProfileRequest, QueueFull, SessionBusy
-from app.pair import default_loader, describe_pair, make_engine, validate_model_id
+from app.views.conversation import ContextTooLong, fit_context
+from app.serving.jobs import GenerationRequest, Job, LoadRequest, ProfileRequest, QueueFull, SessionBusy
+from app.serving.pair import default_loader, describe_pair, make_engine, validate_model_id
 from engine.backends.quantize import draft_format
 from engine.core.prefix_cache import DEFAULT_BUDGET_BYTES, CacheStore, ConversationCache
 from engine.core.settings import DecodeSettings, TreeDecision, settings_from

@@ -1,4 +1,4 @@
-"""``python -m engine.cli.bench_prefill``: reading a pasted prompt (prefill), ours against llama.cpp.
+"""``python -m bench.prefill``: reading a pasted prompt (prefill), ours against llama.cpp.
 
 Prompts of ``--lengths`` tokens (default 500, 1500 and 3000) are cut from real Python code, this
 repository's own ``engine/`` sources, tokenised with the embedded pair's tokenizer. For each length,
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent.parent
+ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_LENGTHS = (500, 1500, 3000)
 
 
@@ -69,7 +69,7 @@ def pair_first_token_s(engine, prompt: list[int]) -> tuple[float, float | None]:
 
 def peer_prompt_rate(server, prompt: list[int]) -> tuple[float, int]:
     """llama-server's ``(prompt tokens/s, prompt tokens)`` for reading ``prompt`` (one token decoded)."""
-    from engine.peer.llama_cpp import completion_request
+    from bench.peer.llama_cpp import completion_request
 
     timings = server.post("/completion", completion_request(prompt, 1))["timings"]
     return float(timings["prompt_per_second"]), int(timings["prompt_n"])
@@ -82,7 +82,7 @@ def run(lengths: list[int], repeats: int, peer: bool, log=print, pair=None) -> d
 
     from engine.core.speculative import SpeculativeEngine
     from engine.models.loading import load_pair
-    from engine.peer.llama_cpp import (DEFAULT_THREADS, PeerConfig, PeerServer, TARGET_ONLY, context_size,
+    from bench.peer.llama_cpp import (DEFAULT_THREADS, PeerConfig, PeerServer, TARGET_ONLY, context_size,
                                        default_ggufs, free_port, peer_binaries, server_command)
     from engine.kernels.build import simd_path
     from engine.tuning.profile import cpu_isa
@@ -147,7 +147,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.cli.bench_prefill", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.prefill", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS))
     parser.add_argument("--repeats", type=int, default=2)

@@ -1,7 +1,7 @@
 """GPU benchmark on a random-weight pair with real shapes (default: Llama-2-7B target, Llama-68M draft).
 
-``python -m engine.cli.bench --device cuda --synthetic llama2-7b+llama-68m`` (or ``python -m
-engine.cli.bench_gpu``) measures, in one process:
+``python -m bench.decode --device cuda --synthetic llama2-7b+llama-68m`` (or ``python -m
+bench.gpu``) measures, in one process:
 
 1. the hardware profile t_T(n), n = 1..1024, with static caches and CUDA graphs, and eagerly;
    the draft's t_D(w) per level width;
@@ -265,7 +265,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.cli.bench_gpu", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--synthetic", default="llama2-7b+llama-68m", help="TARGET+DRAFT shapes (engine.models.synthetic)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float16")

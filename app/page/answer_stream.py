@@ -1,7 +1,7 @@
 """One answer on screen: a worker job's events turned into the chat's updates as they come
 (through the live feed while the page reads it, else Gradio's own updates, both paced), and the
 views of a finished run: its tree, replay slider, per-step chart, stats, comparison with the
-target alone and highlighted text. The handlers (:mod:`app.handlers`) start the job and hand
+target alone and highlighted text. The handlers (:mod:`app.page.handlers`) start the job and hand
 over; these functions read the app's components, options and worker through it."""
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ from engine.core.draft_gate import priced_speedup
 from engine.core.records import PrefillProgress
 from engine.core.settings import DecodeSettings, TreeDecision
 
-from . import figures, tree_figures
-from .controls import ChatControls
-from .conversation import display_messages, highlight_html
-from .live_feed import Feed
-from .text import describe_choice, describe_decision, dropped_notice, format_seconds, status_html, step_text_html
-from .jobs import Job
+from app.views import figures
+
+from app.views import tree_figures
+from app.page.controls import ChatControls
+from app.views.conversation import display_messages, highlight_html
+from app.page.live_feed import Feed
+from app.views.text import describe_choice, describe_decision, dropped_notice, format_seconds, status_html, step_text_html
+from app.serving.jobs import Job
 
 clock = time.perf_counter  # what live updates are paced by (looked up at each use: a test's clock counts steps)
 
@@ -194,7 +196,7 @@ class _Pacer:
 
 
 def stream_answer(app, feed: Feed, job: Job, ask: Ask):
-    """The updates of one answer as ``job``'s events come, for ``app`` (a :class:`app.handlers.ChatApp`):
+    """The updates of one answer as ``job``'s events come, for ``app`` (a :class:`app.page.handlers.ChatApp`):
     status, text, live tree and stats while it decodes (through ``feed`` while the page reads it),
     then the finished run's views, its export and the target-alone rate (:func:`finish_answer`)."""
     c, o, controls = app.c, app.options, ask.controls

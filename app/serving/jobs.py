@@ -1,6 +1,6 @@
-"""What the worker (:mod:`app.worker`) is asked and answers: the requests (decode, load a pair,
+"""What the worker (:mod:`app.serving.worker`) is asked and answers: the requests (decode, load a pair,
 measure this machine), a queued :class:`Job` with its event queue and cancel flag, the
-:class:`Event` records it emits (their kinds: :mod:`app.worker`'s docstring) and the two
+:class:`Event` records it emits (their kinds: :mod:`app.serving.worker`'s docstring) and the two
 refusals, :class:`SessionBusy` and :class:`QueueFull`."""
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ class SessionBusy(RuntimeError):
 
 
 class QueueFull(RuntimeError):
-    """Refused: the queue holds :data:`app.worker.MAX_WAITING` jobs, or this client already has
-    :data:`app.worker.MAX_PER_CLIENT` jobs waiting or running. ``retry_after``: seconds after which trying again is reasonable."""
+    """Refused: the queue holds :data:`app.serving.worker.MAX_WAITING` jobs, or this client already has
+    :data:`app.serving.worker.MAX_PER_CLIENT` jobs waiting or running. ``retry_after``: seconds after which trying again is reasonable."""
 
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)

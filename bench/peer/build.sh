@@ -1,11 +1,11 @@
 #!/bin/sh
-# Build llama.cpp (the peer for `python -m engine.cli.bench --peer llama.cpp`) from the source vendored
+# Build llama.cpp (the peer for `python -m bench.decode --peer llama.cpp`) from the source vendored
 # in the llama-cpp-python sdist on PyPI, pinned by version and SHA-256. Nothing else is downloaded:
 # the web UI, TLS and tests are switched off. The build lives in the user cache, next to the model
 # cache (see engine/user_cache.py: cache_dir), and a stamp makes a second run instant.
 #
-#   sh engine/peer/build.sh            # PEER_PYTHON=python3 by default (only used for `pip download`)
-#   PEER_ISA=avx2 sh engine/peer/build.sh   # an AVX2-only build in build-avx2/ (no AVX-512), to compare
+#   sh bench/peer/build.sh            # PEER_PYTHON=python3 by default (only used for `pip download`)
+#   PEER_ISA=avx2 sh bench/peer/build.sh   # an AVX2-only build in build-avx2/ (no AVX-512), to compare
 #                                           # with the kernels' AVX2 path on an AVX-512 machine
 #
 # Environment: SEQUOIA_CACHE / XDG_CACHE_HOME (where), PEER_PYTHON (which pip), PEER_JOBS (2),

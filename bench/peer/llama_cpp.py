@@ -1,7 +1,7 @@
 """llama.cpp as a peer: the same GGUF files, the same prompt token ids, decoded by llama.cpp.
 
 ``make peer`` builds llama.cpp from the source vendored in the ``llama-cpp-python`` sdist
-(:data:`PEER_VERSION`, pinned by SHA-256 in ``engine/peer/build.sh``) into the user cache. This
+(:data:`PEER_VERSION`, pinned by SHA-256 in ``bench/peer/build.sh``) into the user cache. This
 module finds those binaries (:func:`peer_binaries`) and measures llama.cpp's configurations
 (:func:`peer_configurations`):
 

@@ -1,14 +1,14 @@
 """Benchmark: target-only decoding, Hugging Face's ``generate`` and assisted generation, and tree
 speculative decoding, side by side in one process.
 
-``python -m engine.cli.bench --quick`` prints a table (tokens/s, ratio to target-only, tokens/step,
+``python -m bench.decode --quick`` prints a table (tokens/s, ratio to target-only, tokens/step,
 draft share) and writes the raw figures to ``results/bench-*.json``. Runs are interleaved per
 prompt so machine noise hits every configuration alike; figures are medians over the runs, plus
 each row's tokens over its decode time across all runs ("all answers": weighted by answer length,
 where the median counts a two-token answer as much as a long one). ``--temperature``
 samples (outputs are compared with target-only decoding at temperature 0 only). With
-``--device cuda`` it runs the GPU benchmark (:mod:`engine.cli.bench_gpu`). ``--peer llama.cpp`` also
-runs llama.cpp (:mod:`engine.peer.llama_cpp`, built by ``make peer``) on the same GGUF files, prompts, token
+``--device cuda`` it runs the GPU benchmark (:mod:`bench.gpu`). ``--peer llama.cpp`` also
+runs llama.cpp (:mod:`bench.peer.llama_cpp`, built by ``make peer``) on the same GGUF files, prompts, token
 counts and sampling, prompt by prompt right after ours (so both meet the same load on a shared
 machine), and adds a "vs llama.cpp target-only" ratio to every row.
 """
@@ -153,13 +153,13 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     the benchmark goes on without it. ``prompt_set``: ``chat`` or ``code-edit`` (assets/prompts);
     ``copies`` adds our configurations with copies from the context and llama.cpp's n-gram modes."""
     from engine.core.speculative import SpeculativeEngine
-    from engine.models.loading import load_default_pair, pair_name
+    from engine.models.loading import PairFormats, load_default_pair, pair_name
     from engine.models.prompts import encode_chat, load_prompt_set
     from engine.tuning.acceptance import acceptance_for
     from engine.tuning.optimizer import TreeChoice, load_tuner
     from engine.tuning.planner import TreePlanner
 
-    target, draft, tokenizer = pair or load_default_pair(target_format=target_format)
+    target, draft, tokenizer = pair or load_default_pair(formats=PairFormats(target=target_format))
     name = pair_name("default-target", "default-draft", draft, target) if pair is None else None
     tuner = load_tuner(name, target) if name else None
     engine = SpeculativeEngine(target, draft, planner=TreePlanner(name, tuner) if name else None)
@@ -252,14 +252,14 @@ PEER_TARGET_ONLY = "llama.cpp target-only"
 
 
 class PeerSide:
-    """llama.cpp's configurations (:func:`engine.peer.llama_cpp.run_peer`) on the bench's prompts,
+    """llama.cpp's configurations (:func:`bench.peer.llama_cpp.run_peer`) on the bench's prompts,
     one prompt at a time (:meth:`run`, called right after ours on that prompt), or none, with one
     line saying why: not built, no GGUF files for a non-default pair, or a failed run. A
     configuration that fails is left out from then on; the peer never costs us our own figures."""
 
     def __init__(self, peer: str, prompt_ids: list[list[int]], tokenizer, new_tokens: int, temperature: float,
                  top_p: float, ggufs, ngram: bool = False) -> None:
-        from engine.peer import llama_cpp as peer_mod
+        from bench.peer import llama_cpp as peer_mod
         if peer != "llama.cpp":
             raise ValueError(f"unknown peer {peer!r} (only llama.cpp)")
         self.peer_mod, self.prompt_ids, self.new_tokens = peer_mod, prompt_ids, new_tokens
@@ -429,7 +429,7 @@ def markdown_table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.cli.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="2 prompts x 64 tokens, chains only")
     parser.add_argument("--prompts", type=int, default=None, help="number of bundled prompts (default 2 quick, 6 full)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per run (default 64 quick, 128 full)")
@@ -449,10 +449,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (the default pair) or cuda (see --synthetic)")
     parser.add_argument("--synthetic", default=None, metavar="TARGET+DRAFT",
                         help="GPU benchmark on random-weight models of these shapes, e.g. llama2-7b+llama-68m "
-                             "(python -m engine.cli.bench_gpu --help for its options)")
+                             "(python -m bench.gpu --help for its options)")
     args, rest = parser.parse_known_args(argv)
     if args.device != "cpu" or args.synthetic:
-        from engine.cli import bench_gpu
+        from bench import gpu as bench_gpu
         return bench_gpu.main(["--synthetic", args.synthetic or "llama2-7b+llama-68m", "--out", str(args.out), *rest])
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -1,6 +1,6 @@
 """OpenAI-compatible endpoints on the app's own server: ``GET /v1/models``,
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (whole answers, or streamed as
-server-sent events). Request bodies are checked in :mod:`app.openai_requests`; this module
+server-sent events). Request bodies are checked in :mod:`app.api.openai_requests`; this module
 answers them.
 
 Requests join the same worker queue as the browser tabs, so the API and the UI share the one
@@ -18,7 +18,7 @@ step's tree; ``usage.completion_tokens_details`` counts its accepted and rejecte
 ``logprobs`` / ``top_logprobs`` (0 to 20; chat) and ``logprobs`` (0 to 5; text completions): the
 target's own log-probability of each token shown and of its most likely alternatives, the
 log_softmax of its raw logits (temperature 1, no top-p) whatever the sampling settings, as
-llama-server and vLLM report them (:mod:`app.openai_logprobs`); streamed, a chunk carries the
+llama-server and vLLM report them (:mod:`app.api.openai_logprobs`); streamed, a chunk carries the
 entries of the tokens whose text it completes, and no entry follows a stop string's cut.
 An extension field ``sequoia`` picks the tree: ``{"tree_size", "depth", "method", "auto"}``.
 
@@ -44,11 +44,11 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from app.jobs import TERMINAL, Event, Job, QueueFull
-from app.growing_text import GrowingText
-from app.openai_logprobs import LogprobTrail, Scored, chat_logprobs, legacy_logprobs
-from app.openai_requests import APIError, ChatCall, model_id, parse_body, parse_chat, parse_completion, read_body
-from app.worker import Worker
+from app.serving.jobs import TERMINAL, Event, Job, QueueFull
+from app.api.growing_text import GrowingText
+from app.api.openai_logprobs import LogprobTrail, Scored, chat_logprobs, legacy_logprobs
+from app.api.openai_requests import APIError, ChatCall, model_id, parse_body, parse_chat, parse_completion, read_body
+from app.serving.worker import Worker
 
 # Threads that wait on jobs' events for the API, apart from the pool Gradio's handlers (Stop and
 # Clear included) draw from: however many API calls wait, the UI keeps its threads.

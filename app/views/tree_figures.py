@@ -1,7 +1,7 @@
 """The token tree of one step, drawn two ways from the same geometry: a plotly figure (laid out,
 with hover text saying what the verifier did at each node) and a light SVG for the live view
 while an answer streams. Pure functions of a :class:`engine.core.records.StepRecord` and the
-text of its tokens, like :mod:`app.figures`, whose colours and token text they share.
+text of its tokens, like :mod:`app.views.figures`, whose colours and token text they share.
 
 Node statuses in a step's tree:
 
@@ -25,7 +25,7 @@ import plotly.graph_objects as go
 
 from engine.core.records import StepRecord
 
-from .figures import (ACCEPTED, BONUS, COLOURS, EDGE_GREY, FONT, LABEL_BUDGET, MIN_LABEL_CHARS, MONO, REJECTED, ROOT,
+from app.views.figures import (ACCEPTED, BONUS, COLOURS, EDGE_GREY, FONT, LABEL_BUDGET, MIN_LABEL_CHARS, MONO, REJECTED, ROOT,
                       STATUS_NAMES, UNREACHED, UNUSED, token_label, token_text, visible_token)
 
 # ----- tree ------------------------------------------------------------------------------------

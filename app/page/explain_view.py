@@ -12,9 +12,9 @@
   conversation since Clear, against the calibration's prediction.
 
 :class:`ExplainView` owns the components and is given the app it serves (its options, worker,
-calibrations and token texts); :class:`app.handlers.ChatApp` holds one and :func:`app.ui.build`
+calibrations and token texts); :class:`app.page.handlers.ChatApp` holds one and :func:`app.page.ui.build`
 lays it out under its main row and wires it to its controls. What the controls mean comes from
-:mod:`app.controls`, below both.
+:mod:`app.page.controls`, below both.
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ from engine.trees.tree import Tree
 from engine.tuning import explain
 from engine.tuning.optimizer import predict
 
-from . import explain_figures as xf
-from . import explain_text
-from . import figures
-from .controls import ChatControls, sampling
+from app.views import explain_figures as xf
+from app.views import explain_text
+from app.views import figures
+from app.page.controls import ChatControls, sampling
 
 
 def _walk_position(run, step_no, event_no) -> tuple[int, int]:

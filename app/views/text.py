@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import html
 
-from . import figures
-from .explain_text import describe_setting
+from app.views import figures
+from app.views.explain_text import describe_setting
 
 METHOD_HELP = {
     "sequoia": "Sequoia: children sampled without replacement (its verifier)",

@@ -2,7 +2,7 @@
 
 The chat streams the answer as the engine commits tokens; next to it the token tree of the
 current step is drawn live (at most ``plot_interval`` apart), then a slider replays any step.
-Every request goes through the :class:`app.worker.Worker`, which owns the models.
+Every request goes through the :class:`app.serving.worker.Worker`, which owns the models.
 """
 from __future__ import annotations
 
@@ -15,19 +15,21 @@ from starlette.middleware import Middleware
 
 from engine.core.settings import METHODS
 
-from . import figures, live_feed
-from .answer_stream import Run
-from .conversation import highlight_html
-from .cross_origin import CrossOriginMiddleware
-from .handlers import ChatApp
-from .host_guard import HostGuardMiddleware, allowed_hosts
-from .page_script import HeadScriptMiddleware
-from .private_events import NamedEventsMiddleware, callable_names
-from .server_limits import BodyLimitMiddleware, ServerLimits, check_served_with, serving_with
-from .text import header_html, key_html, method_help, pair_markdown
-from .worker import Worker
+from app.views import figures
 
-CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "style.css"
+from app.page import live_feed
+from app.page.answer_stream import Run
+from app.views.conversation import highlight_html
+from app.web.cross_origin import CrossOriginMiddleware
+from app.page.handlers import ChatApp
+from app.web.host_guard import HostGuardMiddleware, allowed_hosts
+from app.page.page_script import HeadScriptMiddleware
+from app.web.private_events import NamedEventsMiddleware, callable_names
+from app.web.server_limits import BodyLimitMiddleware, ServerLimits, check_served_with, serving_with
+from app.views.text import header_html, key_html, method_help, pair_markdown
+from app.serving.worker import Worker
+
+CSS_PATH = Path(__file__).resolve().parents[2] / "assets" / "style.css"
 # put first in every page's <head>, ahead of Gradio's modules: see each file
 PAGE_SCRIPTS = [CSS_PATH.with_name("quiet_frames.js"), CSS_PATH.with_name("live_feed.js")]
 COLLAPSE_BELOW = 1280  # px: narrower windows start with the settings sidebar closed
@@ -278,7 +280,7 @@ def without_gradio_cors(app) -> None:
     request."""
     kept = [m for m in app.user_middleware if m.cls.__name__ != "CustomCORSMiddleware"]
     if len(kept) == len(app.user_middleware):
-        raise RuntimeError("Gradio's CORS middleware was not found: check app.cross_origin against this Gradio")
+        raise RuntimeError("Gradio's CORS middleware was not found: check app.web.cross_origin against this Gradio")
     app.user_middleware = kept
     app.middleware_stack = None
 
@@ -289,10 +291,10 @@ def launch(demo: gr.Blocks, server_name: str = "127.0.0.1", server_port: int | N
            limits: ServerLimits | None = None, **kwargs):
     """``demo.launch`` with the app's theme, CSS, queue, upload limits, page scripts and live feed,
     behind a Host allowlist (the loopback names, ``server_name`` and ``extra_hosts``; ``*`` turns
-    it off) and the cross-origin policy of :mod:`app.cross_origin` (``cors_origins`` may call
+    it off) and the cross-origin policy of :mod:`app.web.cross_origin` (``cors_origins`` may call
     ``/v1``). With ``api_key``, the page asks for it (any user name, the key as the password).
-    ``limits`` (:mod:`app.server_limits`): read timeouts, connections, body size and queue size;
-    only the page itself may run private events (:mod:`app.private_events`)."""
+    ``limits`` (:mod:`app.web.server_limits`): read timeouts, connections, body size and queue size;
+    only the page itself may run private events (:mod:`app.web.private_events`)."""
     limits = limits or ServerLimits()
     demo.queue(default_concurrency_limit=4, max_size=limits.queue_size)
     quiet_queue(demo)

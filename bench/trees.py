@@ -13,7 +13,7 @@ the acceptance vector per (temperature, top-p) measured the same way on the even
 give the scalability at ``--temperature`` and the robustness grid (sequoia vs specinfer vs topk
 verifying the same DP tree across temperatures and top-p).
 
-``python -m engine.cli.bench_trees`` writes ``results/trees-*.json`` and an HTML plot.
+``python -m bench.trees`` writes ``results/trees-*.json`` and an HTML plot.
 """
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine.models.loading import load_default_pair
     from engine.models.prompts import encode_chat, load_prompt_set
 
-    parser = argparse.ArgumentParser(prog="python -m engine.cli.bench_trees", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.trees", description=__doc__)
     parser.add_argument("--new-tokens", type=int, default=96, help="greedy continuation length per prompt")
     parser.add_argument("--no-sampled", action="store_true", help="greedy scalability only")
     parser.add_argument("--temperature", type=float, default=0.6, help="sampled scalability temperature")

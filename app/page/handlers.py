@@ -1,6 +1,6 @@
 """The UI's event handlers (:class:`ChatApp`): each takes component values and returns or yields
-component updates. Every request goes through the :class:`app.worker.Worker`, which owns the models;
-the layout (:mod:`app.ui`) wires the handlers to the components."""
+component updates. Every request goes through the :class:`app.serving.worker.Worker`, which owns the models;
+the layout (:mod:`app.page.ui`) wires the handlers to the components."""
 from __future__ import annotations
 
 import html
@@ -19,11 +19,11 @@ from engine.errors import EngineError
 from engine.tuning.acceptance import Calibration
 from engine.tuning.optimizer import predict
 
-from . import figures
-from .figures import MEASURED, MEASURED_AT_START
-from .answer_stream import Ask, Run, run_views, stream_answer
-from .controls import DEFAULTS, ChatControls, clamp, sampling
-from .conversation import (
+from app.views import figures
+from app.views.figures import MEASURED, MEASURED_AT_START
+from app.page.answer_stream import Ask, Run, run_views, stream_answer
+from app.page.controls import DEFAULTS, ChatControls, clamp, sampling
+from app.views.conversation import (
     MAX_IMPORT_BYTES,
     ContextTooLong,
     clean_text,
@@ -35,9 +35,9 @@ from .conversation import (
     import_steps,
     longest_token_chars,
 )
-from .explain_view import ExplainView
-from .live_feed import LiveFeeds
-from .text import (
+from app.page.explain_view import ExplainView
+from app.page.live_feed import LiveFeeds
+from app.views.text import (
     describe_choice,
     describe_decision,
     dropped_notice,
@@ -46,8 +46,8 @@ from .text import (
     pair_markdown,
     status_html,
 )
-from .jobs import GenerationRequest, Job, QueueFull, SessionBusy
-from .worker import Worker
+from app.serving.jobs import GenerationRequest, Job, QueueFull, SessionBusy
+from app.serving.worker import Worker
 
 BASELINE_PROMPT = "Write a short paragraph about trees."  # what "Measure the target alone" decodes
 BASELINE_TOKENS = 48
@@ -100,7 +100,7 @@ class ChatApp:
         self._free_drafts: dict[str, tuple[bool, str]] = {}  # per session: copy from the chat, expected output
         self._free_drafts_lock = threading.Lock()
         self.explain = ExplainView(self)  # the teaching tabs under the chat
-        self.feeds = LiveFeeds()  # served by launch (app.live_feed.mount): streaming answers' live records
+        self.feeds = LiveFeeds()  # served by launch (app.page.live_feed.mount): streaming answers' live records
         if getattr(worker, "tokenizer", None) is not None:  # read once now (0.1 s), not before the first answer
             longest_token_chars(worker.tokenizer)
 

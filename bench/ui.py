@@ -1,4 +1,4 @@
-"""``python -m app.bench_ui``: the speed a person sees.
+"""``python -m bench.ui``: the speed a person sees.
 
 Launches the app as a user does (``launch.py`` with its defaults, the embedded pair), drives a real
 Chromium through Playwright (1440x960), types each bundled prompt into the chat, sends it with
@@ -145,7 +145,7 @@ def on_screen(url: str, prompts: list[str], server_pid: int, log, shots: Path | 
     ``compare`` ticks the page's Compare first."""
     from playwright.sync_api import sync_playwright
 
-    from app.pair import load_tokenizer
+    from app.serving.pair import load_tokenizer
 
     tokenizer = load_tokenizer()
     results = []
@@ -269,7 +269,7 @@ class Headless:
 
     def decode(self, prompt: str, index: int) -> dict:
         """The answer to ``prompt`` (the ``index``-th bundled one): its decode rate and first token."""
-        from app.controls import DEFAULTS
+        from app.page.controls import DEFAULTS
         from engine.core.timed_alone import TimedAlone
         from engine.models.prompts import encode_chat
 
@@ -289,7 +289,7 @@ def peer(prompts: list[str], max_new: int, log) -> list[dict] | str:
     """llama.cpp target-only on the same prompts (chat template applied the same way), or why not."""
     from engine.models.loading import load_default_pair
     from engine.models.prompts import encode_chat
-    from engine.peer.llama_cpp import TARGET_ONLY, PeerError, peer_binaries, peer_configurations, run_peer
+    from bench.peer.llama_cpp import TARGET_ONLY, PeerError, peer_binaries, peer_configurations, run_peer
 
     binaries, reason = peer_binaries()
     if binaries is None:
@@ -320,7 +320,7 @@ def median(values) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app.bench_ui", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.ui", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=3, help="bundled chat prompts to send (first N)")
     parser.add_argument("--port", type=int, default=7899)
     parser.add_argument("--out", type=Path, default=ROOT / "results")

@@ -1,4 +1,4 @@
-"""The OpenAI-shaped requests the API (:mod:`app.openai_api`) accepts, checked before anything
+"""The OpenAI-shaped requests the API (:mod:`app.api.openai_api`) accepts, checked before anything
 runs: a JSON body within its size, then the chat or text completion it asks for as a
 :class:`ChatCall` (a worker request, the model, stream options, stop strings), or an
 :class:`APIError` in OpenAI's error shape that names the field at fault."""
@@ -14,9 +14,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 
-from app.conversation import MAX_IMPORT_MESSAGES, MAX_MESSAGE_CHARS, ContextTooLong, fit_context
-from app.jobs import GenerationRequest
-from app.worker import Worker
+from app.views.conversation import MAX_IMPORT_MESSAGES, MAX_MESSAGE_CHARS, ContextTooLong, fit_context
+from app.serving.jobs import GenerationRequest
+from app.serving.worker import Worker
 from engine.core.logprobs import MAX_TOP_LOGPROBS
 from engine.core.settings import AUTO, METHODS, TreeSize, TreeSpec, settings_from
 from engine.errors import EngineError

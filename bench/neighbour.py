@@ -8,7 +8,7 @@ process of its own. Rounds alternate the three so that a noisy host spreads over
 Prints each run's rate and median step times and writes ``results/neighbour-*.json`` with a
 plotly chart beside it.
 
-    python -m engine.cli.bench_neighbour --rounds 3 --duty 0.1 0.2
+    python -m bench.neighbour --rounds 3 --duty 0.1 0.2
 """
 from __future__ import annotations
 
