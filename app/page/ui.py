@@ -69,6 +69,9 @@ def build(app: ChatApp) -> gr.Blocks:
         # closed by default; opened on load in windows at least COLLAPSE_BELOW px wide (on a phone
         # it would cover the whole app)
         with gr.Sidebar(label="Settings", open=False, width=330, elem_id="sc-sidebar"):
+            history_on = app.history is not None
+            if history_on or app.history_note:
+                _conversations(app, c)
             gr.Markdown("### Settings", elem_classes=["sc-side-title"])
             c.system = gr.Textbox(o["system_prompt"], label="System prompt", lines=3, max_lines=10,
                                   placeholder="Optional: how the assistant should behave",
@@ -183,6 +186,8 @@ def build(app: ChatApp) -> gr.Blocks:
         outputs = [c.chatbot, c.msg, c.history, c.run, c.tree_plot, c.slider, c.steps_plot, c.stats, c.status,
                    c.compare_md, c.highlight_view, c.export_btn, c.stop_btn, c.baseline_info, c.replay_row,
                    c.step_text, c.live_tree]  # the API's output order: new outputs go last
+        if history_on:
+            outputs += [c.conv_id, c.conv_list]
         chat_kwargs = dict(concurrency_limit=16, concurrency_id="chat", show_progress="hidden")
         # events after which the teaching tabs redraw (a new answer) or empty (a cleared chat)
         answered = [
@@ -192,9 +197,10 @@ def build(app: ChatApp) -> gr.Blocks:
                           **chat_kwargs)]
         c.stop_btn.click(app.stop, None, None, api_name="stop", concurrency_limit=None,
                          show_progress="hidden")
-        cleared = [c.clear_btn.click(app.clear, None, outputs, api_name="clear", concurrency_limit=None,
+        cleared_outputs = outputs + ([c.conv_title] if history_on else [])
+        cleared = [c.clear_btn.click(app.clear, None, cleared_outputs, api_name="clear", concurrency_limit=None,
                                      show_progress="hidden"),
-                   c.chatbot.clear(app.clear, None, outputs, api_visibility="private", show_progress="hidden")]
+                   c.chatbot.clear(app.clear, None, cleared_outputs, api_visibility="private", show_progress="hidden")]
         c.slider.input(app.show_step, [c.slider, c.run, c.highlight],
                        [c.tree_plot, c.steps_plot, c.step_text, c.highlight_view],
                        api_name="show_step", trigger_mode="always_last", show_progress="hidden",
@@ -232,8 +238,10 @@ def build(app: ChatApp) -> gr.Blocks:
         answered.append(c.import_btn.upload(app.import_file, c.import_btn,
                                             [c.chatbot, c.history, c.system, c.run, c.status, c.export_btn, c.tree_plot,
                                              c.slider, c.steps_plot, c.stats, c.compare_md, c.highlight_view, c.replay_row,
-                                             c.step_text],
+                                             c.step_text] + ([c.conv_id, c.conv_list] if history_on else []),
                                             api_name="import_conversation"))
+        if history_on:
+            answered += _wire_conversations(app, c, demo, cleared_outputs, cleared)
         app.explain.wire(answered, cleared)
         if o.get("models_panel", True):  # private: only the page runs it (app.private_events)
             c.load_btn.click(app.load_pair, [c.target_id, c.draft_id, c.dtype, c.device, c.trust],
@@ -242,6 +250,50 @@ def build(app: ChatApp) -> gr.Blocks:
         demo.load(None, None, None, js=SIDEBAR_JS)
     demo.chat_app = app
     return demo
+
+
+def _conversations(app: ChatApp, c) -> None:
+    """The sidebar's conversations: the list (newest first), search, New chat, Rename, Delete (confirmed);
+    with history off, the one line saying why."""
+    with gr.Accordion("Conversations", open=True, elem_id="sc-conversations"):
+        if app.history is None:
+            gr.Markdown(app.history_note, elem_id="sc-history-off")
+            return
+        # the open conversation's id, kept by the browser: a reload (F5) or a restart reopens it
+        c.conv_id = gr.BrowserState("", storage_key="sequoia-chat-conversation")
+        c.new_chat = gr.Button("＋ New chat", size="sm", elem_id="sc-new-chat")
+        c.conv_search = gr.Textbox(placeholder="Search titles and text", show_label=False, container=False,
+                                   max_lines=1, elem_id="sc-conv-search")
+        c.conv_list = gr.Radio([], value=None, show_label=False, container=False, elem_id="sc-conv-list")
+        with gr.Row():
+            c.conv_title = gr.Textbox(placeholder="Title of the open conversation", show_label=False,
+                                      container=False, max_lines=1, scale=3, min_width=120,
+                                      elem_id="sc-conv-title")
+            c.rename_btn = gr.Button("Rename", size="sm", scale=1, min_width=60, elem_id="sc-rename")
+            c.delete_btn = gr.Button("Delete", size="sm", scale=1, min_width=60, elem_id="sc-delete",
+                                     variant="stop")
+        with gr.Row(visible=False, elem_id="sc-delete-confirm") as c.delete_row:
+            gr.Markdown("Delete this conversation for good?")
+            c.delete_yes = gr.Button("Delete", size="sm", variant="stop", elem_id="sc-delete-yes")
+            c.delete_no = gr.Button("Cancel", size="sm", elem_id="sc-delete-no")
+
+
+def _wire_conversations(app: ChatApp, c, demo: gr.Blocks, cleared_outputs: list, cleared: list) -> list:
+    """The sidebar's events (all private: only the page calls them); the events that open a run."""
+    quiet = dict(api_visibility="private", show_progress="hidden")
+    opened = cleared_outputs + [c.system]
+    events = [c.conv_list.input(app.open_conversation, c.conv_list, opened, concurrency_limit=4, **quiet),
+              demo.load(app.restore, c.conv_id, opened, **quiet)]
+    cleared.append(c.new_chat.click(app.new_chat, None, cleared_outputs, **quiet))
+    c.conv_search.change(app.search_conversations, [c.conv_search, c.conv_id], c.conv_list,
+                         trigger_mode="always_last", **quiet)
+    c.rename_btn.click(app.rename_conversation, [c.conv_id, c.conv_title], [c.conv_list, c.status], **quiet)
+    c.conv_title.submit(app.rename_conversation, [c.conv_id, c.conv_title], [c.conv_list, c.status], **quiet)
+    c.delete_btn.click(app.ask_delete, c.conv_id, [c.delete_row, c.status], **quiet)
+    c.delete_no.click(app.cancel_delete, None, c.delete_row, **quiet)
+    cleared.append(c.delete_yes.click(app.delete_conversation, c.conv_id, cleared_outputs + [c.delete_row],
+                                      **quiet))
+    return events
 
 
 class _Components:

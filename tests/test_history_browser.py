@@ -1,0 +1,82 @@
+"""Conversations that last, in a real browser (Debian's chromium driven by Playwright; tiny models,
+in-process server, a store in a temporary folder): an answer appears in the sidebar's list, a
+reload (F5) reopens it with its tree and replay, New chat empties the page, the list reopens it,
+Delete asks first. Skips like tests/test_app_browser.py."""
+from __future__ import annotations
+
+import pytest
+import test_app_support as support
+from test_app_browser import CHROMIUM, CHROMIUM_ARGS
+
+from app.serving.history import HistoryStore
+from app.serving.pair import make_engine
+from app.serving.worker import Worker
+
+from playwright.sync_api import expect, sync_playwright  # noqa: E402 (test_app_browser skips without it)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    yield from support.one_torch_thread()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tokenizer = support.tokenizer()
+    target, draft = support.tiny_pair()
+    worker = Worker(make_engine(target, draft, tokenizer), tokenizer,
+                    {"target": "tiny-random-qwen2", "draft": "tiny-random-qwen2-perturbed", "device": "cpu",
+                     "dtype": "float32"})
+    store = HistoryStore(tmp_path_factory.mktemp("history") / "conversations.sqlite3")
+    demo, url = support.start_server(worker, {"max_new_tokens": 24, "history": store})
+    yield store, url
+    demo.close()
+    worker.close()
+    store.close()
+
+
+def test_a_conversation_survives_a_reload_and_comes_back_from_the_list(server):
+    store, url = server
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_context(viewport={"width": 1500, "height": 1000}).new_page()
+        errors = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        try:
+            page.goto(url)
+            page.wait_for_selector("#sc-msg textarea", timeout=60_000)
+            page.locator("#sc-msg textarea").fill("Tell me about oak trees")
+            page.locator("#sc-send").click()
+            expect(page.locator("#sc-status")).to_contain_text("Done", timeout=60_000)
+            entry = page.locator("#sc-conv-list label", has_text="Tell me about oak trees")
+            expect(entry).to_have_count(1, timeout=10_000)
+            (cid, _, _), = store.list()
+            answer = store.load(cid).messages[-1]["content"]
+
+            page.reload()  # F5: the browser kept the open conversation's id
+            page.wait_for_selector("#sc-msg textarea", timeout=60_000)
+            expect(page.locator("#sc-chatbot")).to_contain_text("Tell me about oak trees", timeout=20_000)
+            expect(page.locator("#sc-chatbot .bot").last).to_contain_text(answer.strip()[:10], timeout=20_000)
+            expect(page.locator("#sc-step-slider")).to_be_visible(timeout=20_000)
+            expect(page.locator("#sc-tree .js-plotly-plot")).to_have_count(1, timeout=20_000)
+
+            page.locator("#sc-new-chat").click()
+            expect(page.locator("#sc-chatbot .bot")).to_have_count(0, timeout=10_000)
+            page.locator("#sc-conv-list label", has_text="Tell me about oak trees").click()
+            expect(page.locator("#sc-chatbot")).to_contain_text("Tell me about oak trees", timeout=20_000)
+            expect(page.locator("#sc-conv-title input")).to_have_value("Tell me about oak trees", timeout=10_000)
+
+            page.locator("#sc-conv-search input").fill("nothing matches this")
+            expect(page.locator("#sc-conv-list label")).to_have_count(0, timeout=10_000)
+            page.locator("#sc-conv-search input").fill("OAK")
+            expect(page.locator("#sc-conv-list label")).to_have_count(1, timeout=10_000)
+
+            page.locator("#sc-delete").click()
+            expect(page.locator("#sc-delete-confirm")).to_be_visible(timeout=10_000)
+            assert store.list()  # nothing deleted before the confirmation
+            page.locator("#sc-delete-yes").click()
+            expect(page.locator("#sc-chatbot .bot")).to_have_count(0, timeout=10_000)
+            assert store.list() == []
+            assert not errors, errors
+        finally:
+            browser.close()
