@@ -78,9 +78,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="do not measure this machine's forward times for the optimizer on a first start "
                              "(it then uses the nearest bundled profile; python -m engine.cli.profile measures), "
                              "nor the target alone's rate at T = 0 before serving on each start (a 48-token answer, a few seconds)")
+    parser.add_argument("--data-dir", default=None,
+                        help="folder of the conversation history (default: $SEQUOIA_DATA, else "
+                             "$XDG_DATA_HOME/sequoia-chat, else ~/.local/share/sequoia-chat)")
+    parser.add_argument("--no-history", action="store_true",
+                        help="keep no conversations on disk (they last as long as the browser tab)")
     # development: a tiny random pair with the real tokenizer, to work on the UI without the weights
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def open_history(args: argparse.Namespace):
+    """``(store, line)``: the conversation store (None: history off) and the line that says where
+    it is or why it is off. ``--tiny`` keeps none unless ``--data-dir`` names a folder."""
+    if args.no_history or (args.tiny and not args.data_dir):
+        return None, "History is off (--no-history): conversations last as long as the browser tab."
+    from app.serving.history import open_store
+    return open_store(args.data_dir)
 
 
 def build_worker(args: argparse.Namespace):
@@ -254,10 +268,13 @@ def main(argv: list[str] | None = None) -> int:
 
     pair = pair_name(args.target, args.draft, worker.engine.draft, worker.engine.target)
     measured = bool(find_acceptance(pair))
+    history, history_line = open_history(args)
+    print(history_line, flush=True)
     demo = ui.build_demo(worker, worker.tokenizer, {
         "tree_size": max(1, args.tree_size), "depth": max(1, args.depth),
         "max_new_tokens": max(1, args.max_new_tokens),
-        "predict": measured and not args.tiny, "models_panel": models_panel(args)})
+        "predict": measured and not args.tiny, "models_panel": models_panel(args),
+        "history": history, "history_note": history_line})
     if not args.no_measure:  # before any page can draw on the cores: the stats line's "× the target alone"
         rate = demo.chat_app.measure_baseline_now(0.0, 1.0)
         print(f"Measured the target alone on this machine: {rate:.1f} tokens/s at T = 0." if rate else
@@ -287,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         worker.close()
         demo.close()
+        if history is not None:
+            history.close()
     return 0
 
 
