@@ -140,90 +140,126 @@ def configurations(quick: bool, draft=None, acceptance: list[float] | None = Non
     return configs
 
 
-def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple | None = None,
-        temperature: float = 0.0, top_p: float = 1.0, repeats: int = 1, peer: str | None = None,
-        peer_ggufs: tuple[Path, Path] | None = None, target_format: str = "auto", hf: bool = True,
-        prompt_set: str = "chat", copies: bool = False) -> dict:
-    """The benchmark on ``pair`` = (target, draft, tokenizer), by default the embedded pair (its
-    target in ``target_format``): ``repeats`` rounds over the prompts (each round runs every
-    configuration on a prompt before the next prompt); medians over all runs. Outputs are compared
-    with target-only decoding at temperature 0 only. ``peer="llama.cpp"`` also runs llama.cpp's
-    configurations on the pair's GGUF files (``peer_ggufs``, by default the embedded pair's), on
-    each prompt right after ours (:class:`PeerSide`); when it is not built, one line says so and
-    the benchmark goes on without it. ``prompt_set``: ``chat`` or ``code-edit`` (assets/prompts);
-    ``copies`` adds our configurations with copies from the context and llama.cpp's n-gram modes."""
+@dataclass(frozen=True)
+class BenchPlan:
+    """What :func:`run` measures: ``prompts`` of the ``prompt_set`` (``chat`` or ``code-edit``,
+    assets/prompts), ``new_tokens`` each, ``repeats`` rounds, at this temperature and top-p;
+    ``quick``: fewer configurations; ``hf``: Hugging Face's own decoding beside ours; ``copies``:
+    our configurations with copies from the context and llama.cpp's n-gram modes; ``peer``
+    ("llama.cpp") on ``peer_ggufs`` (default: the embedded pair's); the embedded target in
+    ``target_format``."""
+
+    prompts: int
+    new_tokens: int
+    quick: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    repeats: int = 1
+    peer: str | None = None
+    peer_ggufs: tuple[Path, Path] | None = None
+    target_format: str = "auto"
+    hf: bool = True
+    prompt_set: str = "chat"
+    copies: bool = False
+
+
+def run(plan: BenchPlan, out_dir: Path, pair: tuple | None = None) -> dict:
+    """The benchmark on ``pair`` = (target, draft, tokenizer), by default the embedded pair:
+    ``plan.repeats`` rounds over the prompts (each round runs every configuration on a prompt before
+    the next prompt); medians over all runs. Outputs are compared with target-only decoding at
+    temperature 0 only. With a peer, llama.cpp's configurations run on each prompt right after ours
+    (:class:`PeerSide`); when it is not built, one line says so and the benchmark goes on without it."""
     from engine.core.speculative import SpeculativeEngine
     from engine.models.loading import PairFormats, load_default_pair, pair_name
     from engine.models.prompts import encode_chat, load_prompt_set
     from engine.tuning.acceptance import acceptance_for
-    from engine.tuning.optimizer import TreeChoice, load_tuner
+    from engine.tuning.optimizer import load_tuner
     from engine.tuning.planner import TreePlanner
 
-    target, draft, tokenizer = pair or load_default_pair(formats=PairFormats(target=target_format))
+    target, draft, tokenizer = pair or load_default_pair(formats=PairFormats(target=plan.target_format))
     name = pair_name("default-target", "default-draft", draft, target) if pair is None else None
     tuner = load_tuner(name, target) if name else None
     engine = SpeculativeEngine(target, draft, planner=TreePlanner(name, tuner) if name else None)
-    prompt_set_entries = load_prompt_set(prompt_set)[:prompts]
+    prompt_set_entries = load_prompt_set(plan.prompt_set)[:plan.prompts]
     prompt_ids = [encode_chat(tokenizer, p["messages"]) for p in prompt_set_entries]
     # the code each code-edit prompt pastes: what a client would give as the expected output
     predictions = [tokenizer.encode(code_block(p["messages"][-1]["content"]), add_special_tokens=False)
-                   for p in prompt_set_entries] if prompt_set == "code-edit" else None
-    configs = configurations(quick, draft, acceptance_for(name, temperature, top_p) if name else None,
-                             auto=tuner is not None, greedy=temperature == 0, hf=hf, copies=copies,
+                   for p in prompt_set_entries] if plan.prompt_set == "code-edit" else None
+    configs = configurations(plan.quick, draft, acceptance_for(name, plan.temperature, plan.top_p) if name else None,
+                             auto=tuner is not None, greedy=plan.temperature == 0, hf=plan.hf, copies=plan.copies,
                              predicted=predictions is not None)
     engine.generate(prompt_ids[0], max_new_tokens=4, tree=Tree.chain(2), copies=False)  # warm-up
     ours, theirs = [c for c in configs if c.hf is None], [c for c in configs if c.hf is not None]
-    peer_side = PeerSide(peer, prompt_ids, tokenizer, new_tokens, temperature, top_p,
-                         peer_ggufs if peer_ggufs or pair is not None else "default", ngram=copies) if peer else None
-    runs = [(round_, i, ids) for round_ in range(repeats) for i, ids in enumerate(prompt_ids)]
+    peer_side = PeerSide(plan.peer, prompt_ids, tokenizer, plan.new_tokens, plan.temperature, plan.top_p,
+                         plan.peer_ggufs if plan.peer_ggufs or pair is not None else "default",
+                         ngram=plan.copies) if plan.peer else None
     for config in ours:
         if config.tree == "auto-fixed":  # the best tree without growth by confidence, for comparison
-            config.tree = tuner.choose(temperature, top_p, config.method, grown=False)
-    for round_, i, ids in runs:
-        for config in ours:
-            choice = config.tree if isinstance(config.tree, TreeChoice) else None
-            result = engine.generate(ids, max_new_tokens=new_tokens, tree=choice.tree if choice else config.tree,
-                                     temperature=temperature, top_p=top_p, seed=i + 1000 * round_,
-                                     method=config.method, confidence=choice.confidence if choice else None,
-                                     copies=config.copies,
-                                     prediction=predictions[i] if config.predicted else None)
-            if config.tree == "auto":
-                choice = result.decision.choice
-            if choice is not None:
-                config.chosen, config.predicted_speedup = choice.tree, choice.predicted_speedup
-                config.confidence = choice.confidence
-                config.predicted_tokens_per_step, config.predicted_step_ms = choice.expected_tokens, 1e3 * choice.step_time_s
-            config.tokens_per_s.append(result.tokens_per_second)
-            config.tokens_per_step.append(result.tokens_per_step)
-            config.copied_per_step.append(sum(s.accepted_by_source()["copy"] for s in result.steps) / len(result.steps))
-            config.draft_share.append(sum(s.timings.draft_s for s in result.steps) / result.decode_s)
-            config.step_ms.append({phase: 1e3 * statistics.fmean(getattr(s.timings, f"{phase}_s") for s in result.steps)
-                                   for phase in ("draft", "verify", "bookkeeping")})
-            config.outputs.append(result.tokens)
-            config.tokens_generated.append(len(result.tokens))
-            print(f"prompt {i}: {config.name:<42} {result.tokens_per_second:6.2f} tok/s "
-                  f"{result.tokens_per_step:5.2f} tok/step", flush=True)
-        with stock_weights(target):  # Hugging Face as its users run it: torch's own linear layers
-            prefill_s = timed_prefill(target, ids)
-            for config in theirs:
-                tokens, seconds = hf_generate(target, tokenizer, ids, new_tokens, config.hf, temperature, top_p)
-                config.tokens_per_s.append(len(tokens) / max(seconds - prefill_s, 1e-9))  # decode rate
-                config.tokens_generated.append(len(tokens))
-                config.outputs.append(tokens)
-                print(f"prompt {i}: {config.name:<42} {config.tokens_per_s[-1]:6.2f} tok/s", flush=True)
-        if peer_side is not None:
-            peer_side.run(round_, i)
+            config.tree = tuner.choose(plan.temperature, plan.top_p, config.method, grown=False)
+    for round_ in range(plan.repeats):
+        for i, ids in enumerate(prompt_ids):
+            for config in ours:
+                _decode_ours(engine, config, plan, ids, (round_, i), predictions[i] if config.predicted else None)
+            with stock_weights(target):  # Hugging Face as its users run it: torch's own linear layers
+                prefill_s = timed_prefill(target, ids)
+                for config in theirs:
+                    tokens, seconds = hf_generate(target, tokenizer, ids, plan.new_tokens, config.hf,
+                                                  plan.temperature, plan.top_p)
+                    config.tokens_per_s.append(len(tokens) / max(seconds - prefill_s, 1e-9))  # decode rate
+                    config.tokens_generated.append(len(tokens))
+                    config.outputs.append(tokens)
+                    print(f"prompt {i}: {config.name:<42} {config.tokens_per_s[-1]:6.2f} tok/s", flush=True)
+            if peer_side is not None:
+                peer_side.run(round_, i)
     peer_runs, peer_info = peer_side.finish() if peer_side is not None else ([], None)
+    report = _report(plan, name, configs, peer_runs, peer_info)
+    _save_and_print(report, out_dir, peer_runs, peer_info)
+    return report
+
+
+def _decode_ours(engine, config: ConfigRuns, plan: BenchPlan, ids: list[int], where: tuple[int, int],
+                 prediction: list[int] | None) -> None:
+    """One of our configurations on one prompt (``where``: its round and index, which seed it)."""
+    from engine.tuning.optimizer import TreeChoice
+
+    round_, i = where
+    choice = config.tree if isinstance(config.tree, TreeChoice) else None
+    result = engine.generate(ids, max_new_tokens=plan.new_tokens, tree=choice.tree if choice else config.tree,
+                             temperature=plan.temperature, top_p=plan.top_p, seed=i + 1000 * round_,
+                             method=config.method, confidence=choice.confidence if choice else None,
+                             copies=config.copies, prediction=prediction)
+    if config.tree == "auto":
+        choice = result.decision.choice
+    if choice is not None:
+        config.chosen, config.predicted_speedup = choice.tree, choice.predicted_speedup
+        config.confidence = choice.confidence
+        config.predicted_tokens_per_step, config.predicted_step_ms = choice.expected_tokens, 1e3 * choice.step_time_s
+    config.tokens_per_s.append(result.tokens_per_second)
+    config.tokens_per_step.append(result.tokens_per_step)
+    config.copied_per_step.append(sum(s.accepted_by_source()["copy"] for s in result.steps) / len(result.steps))
+    config.draft_share.append(sum(s.timings.draft_s for s in result.steps) / result.decode_s)
+    config.step_ms.append({phase: 1e3 * statistics.fmean(getattr(s.timings, f"{phase}_s") for s in result.steps)
+                           for phase in ("draft", "verify", "bookkeeping")})
+    config.outputs.append(result.tokens)
+    config.tokens_generated.append(len(result.tokens))
+    print(f"prompt {i}: {config.name:<42} {result.tokens_per_second:6.2f} tok/s "
+          f"{result.tokens_per_step:5.2f} tok/step", flush=True)
+
+
+def _report(plan: BenchPlan, name: str | None, configs: list, peer_runs: list, peer_info: dict | None) -> dict:
+    """The run's JSON: the machine, the plan, every configuration's summary against ours and llama.cpp's
+    target alone."""
     baseline = statistics.median(configs[0].tokens_per_s)
-    greedy = temperature == 0
-    identical = greedy and all(c.outputs == configs[0].outputs for c in configs if c.hf is None)
-    hf_identical = greedy and all(c.outputs == configs[0].outputs for c in configs if c.hf is not None)
+    greedy = plan.temperature == 0
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "prompts": prompts, "repeats": repeats,
-        "new_tokens": new_tokens, "temperature": temperature, "top_p": top_p, "pair": name, "prompt_set": prompt_set,
-        "outputs_identical_to_target_only": identical,
-        "hf_outputs_identical_to_target_only": hf_identical,
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "prompts": plan.prompts,
+        "repeats": plan.repeats, "new_tokens": plan.new_tokens, "temperature": plan.temperature, "top_p": plan.top_p,
+        "pair": name, "prompt_set": plan.prompt_set,
+        "outputs_identical_to_target_only": greedy and all(c.outputs == configs[0].outputs
+                                                           for c in configs if c.hf is None),
+        "hf_outputs_identical_to_target_only": greedy and all(c.outputs == configs[0].outputs
+                                                              for c in configs if c.hf is not None),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "results": [c.summary(baseline) for c in configs] + [peer_summary(r, baseline) for r in peer_runs],
     }
@@ -232,20 +268,25 @@ def run(prompts: int, new_tokens: int, quick: bool, out_dir: Path, pair: tuple |
     peer_reference = next((r["tokens_per_s"] for r in report["results"] if r["name"] == PEER_TARGET_ONLY), None)
     for r in report["results"]:
         r["vs_llamacpp_target_only"] = r["tokens_per_s"] / peer_reference if peer_reference else None
+    return report
+
+
+def _save_and_print(report: dict, out_dir: Path, peer_runs: list, peer_info: dict | None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(report, indent=2))
     plot(report, path.with_suffix(".html"))
     print()
     print(markdown_table(report))
-    compared = (f"outputs identical to target-only: {identical} (HF generate and assisted: {hf_identical})" if greedy
+    greedy, identical = report["temperature"] == 0, report["outputs_identical_to_target_only"]
+    compared = (f"outputs identical to target-only: {identical} (HF generate and assisted: "
+                f"{report['hf_outputs_identical_to_target_only']})" if greedy
                 else "outputs sampled (compared with target-only at temperature 0 only)")
     print(f"\n{compared}; peak RSS {report['peak_rss_gib']:.1f} GiB; saved {path} and .html")
     if peer_runs and greedy:
         print(f"llama.cpp outputs identical to llama.cpp target-only: {peer_info['outputs_identical_to_target_only']}")
     for name, error in (peer_info or {}).get("failed", {}).items():
         print(f"{name}: failed, left out: {error}")
-    return report
 
 
 PEER_TARGET_ONLY = "llama.cpp target-only"
@@ -289,9 +330,9 @@ class PeerSide:
             return
         configs = [c for c in self.peer_mod.peer_configurations(self.ngram) if c.name not in self.failed]
         try:
-            runs = self.peer_mod.run_peer(self.prompt_ids, self.new_tokens, self.temperature, self.top_p,
-                                          prompt_texts=self.texts, configs=configs, order=[(round_, index)],
-                                          binaries=self.binaries, ggufs=self.ggufs)
+            request = self.peer_mod.PeerRequest(self.prompt_ids, self.new_tokens, self.temperature, self.top_p,
+                                                prompt_texts=self.texts, order=[(round_, index)])
+            runs = self.peer_mod.run_peer(request, configs=configs, binaries=self.binaries, ggufs=self.ggufs)
         except Exception as exc:  # noqa: BLE001 - the peer must never cost us our own figures
             self._skip(f"llama.cpp peer failed: {exc}")
             return
@@ -461,9 +502,9 @@ def main(argv: list[str] | None = None) -> None:
     repeats = args.repeats or (1 if args.quick else 2)
     if min(prompts, new_tokens, repeats) < 1:
         parser.error("--prompts, --new-tokens and --repeats must be at least 1")
-    run(prompts, new_tokens, args.quick, args.out, temperature=args.temperature, top_p=args.top_p, repeats=repeats,
-        peer=args.peer, target_format=args.target_format, hf=not args.no_hf, prompt_set=args.prompt_set,
-        copies=args.copies)
+    run(BenchPlan(prompts, new_tokens, args.quick, temperature=args.temperature, top_p=args.top_p, repeats=repeats,
+                  peer=args.peer, target_format=args.target_format, hf=not args.no_hf, prompt_set=args.prompt_set,
+                  copies=args.copies), args.out)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import gc
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -124,12 +125,15 @@ def speculative_steps(engine, prompt: list[int], new_tokens: int, trees: dict, a
     return out
 
 
-def offload_section(shape: str, draft, dtype, prefix: list[int], sizes: list[int], draft_profile: dict,
+def offload_section(plan: "GpuPlan", draft, prefix: list[int], sizes: list[int], draft_profile: dict,
                     acceptances: dict, pair: str, new_tokens: int) -> dict:
+    """The target streamed from pinned host memory layer by layer: its profile, the optimizer's
+    trees for it, and decoding end to end (``new_tokens``), against accelerate's own offload."""
     from engine.backends.offload import accelerate_offload, stream_layers
     from engine.core.speculative import SpeculativeEngine
     from engine.trees.tree import Tree
 
+    shape, dtype = plan.target_shape, plan.dtype
     result: dict = {}
     target = synthetic_model(shape, "cuda", dtype, seed=0)
     streamer = stream_layers(target, "cuda")
@@ -164,10 +168,30 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def run(target_shape: str, draft_shape: str, dtype: torch.dtype, max_tokens: int, prefix_len: int,
-        new_tokens: int, repeats: int, offload: bool, out_dir: Path, device: str = "cuda",
-        max_width: int = 64) -> dict:
+@dataclass(frozen=True)
+class GpuPlan:
+    """What :func:`run` measures: random-weight models of these shapes in ``dtype`` on ``device``,
+    target forwards of up to ``max_tokens`` rows and draft levels up to ``max_width`` after a
+    ``prefix_len``-token prefix (``repeats`` each), ``new_tokens`` decoded end to end, and with
+    ``offload`` the target streamed from host memory."""
+
+    target_shape: str
+    draft_shape: str
+    dtype: torch.dtype
+    max_tokens: int
+    prefix_len: int
+    new_tokens: int
+    repeats: int
+    offload: bool = False
+    device: str = "cuda"
+    max_width: int = 64
+
+
+def run(plan: GpuPlan, out_dir: Path) -> dict:
     """The whole benchmark; ``device="cpu"`` runs everything but offloading (a smoke test)."""
+    target_shape, draft_shape, dtype, device = plan.target_shape, plan.draft_shape, plan.dtype, plan.device
+    max_tokens, prefix_len, new_tokens, repeats = plan.max_tokens, plan.prefix_len, plan.new_tokens, plan.repeats
+    max_width = plan.max_width
     pair = f"{target_shape}+{draft_shape} (random weights)"
     started = time.perf_counter()
     target = synthetic_model(target_shape, device, dtype, seed=0)
@@ -192,11 +216,10 @@ def run(target_shape: str, draft_shape: str, dtype: torch.dtype, max_tokens: int
     trees = {name: Tree.from_parents(c["parents"]) for name, c in report["choices"].items()}
     report["end_to_end"] = end_to_end(target, draft, prefix, new_tokens, trees, acceptances)
     print_report(report)
-    if offload:
+    if plan.offload:
         del target
         _free()
-        report["offload"] = offload_section(target_shape, draft, dtype, prefix, sizes, draft_graphs, acceptances,
-                                            pair, new_tokens=16)
+        report["offload"] = offload_section(plan, draft, prefix, sizes, draft_graphs, acceptances, pair, new_tokens=16)
         print_offload(report["offload"])
     report["seconds"] = time.perf_counter() - started
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -283,8 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.offload and not args.device.startswith("cuda"):
         parser.error("--offload streams weights to a CUDA GPU")
     target_shape, draft_shape = args.synthetic.split("+")
-    run(target_shape, draft_shape, DTYPES[args.dtype], args.max_tokens, args.prefix, args.new_tokens,
-        args.repeats, args.offload, args.out, args.device, args.max_width)
+    run(GpuPlan(target_shape, draft_shape, DTYPES[args.dtype], args.max_tokens, args.prefix, args.new_tokens,
+                args.repeats, args.offload, args.device, args.max_width), args.out)
 
 
 if __name__ == "__main__":

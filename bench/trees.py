@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.trees.tree import Tree
@@ -88,9 +89,23 @@ def mean_tokens(walks: list[tuple[int, ...]]) -> float:
     return sum(len(w) + 1 for w in walks) / len(walks)
 
 
+@dataclass(frozen=True)
+class SampledPlan:
+    """What :func:`sampled_measurements` measures: tree ``sizes`` at ``scalability_setting`` (T,
+    top-p), the three verifiers on a ``robust_size`` DP tree over the (T, top-p) ``grid``, from
+    ``roots`` positions and ``seeds`` seeds, acceptance vectors of ``k`` ranks."""
+
+    sizes: tuple[int, ...]
+    scalability_setting: tuple[float, float]
+    grid: list[tuple[float, float]]
+    robust_size: int
+    roots: int
+    seeds: int
+    k: int = 32
+
+
 def sampled_measurements(target, draft, calibration: list[tuple[int, list[int]]], held_out: list[tuple[int, list[int]]],
-                         sizes, scalability_setting: tuple[float, float], grid: list[tuple[float, float]],
-                         robust_size: int, roots: int, seeds: int, k: int = 32) -> dict:
+                         plan: SampledPlan) -> dict:
     """T > 0 scalability and robustness from the exact sampled replay (``engine.tuning.sampled_replay``).
 
     Acceptance vectors per (temperature, top-p) come from one-level K-child walks on the
@@ -98,6 +113,8 @@ def sampled_measurements(target, draft, calibration: list[tuple[int, list[int]]]
     by Sequoia's rule in the scalability part; the robustness part verifies the same DP tree
     with ``sequoia``, ``specinfer`` and ``topk``.
     """
+    sizes, scalability_setting, grid, k = plan.sizes, plan.scalability_setting, plan.grid, plan.k
+    robust_size, roots, seeds = plan.robust_size, plan.roots, plan.seeds
     settings_needed = sorted(set(grid) | {scalability_setting})
     calib_settings = [Setting(Tree.k_ary(k, 1), "sequoia", t, p) for t, p in settings_needed]
     calib_walks = replay_all(target, draft, calibration, roots, calib_settings, list(range(4 * seeds)),
@@ -217,8 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_sampled:
         grid = [(float(t), float(p)) for t in args.temperatures.split(",") for p in args.top_ps.split(",")]
         report["sampled"] = sampled_measurements(
-            target, draft, sequences[0::2], sequences[1::2], SIZES, (args.temperature, args.top_p), grid,
-            args.robust_size, args.roots, args.seeds)
+            target, draft, sequences[0::2], sequences[1::2],
+            SampledPlan(SIZES, (args.temperature, args.top_p), grid, args.robust_size, args.roots, args.seeds))
     report["seconds"] = time.perf_counter() - start
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"trees-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -289,7 +289,7 @@ def peer(prompts: list[str], max_new: int, log) -> list[dict] | str:
     """llama.cpp target-only on the same prompts (chat template applied the same way), or why not."""
     from engine.models.loading import load_default_pair
     from engine.models.prompts import encode_chat
-    from bench.peer.llama_cpp import TARGET_ONLY, PeerError, peer_binaries, peer_configurations, run_peer
+    from bench.peer.llama_cpp import TARGET_ONLY, PeerError, PeerRequest, peer_binaries, peer_configurations, run_peer
 
     binaries, reason = peer_binaries()
     if binaries is None:
@@ -297,7 +297,7 @@ def peer(prompts: list[str], max_new: int, log) -> list[dict] | str:
     tokenizer = load_default_pair()[2]
     ids = [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     try:
-        runs = run_peer(ids, max_new, configs=[c for c in peer_configurations() if c.name == TARGET_ONLY],
+        runs = run_peer(PeerRequest(ids, max_new), configs=[c for c in peer_configurations() if c.name == TARGET_ONLY],
                         binaries=binaries, log=lambda *a, **k: log(" ".join(map(str, a))))
     except PeerError as exc:
         return str(exc)

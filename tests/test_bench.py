@@ -13,8 +13,8 @@ from bench import decode as bench
 def test_bench_runs_ours_and_hugging_face_side_by_side(tmp_path, capsys):
     target, draft = support.tiny_pair()
     schedule = (draft.generation_config.num_assistant_tokens, draft.generation_config.num_assistant_tokens_schedule)
-    report = bench.run(prompts=1, new_tokens=6, quick=True, out_dir=tmp_path,
-                       pair=(target, draft, support.tokenizer()))
+    report = bench.run(bench.BenchPlan(prompts=1, new_tokens=6, quick=True),
+                       tmp_path, pair=(target, draft, support.tokenizer()))
     names = [r["name"] for r in report["results"]]
     assert names[:2] == ["target-only", "HF generate, target only"]
     assert "HF assisted generation (default schedule)" in names and "chain d=5" in names
@@ -36,8 +36,8 @@ def test_bench_runs_ours_and_hugging_face_side_by_side(tmp_path, capsys):
 
 def test_bench_samples_at_a_temperature(tmp_path):
     target, draft = support.tiny_pair()
-    report = bench.run(prompts=1, new_tokens=4, quick=True, out_dir=tmp_path,
-                       pair=(target, draft, support.tokenizer()), temperature=0.6, top_p=0.9, repeats=2)
+    report = bench.run(bench.BenchPlan(prompts=1, new_tokens=4, quick=True, temperature=0.6, top_p=0.9, repeats=2),
+                       tmp_path, pair=(target, draft, support.tokenizer()))
     assert (report["temperature"], report["top_p"], report["repeats"]) == (0.6, 0.9, 2)
     assert all(len(r["runs_tokens_per_s"]) == 2 for r in report["results"])  # one run per round
     assert all(r["ms_per_token"] == pytest.approx(1e3 / r["tokens_per_s"]) for r in report["results"])

@@ -9,8 +9,9 @@ from bench import gpu as bench_gpu
 
 
 def test_gpu_benchmark_runs_end_to_end_on_cpu(tmp_path, capsys):
-    report = bench_gpu.run("llama-test", "llama-test", torch.float32, max_tokens=4, prefix_len=8, new_tokens=6,
-                           repeats=1, offload=False, out_dir=tmp_path, device="cpu", max_width=2)
+    plan = bench_gpu.GpuPlan("llama-test", "llama-test", torch.float32, max_tokens=4, prefix_len=8, new_tokens=6,
+                             repeats=1, offload=False, device="cpu", max_width=2)
+    report = bench_gpu.run(plan, tmp_path)
     assert set(report["profile"]["target_graphs"]) == {1, 2, 4}
     assert all(t > 0 for t in report["profile"]["draft_eager"].values())
     assert set(report["choices"]) == {"T=0 top-p=1", "T=0.6 top-p=1"}

@@ -63,14 +63,14 @@ def test_speculative_server_command_names_the_draft_and_its_type(p_min, shown):
 
 def test_llama_speculative_command_drafts_a_tree_with_neutral_samplers(tmp_path):
     config = configs()["llama.cpp llama-speculative tree np=3 n-max=4"]
-    cmd = peer.speculative_command(Path("llama-speculative"), config, TARGET, DRAFT, tmp_path / "p.txt", 32,
-                                   temperature=0.6, top_p=0.9, seed=7, threads=2, ctx=4096)
+    cmd = peer.speculative_command(Path("llama-speculative"), config, (TARGET, DRAFT), tmp_path / "p.txt", 32,
+                                   (0.6, 0.9, 7), threads=2, ctx=4096)
     assert flag(cmd, "-m") == str(TARGET) and flag(cmd, "-md") == str(DRAFT) and flag(cmd, "-f") == str(tmp_path / "p.txt")
     assert flag(cmd, "-n") == "32" and flag(cmd, "-np") == "3" and flag(cmd, "--spec-draft-n-max") == "4"
     assert flag(cmd, "-t") == "2" and flag(cmd, "--spec-draft-threads") == "2"
     assert (flag(cmd, "--temp"), flag(cmd, "--top-p"), flag(cmd, "--top-k"), flag(cmd, "--min-p")) == ("0.6", "0.9", "0", "0")
     assert flag(cmd, "--seed") == "7" and flag(cmd, "--repeat-penalty") == "1"
-    greedy = peer.speculative_command(Path("s"), config, TARGET, DRAFT, tmp_path / "p.txt", 8)
+    greedy = peer.speculative_command(Path("s"), config, (TARGET, DRAFT), tmp_path / "p.txt", 8)
     assert flag(greedy, "--temp") == "0" and flag(greedy, "--top-p") == "1"
     with pytest.raises(ValueError):
         peer.server_command(Path("s"), config, TARGET, DRAFT, port=1)
@@ -98,7 +98,7 @@ def test_every_flag_exists_in_the_vendored_source():
     source = arg_cpp.read_text()
     server = [peer.server_command(Path("s"), c, TARGET, DRAFT, 1) for c in configs().values() if c.kind == "server"]
     spec = peer.speculative_command(Path("s"), configs()["llama.cpp llama-speculative tree np=3 n-max=4"],
-                                    TARGET, DRAFT, Path("p"), 8)
+                                    (TARGET, DRAFT), Path("p"), 8)
     flags = {a for cmd in [*server, spec] for a in cmd[1:] if a.startswith("-") and not a[1:2].isdigit()}
     assert flags and all(f'"{f}"' in source for f in flags), sorted(f for f in flags if f'"{f}"' not in source)
 
@@ -120,7 +120,7 @@ def test_ngram_modes_copy_from_the_context_alone_or_beside_the_draft():
 
 def test_bench_command_line_takes_the_code_edit_set_and_copies(monkeypatch):
     seen = {}
-    monkeypatch.setattr(bench, "run", lambda *a, **k: seen.update(k))
+    monkeypatch.setattr(bench, "run", lambda plan, out_dir: seen.update(vars(plan)))
     bench.main(["--quick", "--prompt-set", "code-edit", "--copies"])
     assert seen["prompt_set"] == "code-edit" and seen["copies"] is True
     names = [c.name for c in bench.configurations(True, draft=object(), acceptance=[0.5, 0.2], auto=True, copies=True)]
@@ -150,14 +150,14 @@ def test_missing_binaries_name_the_fix(tmp_path, monkeypatch):
     assert reason == "" and binaries.server == server
     monkeypatch.setenv("SEQUOIA_PEER_BIN", str(tmp_path / "nothing"))
     with pytest.raises(PeerError, match="make peer"):
-        peer.run_peer([[1, 2]], 4, ggufs=(TARGET, DRAFT))
+        peer.run_peer(peer.PeerRequest([[1, 2]], 4), ggufs=(TARGET, DRAFT))
 
 
 def test_bench_says_peer_not_built_and_goes_on(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SEQUOIA_PEER_BIN", str(tmp_path / "empty"))
     target, draft = support.tiny_pair()
-    report = bench.run(prompts=1, new_tokens=2, quick=True, out_dir=tmp_path, pair=(target, draft, support.tokenizer()),
-                       peer="llama.cpp")
+    report = bench.run(bench.BenchPlan(prompts=1, new_tokens=2, quick=True, peer="llama.cpp"),
+                       tmp_path, pair=(target, draft, support.tokenizer()))
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if "llama.cpp" in line]
     assert len(lines) == 1 and lines[0].startswith("llama.cpp peer not built: run `make peer`")
@@ -173,8 +173,10 @@ def test_bench_puts_peer_rows_beside_ours(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(peer, "peer_binaries", lambda bin_dir=None: (fake, ""))
     seen = {}
 
-    def fake_run_peer(prompts, new_tokens, temperature, top_p, prompt_texts, configs, order, binaries, ggufs):
-        seen.update(prompts=prompts, new_tokens=new_tokens, texts=prompt_texts, ggufs=ggufs, binaries=binaries)
+    def fake_run_peer(request, configs, binaries, ggufs):
+        new_tokens = request.new_tokens
+        seen.update(prompts=request.prompts, new_tokens=new_tokens, texts=request.prompt_texts, ggufs=ggufs,
+                    binaries=binaries)
         runs = []
         for config, tps in zip(configs, (20.0, 10.0, 14.0, 12.0)):
             r = PeerRuns(config, [PeerResult(config.name, tps, new_tokens, "x", [1] * new_tokens,
@@ -186,8 +188,8 @@ def test_bench_puts_peer_rows_beside_ours(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(peer, "run_peer", fake_run_peer)
     target, draft = support.tiny_pair()
-    report = bench.run(prompts=1, new_tokens=3, quick=True, out_dir=tmp_path, pair=(target, draft, support.tokenizer()),
-                       peer="llama.cpp", peer_ggufs=(TARGET, DRAFT))
+    report = bench.run(bench.BenchPlan(prompts=1, new_tokens=3, quick=True, peer="llama.cpp", peer_ggufs=(TARGET, DRAFT)),
+                       tmp_path, pair=(target, draft, support.tokenizer()))
     assert seen["new_tokens"] == 3 and seen["ggufs"] == (TARGET, DRAFT) and seen["binaries"] == fake
     assert len(seen["prompts"]) == 1 and seen["texts"][0] == support.tokenizer().decode(seen["prompts"][0])
     rows = {r["name"]: r for r in report["results"]}
@@ -213,7 +215,8 @@ def test_the_peer_runs_each_prompt_right_after_ours_and_a_failed_configuration_s
     monkeypatch.setattr(peer, "peer_binaries", lambda bin_dir=None: (fake, ""))
     calls = []
 
-    def fake_run_peer(prompts, new_tokens, temperature, top_p, prompt_texts, configs, order, binaries, ggufs):
+    def fake_run_peer(request, configs, binaries, ggufs):
+        order = request.order
         print(f"peer {order}", flush=True)
         calls.append(([c.name for c in configs], order))
         runs = []
@@ -225,8 +228,8 @@ def test_the_peer_runs_each_prompt_right_after_ours_and_a_failed_configuration_s
 
     monkeypatch.setattr(peer, "run_peer", fake_run_peer)
     target, draft = support.tiny_pair()
-    report = bench.run(prompts=2, new_tokens=2, quick=True, out_dir=tmp_path, pair=(target, draft, support.tokenizer()),
-                       peer="llama.cpp", peer_ggufs=(TARGET, DRAFT))
+    report = bench.run(bench.BenchPlan(prompts=2, new_tokens=2, quick=True, peer="llama.cpp", peer_ggufs=(TARGET, DRAFT)),
+                       tmp_path, pair=(target, draft, support.tokenizer()))
     names = [c.name for c in peer.peer_configurations()]
     tree = next(c.name for c in peer.peer_configurations() if c.kind == "speculative")
     assert calls == [(names, [(0, 0)]), ([n for n in names if n != tree], [(0, 1)])]
@@ -241,7 +244,7 @@ def test_the_peer_runs_each_prompt_right_after_ours_and_a_failed_configuration_s
 
 def test_bench_command_line_takes_the_peer(monkeypatch):
     seen = {}
-    monkeypatch.setattr(bench, "run", lambda *a, **k: seen.update(k))
+    monkeypatch.setattr(bench, "run", lambda plan, out_dir: seen.update(vars(plan)))
     bench.main(["--quick", "--peer", "llama.cpp"])
     assert seen["peer"] == "llama.cpp"
     bench.main(["--quick"])
@@ -370,7 +373,8 @@ def test_real_target_only_decodes(tmp_path):
     if not ggufs[0].exists():
         pytest.skip(f"{ggufs[0]} not assembled yet (any `make run` or `make test` assembles it)")
     prompt = json.loads((DATA / "prompt-ids.json").read_text())
-    (runs,) = peer.run_peer([prompt], 8, configs=[peer.peer_configurations()[0]], binaries=binaries, ggufs=ggufs,
+    (runs,) = peer.run_peer(peer.PeerRequest([prompt], 8), configs=[peer.peer_configurations()[0]], binaries=binaries,
+                            ggufs=ggufs,
                             log=lambda *a, **k: None)
     (result,) = runs.results
     assert result.tokens_per_s > 0 and 0 < result.tokens <= 8 and result.token_ids and result.text
@@ -385,7 +389,7 @@ def test_a_failing_configuration_costs_only_its_own_rows(tmp_path):
     binaries = peer.PeerBinaries(Path("/nonexistent/llama-server"), crashing, Path("/nonexistent/llama-bench"))
     configs = [peer.PeerConfig("tree", kind="speculative", draft_max=4, parallel=3),
                peer.PeerConfig("server", kind="server")]
-    runs = peer.run_peer([[1, 2, 3]], 4, 0.6, 0.9, prompt_texts=["hi"], configs=configs, binaries=binaries,
+    runs = peer.run_peer(peer.PeerRequest([[1, 2, 3]], 4, 0.6, 0.9, prompt_texts=["hi"]), configs=configs, binaries=binaries,
                          ggufs=(tmp_path / "t.gguf", tmp_path / "d.gguf"), log=lambda *a, **k: None)
     assert [r.name for r in runs] == ["tree", "server"]
     assert "exited with code 134" in runs[0].error and "GGML_ASSERT" in runs[0].error

@@ -113,11 +113,11 @@ def test_oracle_logits_equal_causal_forward(pair):
 
 def test_bench_trees_sampled_report_runs_end_to_end(pair, tmp_path):
     """The benchmark's sampled part on tiny models: every row present, tokens/step in range, plot written."""
-    from bench.trees import plot, sampled_measurements
+    from bench.trees import SampledPlan, plot, sampled_measurements
     sequences = [(len(PROMPT), PROMPT + [2, 6, 5, 3, 5, 8, 9, 7])] * 2
-    sampled = sampled_measurements(*pair, sequences[:1], sequences[1:], sizes=(2, 4, 8),
-                                   scalability_setting=(0.6, 1.0), grid=[(0.6, 1.0), (1.0, 0.8)],
-                                   robust_size=6, roots=3, seeds=2, k=8)
+    sampled = sampled_measurements(*pair, sequences[:1], sequences[1:],
+                                   SampledPlan(sizes=(2, 4, 8), scalability_setting=(0.6, 1.0),
+                                               grid=[(0.6, 1.0), (1.0, 0.8)], robust_size=6, roots=3, seeds=2, k=8))
     assert [r["size"] for r in sampled["scalability"]] == [2, 4, 8]
     assert len(sampled["robustness"]) == 2 and sampled["steps_per_point"] == 3 * 2
     for row in sampled["scalability"]:

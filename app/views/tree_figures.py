@@ -304,76 +304,10 @@ def tree_figure(step: StepRecord, token_texts: Mapping[int, str] | Callable[[int
     box, double-click to reset).
     """
     g = tree_geometry(step, token_texts, max_label_chars)
-    statuses, bonus, last, n, xs, ys, edge, rows = g.statuses, g.bonus, g.last, g.n, g.xs, g.ys, g.width, g.rows
-    labels = [html.escape(label, quote=False) for label in g.labels]
-    on_path = set(step.accepted)
-    traces: list[dict] = []  # plain dicts, validated once by go.Figure (per-call add_* is slow)
-
-    # edges, grouped by style so each group is one trace
-    groups: dict[tuple[str, bool], tuple[list, list]] = {}
-    for node in range(1, n):
-        parent = step.parents[node]
-        key = (_edge_style(step.ranks[node])[0], node in on_path and parent in on_path)
-        ex, ey = groups.setdefault(key, ([], []))
-        ex += [xs[parent], xs[node], None]
-        ey += [ys[parent], ys[node], None]
-    for (dash, accepted), (ex, ey) in sorted(groups.items(), key=lambda kv: kv[0][1]):
-        traces.append(dict(type="scatter", x=ex, y=ey, mode="lines", hoverinfo="skip", showlegend=False,
-                           line=dict(color=COLOURS[ACCEPTED][0] if accepted else EDGE_GREY,
-                                     width=3.2 if accepted else 1.6, dash=dash),
-                           meta={"kind": "edges", "dash": dash, "accepted": accepted}))
-    if bonus is not None:
-        traces.append(dict(type="scatter", x=[xs[last], xs[n]], y=[ys[last], ys[n]], mode="lines",
-                           hoverinfo="skip", showlegend=False,
-                           line=dict(color=COLOURS[BONUS][0], width=2.4, dash="dot"),
-                           meta={"kind": "edges", "dash": "dot", "accepted": False, "bonus": True}))
-
-    # nodes: transparent hover markers, one trace per status; the chips (annotations) are what shows
-    hover_marker = dict(symbol="square", size=24, color="rgba(0,0,0,0)", line=dict(width=0))
-    for status in (ROOT, ACCEPTED, UNUSED, REJECTED, UNREACHED):
-        nodes = [i for i in range(n) if statuses[i] == status]
-        if not nodes and status != ACCEPTED:
-            continue
-        traces.append(dict(
-            type="scatter", x=[xs[i] for i in nodes], y=[ys[i] for i in nodes], mode="markers",
-            name=STATUS_NAMES[status], customdata=nodes, showlegend=False,
-            text=[_node_hover(step, i, status, token_text(token_texts, step.tokens[i])) for i in nodes],
-            hovertemplate="%{text}<extra></extra>", marker=hover_marker,
-            meta={"kind": "nodes", "status": status}))
-    alone = n == 1  # autoregressive: no draft, the "bonus" is simply the target's token
-    if bonus is not None:
-        text = token_text(token_texts, bonus)
-        traces.append(dict(
-            type="scatter", x=[xs[n]], y=[ys[n]], mode="markers",
-            name="the target's token" if alone else STATUS_NAMES[BONUS], customdata=[-1], showlegend=False,
-            text=[f"<b>{html.escape(visible_token(text, 40), quote=False)}</b>  (id {bonus})<br>"
-                  + ("the target's own token (no draft in this mode)" if alone else
-                     "bonus token: the target's own choice after the accepted path")],
-            hovertemplate="%{text}<extra></extra>", marker=hover_marker, meta={"kind": "bonus", "status": BONUS}))
-    # legend-only twins with visible swatches
-    for trace in list(traces):
-        if trace["meta"]["kind"] in ("nodes", "bonus"):
-            strong, pale = COLOURS[trace["meta"]["status"]]
-            traces.append(dict(type="scatter", x=[None], y=[None], mode="markers", name=trace["name"],
-                               hoverinfo="skip", meta={"kind": "legend"},
-                               marker=dict(symbol="square", size=11, color=pale, line=dict(color=strong, width=2))))
-    if step.sources and "copy" in step.sources:
-        traces.append(dict(type="scatter", x=[None], y=[None], mode="markers", name="copied from the context",
-                           hoverinfo="skip", meta={"kind": "legend"},
-                           marker=dict(symbol="square", size=11, color="white", line=dict(color=COPY_COLOUR, width=3))))
-
-    chips = [(i, statuses[i]) for i in range(n)] + ([(n, BONUS)] if bonus is not None else [])
-    annotations = []
-    for i, status in chips:
-        strong, pale = COLOURS[status]
-        emphasised = status in (ROOT, ACCEPTED, BONUS)
-        is_copy = i < n and copied(step, i)
-        annotations.append(dict(
-            x=xs[i], y=ys[i], text=labels[i], showarrow=False,
-            font=dict(family=MONO, size=round(12 * scale), color="#0f172a" if emphasised else "#475569"),
-            bgcolor=pale, bordercolor=COPY_COLOUR if is_copy else strong,
-            borderwidth=3 if is_copy else 2 if emphasised else 1, borderpad=3,
-            opacity=1.0 if status != UNREACHED else 0.75, captureevents=False))
+    n, edge, rows = g.n, g.width, g.rows
+    # plain dicts, validated once by go.Figure (per-call add_* is slow)
+    traces = _edge_traces(step, g) + _node_traces(step, g, token_texts)
+    annotations = _chips(step, g, scale)
 
     heading = title if title is not None else step_title(step)
     layout = dict(
@@ -393,3 +327,83 @@ def tree_figure(step: StepRecord, token_texts: Mapping[int, str] | Callable[[int
         showlegend=True, dragmode="zoom" if n >= 24 else False, transition=dict(duration=0),
     )
     return go.Figure(data=traces, layout=layout)
+
+
+def _edge_traces(step: StepRecord, g) -> list[dict]:
+    """The tree's edges, grouped by style (one trace a group: dash and whether on the accepted
+    path), and the dotted edge to the bonus token."""
+    xs, ys, on_path = g.xs, g.ys, set(step.accepted)
+    groups: dict[tuple[str, bool], tuple[list, list]] = {}
+    for node in range(1, g.n):
+        parent = step.parents[node]
+        key = (_edge_style(step.ranks[node])[0], node in on_path and parent in on_path)
+        ex, ey = groups.setdefault(key, ([], []))
+        ex += [xs[parent], xs[node], None]
+        ey += [ys[parent], ys[node], None]
+    traces = [dict(type="scatter", x=ex, y=ey, mode="lines", hoverinfo="skip", showlegend=False,
+                   line=dict(color=COLOURS[ACCEPTED][0] if accepted else EDGE_GREY,
+                             width=3.2 if accepted else 1.6, dash=dash),
+                   meta={"kind": "edges", "dash": dash, "accepted": accepted})
+              for (dash, accepted), (ex, ey) in sorted(groups.items(), key=lambda kv: kv[0][1])]
+    if g.bonus is not None:
+        traces.append(dict(type="scatter", x=[xs[g.last], xs[g.n]], y=[ys[g.last], ys[g.n]], mode="lines",
+                           hoverinfo="skip", showlegend=False,
+                           line=dict(color=COLOURS[BONUS][0], width=2.4, dash="dot"),
+                           meta={"kind": "edges", "dash": "dot", "accepted": False, "bonus": True}))
+    return traces
+
+
+def _node_traces(step: StepRecord, g, token_texts) -> list[dict]:
+    """Transparent hover markers, one trace per status (the chips are annotations: what shows), the
+    bonus token's, and legend-only twins with visible swatches."""
+    statuses, n, xs, ys = g.statuses, g.n, g.xs, g.ys
+    hover_marker = dict(symbol="square", size=24, color="rgba(0,0,0,0)", line=dict(width=0))
+    traces = []
+    for status in (ROOT, ACCEPTED, UNUSED, REJECTED, UNREACHED):
+        nodes = [i for i in range(n) if statuses[i] == status]
+        if not nodes and status != ACCEPTED:
+            continue
+        traces.append(dict(
+            type="scatter", x=[xs[i] for i in nodes], y=[ys[i] for i in nodes], mode="markers",
+            name=STATUS_NAMES[status], customdata=nodes, showlegend=False,
+            text=[_node_hover(step, i, status, token_text(token_texts, step.tokens[i])) for i in nodes],
+            hovertemplate="%{text}<extra></extra>", marker=hover_marker,
+            meta={"kind": "nodes", "status": status}))
+    alone = n == 1  # autoregressive: no draft, the "bonus" is simply the target's token
+    if g.bonus is not None:
+        text = token_text(token_texts, g.bonus)
+        traces.append(dict(
+            type="scatter", x=[xs[n]], y=[ys[n]], mode="markers",
+            name="the target's token" if alone else STATUS_NAMES[BONUS], customdata=[-1], showlegend=False,
+            text=[f"<b>{html.escape(visible_token(text, 40), quote=False)}</b>  (id {g.bonus})<br>"
+                  + ("the target's own token (no draft in this mode)" if alone else
+                     "bonus token: the target's own choice after the accepted path")],
+            hovertemplate="%{text}<extra></extra>", marker=hover_marker, meta={"kind": "bonus", "status": BONUS}))
+    for trace in list(traces):
+        strong, pale = COLOURS[trace["meta"]["status"]]
+        traces.append(dict(type="scatter", x=[None], y=[None], mode="markers", name=trace["name"],
+                           hoverinfo="skip", meta={"kind": "legend"},
+                           marker=dict(symbol="square", size=11, color=pale, line=dict(color=strong, width=2))))
+    if step.sources and "copy" in step.sources:
+        traces.append(dict(type="scatter", x=[None], y=[None], mode="markers", name="copied from the context",
+                           hoverinfo="skip", meta={"kind": "legend"},
+                           marker=dict(symbol="square", size=11, color="white", line=dict(color=COPY_COLOUR, width=3))))
+    return traces
+
+
+def _chips(step: StepRecord, g, scale: float) -> list[dict]:
+    """Each node's token in a box coloured by its status (copied nodes outlined in teal)."""
+    labels = [html.escape(label, quote=False) for label in g.labels]
+    chips = [(i, g.statuses[i]) for i in range(g.n)] + ([(g.n, BONUS)] if g.bonus is not None else [])
+    annotations = []
+    for i, status in chips:
+        strong, pale = COLOURS[status]
+        emphasised = status in (ROOT, ACCEPTED, BONUS)
+        is_copy = i < g.n and copied(step, i)
+        annotations.append(dict(
+            x=g.xs[i], y=g.ys[i], text=labels[i], showarrow=False,
+            font=dict(family=MONO, size=round(12 * scale), color="#0f172a" if emphasised else "#475569"),
+            bgcolor=pale, bordercolor=COPY_COLOUR if is_copy else strong,
+            borderwidth=3 if is_copy else 2 if emphasised else 1, borderpad=3,
+            opacity=1.0 if status != UNREACHED else 0.75, captureevents=False))
+    return annotations

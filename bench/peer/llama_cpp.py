@@ -168,12 +168,15 @@ def sampling_args(temperature: float, top_p: float, seed: int) -> list[str]:
             "--seed", str(seed)]
 
 
-def speculative_command(binary: Path, config: PeerConfig, target: Path, draft: Path, prompt_file: Path,
-                        new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+def speculative_command(binary: Path, config: PeerConfig, ggufs: tuple[Path, Path], prompt_file: Path,
+                        new_tokens: int, sampling: tuple[float, float, int] = (0.0, 1.0, 0),
                         threads: int = DEFAULT_THREADS, ctx: int = 4096) -> list[str]:
-    """The ``llama-speculative`` example: a tree of ``parallel`` branches, ``draft_max`` deep."""
+    """The ``llama-speculative`` example: a tree of ``parallel`` branches, ``draft_max`` deep, on the
+    (target, draft) ``ggufs``; ``sampling``: (temperature, top-p, seed)."""
     if config.kind != "speculative":
         raise ValueError(f"{config.name} is not a llama-speculative configuration")
+    target, draft = ggufs
+    temperature, top_p, seed = sampling
     return [str(binary), "-m", str(target), "-md", str(draft), "-f", str(prompt_file), "-n", str(new_tokens),
             "-t", str(threads), "-tb", str(threads), "--spec-draft-threads", str(threads),
             "--spec-draft-threads-batch", str(threads), "-c", str(ctx), "-np", str(config.parallel or 1),
@@ -387,66 +390,91 @@ def run_command(command: list[str], timeout_s: float, grace_s: float = 5.0) -> t
 
 
 # ----- the runs -------------------------------------------------------------------------------------
-def run_peer(prompts: list[list[int]], new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-             prompt_texts: list[str] | None = None, repeats: int = 1, configs: list[PeerConfig] | None = None,
-             binaries: PeerBinaries | None = None, ggufs: tuple[Path, Path] | None = None,
-             threads: int = DEFAULT_THREADS, timeout_s: float = 900.0, log=print,
-             order: list[tuple[int, int]] | None = None) -> list[PeerRuns]:
-    """Every configuration on every prompt, ``repeats`` rounds (seed ``i + 1000 * round``, as the
-    bench seeds ours), or on the ``(round, prompt index)`` pairs of ``order`` only: one server per
-    configuration, the prompts posted in turn. At temperature 0
+@dataclass(frozen=True)
+class PeerRequest:
+    """What every configuration decodes: the prompts as token ids (and as text for
+    ``llama-speculative``, which reads text), ``new_tokens`` each, with this sampling, over
+    ``repeats`` rounds or on the ``(round, prompt index)`` pairs of ``order`` only."""
+
+    prompts: list[list[int]]
+    new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    prompt_texts: list[str] | None = None
+    repeats: int = 1
+    order: list[tuple[int, int]] | None = None
+
+    def runs(self) -> list[tuple[int, int]]:
+        """The (round, prompt index) pairs to decode, in order."""
+        return self.order or [(round_, i) for round_ in range(self.repeats) for i in range(len(self.prompts))]
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """Where and how the configurations run: the binaries, the (target, draft) GGUF files, threads,
+    the context and each request's timeout."""
+
+    binaries: PeerBinaries
+    ggufs: tuple[Path, Path]
+    threads: int
+    ctx: int
+    timeout_s: float
+
+
+def run_peer(request: PeerRequest, configs: list[PeerConfig] | None = None, binaries: PeerBinaries | None = None,
+             ggufs: tuple[Path, Path] | None = None, threads: int = DEFAULT_THREADS, timeout_s: float = 900.0,
+             log=print) -> list[PeerRuns]:
+    """Every configuration on the request's (round, prompt) pairs (seed ``i + 1000 * round``, as the
+    bench seeds ours): one server per configuration, the prompts posted in turn. At temperature 0
     each answer is compared with llama.cpp's target-only answer to the same prompt (token ids;
     text for ``llama-speculative``, which prints text only, and which needs ``prompt_texts``)."""
     if binaries is None:
         binaries, reason = peer_binaries()
         if binaries is None:
             raise PeerError(reason)
-    target, draft = ggufs or default_ggufs()
+    setup = _Setup(binaries, ggufs or default_ggufs(), threads,
+                   context_size(max(len(p) for p in request.prompts), request.new_tokens), timeout_s)
     configs = configs or peer_configurations()
-    ctx = context_size(max(len(p) for p in prompts), new_tokens)
-    order = order or [(round_, i) for round_ in range(repeats) for i in range(len(prompts))]
     all_runs = []
     for config in configs:
         runs = PeerRuns(config)
         try:
-            _run_configuration(runs, binaries, target, draft, prompts, prompt_texts, order, new_tokens, temperature,
-                               top_p, threads, ctx, timeout_s, log)
+            _run_configuration(runs, setup, request, log)
         except (PeerError, OSError) as exc:  # one configuration failing must not cost the others' figures
             runs.error = str(exc)
             log(f"{config.name}: failed: {runs.error}", flush=True)
         all_runs.append(runs)
-    if temperature == 0:
+    if request.temperature == 0:
         mark_same_as_target_only(all_runs)
     return all_runs
 
 
-def _run_configuration(runs: PeerRuns, binaries: PeerBinaries, target: Path, draft: Path, prompts: list[list[int]],
-                       prompt_texts: list[str] | None, order: list[tuple[int, int]], new_tokens: int,
-                       temperature: float, top_p: float, threads: int, ctx: int, timeout_s: float, log) -> None:
-    """One configuration of :func:`run_peer` over every (round, prompt) in ``order``, into ``runs``."""
-    config = runs.config
+def _run_configuration(runs: PeerRuns, setup: _Setup, request: PeerRequest, log) -> None:
+    """One configuration of :func:`run_peer` over every (round, prompt) the request names, into ``runs``."""
+    config, (target, draft), r = runs.config, setup.ggufs, request
     if config.kind == "server":
-        command = server_command(binaries.server, config, target, draft if config.uses_draft else None,
-                                 free_port(), threads=threads, ctx=ctx)
+        command = server_command(setup.binaries.server, config, target, draft if config.uses_draft else None,
+                                 free_port(), threads=setup.threads, ctx=setup.ctx)
         with PeerServer(command, int(command[command.index("--port") + 1])) as server:
-            for round_, i in order:
-                body = completion_request(prompts[i], new_tokens, temperature, top_p, seed=i + 1000 * round_)
-                result = parse_completion(server.post("/completion", body, timeout_s), config.name)
+            for round_, i in r.runs():
+                body = completion_request(r.prompts[i], r.new_tokens, r.temperature, r.top_p, seed=i + 1000 * round_)
+                result = parse_completion(server.post("/completion", body, setup.timeout_s), config.name)
                 runs.results.append(result)
                 log(f"prompt {i}: {config.name:<42} {result.tokens_per_s:6.2f} tok/s", flush=True)
     else:
-        if prompt_texts is None:
+        if r.prompt_texts is None:
             raise PeerError(f"{config.name} takes the prompt as text: pass prompt_texts")
         with tempfile.TemporaryDirectory(prefix="sequoia-peer-") as tmp:
-            for round_, i in order:
+            for round_, i in r.runs():
                 prompt_file = Path(tmp, f"prompt{i}.txt")
-                prompt_file.write_text(prompt_texts[i] + "\n", encoding="utf-8")  # -f drops one trailing newline
-                command = speculative_command(binaries.speculative, config, target, draft, prompt_file, new_tokens,
-                                              temperature, top_p, seed=i + 1000 * round_, threads=threads, ctx=ctx)
-                code, stdout, stderr = run_command(command, timeout_s)
+                prompt_file.write_text(r.prompt_texts[i] + "\n", encoding="utf-8")  # -f drops one trailing newline
+                command = speculative_command(setup.binaries.speculative, config, setup.ggufs, prompt_file,
+                                              r.new_tokens, (r.temperature, r.top_p, i + 1000 * round_),
+                                              threads=setup.threads, ctx=setup.ctx)
+                code, stdout, stderr = run_command(command, setup.timeout_s)
                 if code != 0:
                     raise PeerError(f"llama-speculative exited with code {code}: {stderr[-400:]!r}")
-                result = parse_speculative_output(stdout, stderr, prompt_texts[i], config.name)
+                result = parse_speculative_output(stdout, stderr, r.prompt_texts[i], config.name)
                 runs.results.append(result)
                 log(f"prompt {i}: {config.name:<42} {result.tokens_per_s:6.2f} tok/s", flush=True)
 
