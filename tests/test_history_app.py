@@ -73,6 +73,13 @@ def test_regenerate_clear_rename_search_and_delete(worker, tmp_path):
     regen = list(app.regenerate(first[c.history], first[c.run], "", 0.0, 1.0, 4, 1, "sequoia", 8, 4, False, False,
                                 False))[-1]
     assert regen[c.conv_id] == cid and len(app.history.load(cid).messages) == 2
+    # regenerate keeps the first answer as a sibling: ‹ 2 / 2 ›, and ‹ shows the first with its steps
+    assert regen[c.sibling_row]["visible"] and "Answer 2 / 2" in regen[c.sibling_text]
+    back = app.previous_answer(cid, None)
+    assert back[c.history] == first[c.history] and "Answer 1 / 2" in back[c.sibling_text]
+    assert [st.committed for st in back[c.run].steps] == [st.committed for st in first[c.run].steps]
+    assert "No other answer" in app.previous_answer(cid, None)[c.status]
+    assert app.next_answer(cid, None)[c.history] == regen[c.history]
     cleared = app.clear(None)
     assert cleared[c.conv_id] == "" and cleared[c.conv_list]["value"] is None
     other = ask(app, "Rivers please")
@@ -144,6 +151,7 @@ def test_a_failed_save_keeps_the_answer_and_says_it_was_not_saved(worker, tmp_pa
     def full(*args, **kwargs):
         raise sqlite3.OperationalError("database or disk is full")
     monkeypatch.setattr(app.history, "save", full)
-    last = ask(app, "Hello there")
+    with pytest.warns(UserWarning, match="not saved to the history"):
+        last = ask(app, "Hello there")
     assert last[c.history][-1]["role"] == "assistant" and c.conv_id not in last
     assert "Not saved to the history: database or disk is full" in last[c.status]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import test_app_support as support
-from test_app_browser import CHROMIUM, CHROMIUM_ARGS
+from test_app_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS
 
 from app.serving.history import HistoryStore
 from app.serving.pair import make_engine
@@ -59,6 +59,14 @@ def test_a_conversation_survives_a_reload_and_comes_back_from_the_list(server):
             expect(page.locator("#sc-chatbot .bot").last).to_contain_text(answer.strip()[:10], timeout=20_000)
             expect(page.locator("#sc-step-slider")).to_be_visible(timeout=20_000)
             expect(page.locator("#sc-tree .js-plotly-plot")).to_have_count(1, timeout=20_000)
+
+            page.locator("#sc-regen").click()  # the first answer stays, as a sibling
+            expect(page.locator("#sc-sibling-text")).to_contain_text("Answer 2 / 2", timeout=60_000)
+            page.locator("#sc-prev-answer").click()
+            expect(page.locator("#sc-sibling-text")).to_contain_text("Answer 1 / 2", timeout=20_000)
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "browser-history.png"))
+            expect(page.locator("#sc-chatbot .bot").last).to_contain_text(answer.strip()[:10], timeout=20_000)
 
             page.locator("#sc-new-chat").click()
             expect(page.locator("#sc-chatbot .bot")).to_have_count(0, timeout=10_000)

@@ -252,3 +252,27 @@ def test_a_conversation_that_moved_on_in_another_tab_is_kept_beside_it_not_over_
     assert [m["content"] for m in s.load(cid).messages] == ["q1", "a1bis", "tab A asks", "A's answer"]
     assert [m["content"] for m in s.load(other).messages] == ["q1", "a1bis", "tab B asks", "B's answer"]
     assert s.load(other).title == s.load(cid).title == "q1"
+
+
+def test_regenerate_keeps_the_answers_it_replaces_as_siblings(tmp_path):
+    s = HistoryStore(tmp_path / "c.sqlite3")
+    cid = s.save(None, "", chat("q1", "first"), {"seed": 0}, [step(0)], {})
+    assert s.load(cid).answers == (1, 1) and not s.switch(cid, -1)
+    s.save(cid, "", chat("q1", "second"), {"seed": 1}, [step(0), step(1)], {})
+    s.save(cid, "", chat("q1", "third"), {"seed": 2}, [step(0, (13,))], {})
+    c = s.load(cid)
+    assert c.messages[-1]["content"] == "third" and c.answers == (3, 3)
+    assert not s.switch(cid, 1)
+    assert s.switch(cid, -1) and s.switch(cid, -1)
+    c = s.load(cid)
+    assert c.messages[-1]["content"] == "first" and c.answers == (1, 3) and c.settings == {"seed": 0}
+    assert len(c.steps) == 1 and not s.switch(cid, -1)
+    assert s.switch(cid, 1)
+    c = s.load(cid)
+    assert c.messages[-1]["content"] == "second" and c.answers == (2, 3) and len(c.steps) == 2
+    s.save(cid, "", chat("q1", "second", "q2", "a2"))  # a follow-up: the new last answer has no siblings
+    assert s.load(cid).answers == (1, 1)
+    s.save(cid, "", chat("q1", "second", "q2", "a2bis"))
+    assert s.load(cid).answers == (2, 2)
+    assert s.delete(cid)
+    assert sqlite3.connect(s.path).execute("SELECT count(*) FROM alternatives").fetchone()[0] == 0

@@ -316,6 +316,40 @@ class ChatApp:
         self._session_conversation(session, cid, set_=True)
         update[c.conv_id] = cid
         update[c.conv_list] = self.conversation_list("", cid)
+        try:
+            stored = self.history.load(cid)
+        except sqlite3.Error:
+            stored = None
+        update.update(self._siblings(stored.answers if stored is not None and answer else (1, 1)))
+
+    def _siblings(self, answers: tuple) -> dict:
+        """The ‹ k / n › row under the chat: the last answer is the k-th of n (shown when n > 1)."""
+        k, n = answers
+        return {self.c.sibling_row: gr.update(visible=n > 1),
+                self.c.sibling_text: f"<div class='sc-siblings'>Answer {k} / {n}</div>" if n > 1 else ""}
+
+    def previous_answer(self, conversation, request: gr.Request | None = None):
+        return self.switch_answer(conversation, -1, request)
+
+    def next_answer(self, conversation, request: gr.Request | None = None):
+        return self.switch_answer(conversation, 1, request)
+
+    def switch_answer(self, conversation, step: int, request: gr.Request | None = None):
+        """Show the last answer's sibling ``step`` places on (‹ -1, › +1), with its tree and replay."""
+        c = self.c
+        if self.history is None or not conversation:
+            return {c.status: status_html("No saved conversation is open.", "warn")}
+        try:
+            moved = self.history.switch(str(conversation), int(step))
+        except sqlite3.Error as exc:
+            return {c.status: status_html(html.escape(f"Could not switch answers: {exc}"), "error")}
+        if not moved:
+            return {c.status: status_html("No other answer that way.", "info")}
+        out = self.open_conversation(conversation, request)
+        if c.chatbot in out:
+            k, n = self.history.load(str(conversation)).answers
+            out[c.status] = status_html(f"Answer {k} of {n}.", "ok")
+        return out
 
     def conversation_list(self, search: str = "", selected: str | None = None):
         """The sidebar's list of stored conversations, newest first (``search``: in titles and text)."""
@@ -347,6 +381,7 @@ class ChatApp:
         out = self.clear(request)  # replaces this session's conversation (an answer streaming is stopped)
         self._session_conversation(session, stored.id, set_=True)
         history = stored.messages
+        out.update(self._siblings(stored.answers))
         out.update({c.chatbot: display_messages(history), c.history: history, c.system: stored.system,
                     c.conv_id: stored.id, c.conv_list: self.conversation_list("", stored.id),
                     c.conv_title: stored.title, c.status: status_html(
@@ -466,7 +501,8 @@ class ChatApp:
         history = {}
         if self.history is not None:  # the stored conversation stays; the next answer starts a new one
             self._session_conversation(session, None, set_=True)
-            history = {c.conv_id: "", c.conv_list: self.conversation_list(), c.conv_title: ""}
+            history = {c.conv_id: "", c.conv_list: self.conversation_list(), c.conv_title: "",
+                       **self._siblings((1, 1))}
         return {**history, c.chatbot: [], c.history: [], c.run: Run(), c.msg: "",
                 c.tree_plot: figures.placeholder_figure("The token tree of each step appears here."),
                 c.live_tree: "",
@@ -608,7 +644,7 @@ class ChatApp:
                **{k: v for k, v in self.clear(request).items()
                   if k in (c.tree_plot, c.slider, c.steps_plot, c.stats, c.compare_md, c.highlight_view)}}
         if self.history is not None:  # a new conversation: stored with its next answer
-            out.update({c.conv_id: "", c.conv_list: self.conversation_list()})
+            out.update({c.conv_id: "", c.conv_list: self.conversation_list(), **self._siblings((1, 1))})
         if steps:  # the export carried the last answer's steps: its trees and chart come back too
             run = Run(steps=steps, texts=texts)
             out.update(run_views(self, run, len(steps) - 1, True))

@@ -156,6 +156,11 @@ def build(app: ChatApp) -> gr.Blocks:
                 c.chatbot = gr.Chatbot(label="Chat", height=380, buttons=["copy", "copy_all"],
                                        placeholder=PLACEHOLDER, elem_id="sc-chatbot", show_label=False,
                                        feedback_options=None, layout="bubble", autoscroll=True)
+                if history_on:  # the last answer's siblings (Regenerate keeps the answers it replaces)
+                    with gr.Row(visible=False, elem_id="sc-siblings") as c.sibling_row:
+                        c.prev_answer = gr.Button("‹", size="sm", scale=0, min_width=36, elem_id="sc-prev-answer")
+                        c.sibling_text = gr.HTML("", elem_id="sc-sibling-text")
+                        c.next_answer = gr.Button("›", size="sm", scale=0, min_width=36, elem_id="sc-next-answer")
                 with gr.Row(elem_id="sc-input-row"):
                     c.msg = gr.Textbox(placeholder="Ask something…", show_label=False, lines=1, max_lines=8,
                                        scale=8, autofocus=True, elem_id="sc-msg", container=False,
@@ -187,7 +192,7 @@ def build(app: ChatApp) -> gr.Blocks:
                    c.compare_md, c.highlight_view, c.export_btn, c.stop_btn, c.baseline_info, c.replay_row,
                    c.step_text, c.live_tree]  # the API's output order: new outputs go last
         if history_on:
-            outputs += [c.conv_id, c.conv_list]
+            outputs += [c.conv_id, c.conv_list, c.sibling_row, c.sibling_text]
         chat_kwargs = dict(concurrency_limit=16, concurrency_id="chat", show_progress="hidden")
         # events after which the teaching tabs redraw (a new answer) or empty (a cleared chat)
         answered = [
@@ -238,7 +243,8 @@ def build(app: ChatApp) -> gr.Blocks:
         answered.append(c.import_btn.upload(app.import_file, c.import_btn,
                                             [c.chatbot, c.history, c.system, c.run, c.status, c.export_btn, c.tree_plot,
                                              c.slider, c.steps_plot, c.stats, c.compare_md, c.highlight_view, c.replay_row,
-                                             c.step_text] + ([c.conv_id, c.conv_list] if history_on else []),
+                                             c.step_text] + ([c.conv_id, c.conv_list, c.sibling_row, c.sibling_text]
+                                                             if history_on else []),
                                             api_name="import_conversation"))
         if history_on:
             answered += _wire_conversations(app, c, demo, cleared_outputs, cleared)
@@ -261,7 +267,7 @@ def _conversations(app: ChatApp, c) -> None:
             return
         # the open conversation's id, kept by the browser: a reload (F5) or a restart reopens it
         c.conv_id = gr.BrowserState("", storage_key="sequoia-chat-conversation")
-        c.new_chat = gr.Button("＋ New chat", size="sm", elem_id="sc-new-chat")
+        c.new_chat = gr.Button("+ New chat", size="sm", elem_id="sc-new-chat")
         c.conv_search = gr.Textbox(placeholder="Search titles and text", show_label=False, container=False,
                                    max_lines=1, elem_id="sc-conv-search")
         c.conv_list = gr.Radio([], value=None, show_label=False, container=False, elem_id="sc-conv-list")
@@ -285,6 +291,8 @@ def _wire_conversations(app: ChatApp, c, demo: gr.Blocks, cleared_outputs: list,
     events = [c.conv_list.input(app.open_conversation, c.conv_list, opened, concurrency_limit=4, **quiet),
               demo.load(app.restore, c.conv_id, opened, **quiet)]
     cleared.append(c.new_chat.click(app.new_chat, None, cleared_outputs, **quiet))
+    events.append(c.prev_answer.click(app.previous_answer, c.conv_id, opened, **quiet))
+    events.append(c.next_answer.click(app.next_answer, c.conv_id, opened, **quiet))
     c.conv_search.change(app.search_conversations, [c.conv_search, c.conv_id], c.conv_list,
                          trigger_mode="always_last", **quiet)
     c.rename_btn.click(app.rename_conversation, [c.conv_id, c.conv_title], [c.conv_list, c.status], **quiet)

@@ -3,7 +3,8 @@
 Each conversation keeps its title, system prompt, created and updated times and its messages;
 each answer keeps the settings it was decoded with, whether it was stopped, and its step records
 (the export format of :mod:`app.views.conversation`, zlib-compressed), so its tree, replay and
-chart come back after a restart. Every answer is saved in one transaction.
+chart come back after a restart; Regenerate keeps the answers it replaces (the last answer's
+siblings, ``alternatives``). Every answer is saved in one transaction.
 
 A file that is not this app's database (corrupt, foreign, from a newer version), a folder that
 cannot be written or a full disk turns history off with one line saying why: nothing already on
@@ -54,6 +55,21 @@ MIGRATIONS: list[str] = [
     CREATE INDEX conversations_by_update ON conversations(updated DESC);
     ALTER TABLE messages ADD COLUMN stopped INTEGER NOT NULL DEFAULT 0;
     """,
+    # 3: regenerate keeps the answers it replaces (the last answer's siblings, numbered by variant)
+    """
+    ALTER TABLE messages ADD COLUMN variant INTEGER NOT NULL DEFAULT 0;
+    CREATE TABLE alternatives (
+        conversation TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        position INTEGER NOT NULL,
+        variant INTEGER NOT NULL,
+        content TEXT NOT NULL,
+        note TEXT NOT NULL DEFAULT '',
+        settings TEXT,
+        steps BLOB,
+        stopped INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (conversation, position, variant)
+    );
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -84,6 +100,7 @@ class Conversation:
     settings: dict = field(default_factory=dict)  # the last answer's
     steps: list = field(default_factory=list)
     texts: dict = field(default_factory=dict)
+    answers: tuple = (1, 1)  # the last answer is the k-th of n (regenerate keeps the others)
 
 
 def pack_steps(steps: Sequence, texts: dict | None) -> bytes | None:
@@ -248,15 +265,26 @@ class HistoryStore:
                            (cid, title, system or "", now, now))
             else:
                 db.execute("UPDATE conversations SET system = ?, updated = ? WHERE id = ?", (system or "", now, cid))
+            variant = 0
+            regenerated = not fork and head is not None and keep == last and len(stored) > last and \
+                stored[last][0] == "assistant" and history[last]["role"] == "assistant"
+            if regenerated:  # the answer it replaces is kept as a sibling
+                db.execute("INSERT INTO alternatives (conversation, position, variant, content, note, settings, steps, "
+                           "stopped) SELECT conversation, position, variant, content, note, settings, steps, stopped "
+                           "FROM messages WHERE conversation = ? AND position = ?", (cid, last))
+                variant = 1 + db.execute("SELECT max(variant) FROM alternatives WHERE conversation = ? AND "
+                                         "position = ?", (cid, last)).fetchone()[0]
+            db.execute("DELETE FROM alternatives WHERE conversation = ? AND position >= ?",
+                       (cid, last + 1 if regenerated else keep))
             db.execute("DELETE FROM messages WHERE conversation = ? AND position >= ?", (cid, keep))
             for position in range(keep, len(history)):
                 m = history[position]
                 answer = position == last and m["role"] == "assistant"
                 db.execute("INSERT INTO messages (conversation, position, role, content, note, settings, steps, "
-                           "stopped) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                           "stopped, variant) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                            (cid, position, m["role"], m["content"], m.get("note") or "",
                             settings_text if answer else None, blob if answer else None,
-                            int(bool(stopped) and answer)))
+                            int(bool(stopped) and answer), variant if answer else 0))
             return cid
 
         return self._write(work)
@@ -268,8 +296,37 @@ class HistoryStore:
         return self._write(lambda db: db.execute("UPDATE conversations SET title = ? WHERE id = ?",
                                                  (title, conversation)).rowcount > 0)
 
+    def switch(self, conversation: str, step: int) -> bool:
+        """Show the last answer's sibling ``step`` places on (-1: the one before), in one
+        transaction; False when there is none that way."""
+        def work(db):
+            row = db.execute("SELECT position, variant FROM messages WHERE conversation = ? AND role = 'assistant' "
+                             "AND position = (SELECT max(position) FROM messages WHERE conversation = ?)",
+                             (conversation, conversation)).fetchone()
+            if row is None:
+                return False
+            position, variant = row
+            others = [v for (v,) in db.execute("SELECT variant FROM alternatives WHERE conversation = ? AND "
+                                               "position = ?", (conversation, position))]
+            variants = sorted(others + [variant])
+            index = variants.index(variant) + int(step)
+            if not others or not 0 <= index < len(variants):
+                return False
+            target = variants[index]
+            key = (conversation, position)
+            db.execute("INSERT INTO alternatives (conversation, position, variant, content, note, settings, steps, "
+                       "stopped) SELECT conversation, position, variant, content, note, settings, steps, stopped "
+                       "FROM messages WHERE conversation = ? AND position = ?", key)
+            db.execute("UPDATE messages SET (variant, content, note, settings, steps, stopped) = (SELECT variant, "
+                       "content, note, settings, steps, stopped FROM alternatives WHERE conversation = ?1 AND "
+                       "position = ?2 AND variant = ?3) WHERE conversation = ?1 AND position = ?2", key + (target,))
+            db.execute("DELETE FROM alternatives WHERE conversation = ? AND position = ? AND variant = ?", key + (target,))
+            return True
+        return self._write(work)
+
     def delete(self, conversation: str) -> bool:
         def work(db):
+            db.execute("DELETE FROM alternatives WHERE conversation = ?", (conversation,))
             db.execute("DELETE FROM messages WHERE conversation = ?", (conversation,))
             return db.execute("DELETE FROM conversations WHERE id = ?", (conversation,)).rowcount > 0
         return self._write(work)
@@ -297,15 +354,20 @@ class HistoryStore:
                                     (conversation,)).fetchone()
             if head is None:
                 return None
-            rows = self._db.execute("SELECT role, content, note, settings, steps FROM messages "
+            rows = self._db.execute("SELECT role, content, note, settings, steps, variant FROM messages "
                                     "WHERE conversation = ? ORDER BY position", (conversation,)).fetchall()
+            others = [] if not rows or rows[-1][0] != "assistant" else [v for (v,) in self._db.execute(
+                "SELECT variant FROM alternatives WHERE conversation = ? AND position = ?",
+                (conversation, len(rows) - 1))]
         out = Conversation(*head)
-        for role, content, note, settings, _ in rows:
+        for role, content, note, *_ in rows:
             out.messages.append({"role": role, "content": content, **({"note": note} if note else {})})
         answers = [r for r in rows if r[0] == "assistant" and r[3] is not None]
         if rows and rows[-1][0] == "assistant" and answers:
             out.settings = json.loads(answers[-1][3] or "{}")
             out.steps, out.texts = unpack_steps(answers[-1][4])
+            variants = sorted(others + [rows[-1][5]])
+            out.answers = (variants.index(rows[-1][5]) + 1, len(variants))
         return out
 
 
