@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from app.serving import history
-from app.serving.history import HistoryStore, HistoryUnavailable, open_store
+from app.serving.history import HistoryStore, open_store
 from engine.core.records import StepRecord, StepTimings
 
 ROOT = Path(__file__).resolve().parent.parent
