@@ -19,6 +19,7 @@ if __name__ == "__main__":  # before torch loads: glibc reads its tunables when 
 from engine.cli.arguments import add_format_arguments, formats_of  # noqa: E402
 from engine.errors import EngineError  # noqa: E402
 from engine.models.loading import DTYPES  # noqa: E402
+from app.api.openai_requests import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT  # noqa: E402
 from app.web.cross_origin import parse_origins  # noqa: E402
 from app.web.server_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_CONNECTIONS  # noqa: E402
 
@@ -63,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tree-size", type=int, default=8, help="initial tree size in the UI (nodes, root included)")
     parser.add_argument("--depth", type=int, default=4, help="initial tree depth in the UI")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="initial answer budget in the UI")
+    parser.add_argument("--max-tokens-limit", type=int, default=MAX_TOKENS_LIMIT,
+                        help=f"the most new tokens an API request may ask for ({MAX_TOKENS_LIMIT}); one that names "
+                             f"none gets {DEFAULT_MAX_TOKENS}, or the rest of the context where less is left")
     parser.add_argument("--kv-cache-mb", type=int, default=KV_CACHE_MB,
                         help=f"memory for KV caches kept between turns, all conversations together, one per "
                              f"session, least recently used evicted ({KV_CACHE_MB}; 0 keeps none)")
@@ -284,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
                                           extra_hosts=args.allowed_hosts.split(","), api_key=key,
                                           cors_origins=origins, limits=limits)
     from app.api import openai_api
-    openai_api.mount(app, worker, {"tree_size": max(1, args.tree_size), "depth": max(1, args.depth)}, api_key=key)
+    if args.max_tokens_limit < 1:
+        raise SystemExit("error: --max-tokens-limit must be >= 1")
+    openai_api.mount(app, worker, {"tree_size": max(1, args.tree_size), "depth": max(1, args.depth),
+                                   "max_tokens_limit": args.max_tokens_limit}, api_key=key)
     print(f"Sequoia Chat is running at {local_url}" + (f" (public link: {share_url})" if share_url else ""),
           flush=True)
     print(f"OpenAI-compatible API: {local_url.rstrip('/')}/v1 (chat/completions, models)", flush=True)

@@ -596,6 +596,33 @@ def test_a_full_queue_and_a_client_past_its_share_are_refused(pair, monkeypatch)
         w.close()
 
 
+def test_api_calls_from_many_addresses_never_take_the_pages_places(pair, monkeypatch):
+    """One machine with many loopback aliases (127.0.1.1, 127.0.1.2, ...) passes every per-client
+    cap; API calls still hold at most API_WAITING of the MAX_WAITING places, so a page user can
+    always queue an answer."""
+    from app.serving import worker as worker_module
+    from app.serving.jobs import QueueFull
+
+    monkeypatch.setattr(worker_module, "MAX_WAITING", 6)
+    monkeypatch.setattr(worker_module, "API_WAITING", 4)
+    w, gate = gated_worker(pair)
+    request = GenerationRequest(prompt(pair), settings=DecodeSettings(max_new_tokens=2, tree=TREE))
+    try:
+        load = w.load_models("org/target", "org/draft")  # runs, holding the queue
+        assert support.wait_until(lambda: w._current is load, 10)
+        aliases = [w.submit(request, client=f"api:127.0.1.{i}") for i in range(1, 5)]
+        with pytest.raises(QueueFull, match="busy"):
+            w.submit(request, client="api:127.0.1.5")
+        pages = [w.submit(request, session="tab"), w.submit(request, session="another tab")]
+        with pytest.raises(QueueFull, match="busy"):  # now every place is taken
+            w.submit(request, session="a third tab")
+        gate.set()
+        assert all(job.wait(60)[-1].kind in ("done", "cancelled") for job in aliases + pages)
+    finally:
+        gate.set()
+        w.close()
+
+
 def test_the_worker_fits_the_conversation_to_the_context_when_the_job_runs(worker, pair):
     worker.engine.max_context = 160  # the wrapper's view, which the worker budgets against
     try:

@@ -516,12 +516,35 @@ def test_oversized_and_malformed_bodies_get_openai_errors_and_queue_nothing(serv
     assert next(jobs._ids) == jobs_before + 1  # nothing reached the queue
 
 
+def test_a_client_is_its_ipv4_address_or_its_ipv6_64():
+    key = openai_api.client_key
+    assert key("127.0.1.7") == "api:127.0.1.7" != key("127.0.1.8")
+    assert key("2001:db8:1:2::1") == key("2001:db8:1:2:ffff::9") == "api:2001:db8:1:2::/64"
+    assert key("2001:db8:1:3::1") != key("2001:db8:1:2::1")
+    assert key("::ffff:10.0.0.7") == key("10.0.0.7") and key(None) == "api:unknown"
+
+
 # ----- conformance ------------------------------------------------------------------------------
-def test_defaults_the_rest_of_the_context_and_a_fresh_seed(server):
+def test_a_stated_default_max_tokens_a_ceiling_and_a_fresh_seed(server):
+    """A request that names no max_tokens gets DEFAULT_MAX_TOKENS (not the rest of a 32k context:
+    one such job held the worker for minutes), or the rest of the context where less is left; one
+    above the server's ceiling is a 400 naming it."""
     worker, _ = server
     body = {"model": MODEL, "messages": QUESTION, "temperature": 0.8}
     call = openai_requests.parse_chat(body, worker, {"tree_size": 8, "depth": 4})
-    assert call.request.settings.max_new_tokens == worker.engine.max_context - call.prompt_tokens - 8  # not 256
+    assert call.request.settings.max_new_tokens == openai_requests.DEFAULT_MAX_TOKENS
+    short = worker.engine.max_context
+    try:
+        worker.engine.max_context = call.prompt_tokens + 8 + 100  # 100 tokens of room beside the tree
+        assert openai_requests.parse_chat(body, worker, {}).request.settings.max_new_tokens == 100
+    finally:
+        worker.engine.max_context = short
+    assert openai_requests.parse_chat(body, worker, {"max_tokens": 50}).request.settings.max_new_tokens == 50
+    for limit, asked in ((openai_requests.MAX_TOKENS_LIMIT, openai_requests.MAX_TOKENS_LIMIT + 1), (64, 65)):
+        with pytest.raises(openai_requests.APIError, match=f"at most {limit}") as refused:
+            openai_requests.parse_chat(body | {"max_tokens": asked}, worker, {"max_tokens_limit": limit})
+        assert refused.value.status == 400 and refused.value.param == "max_tokens"
+    assert openai_requests.parse_chat(body | {"max_tokens": 64}, worker, {"max_tokens_limit": 64})
     seeds = {openai_requests.parse_chat(body, worker, {}).request.settings.seed for _ in range(5)}
     assert len(seeds) > 1  # seed 0 every time made sampled answers repeat
     assert openai_requests.parse_chat(body | {"seed": 7}, worker, {}).request.settings.seed == 7

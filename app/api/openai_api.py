@@ -31,6 +31,7 @@ tokens reused from the conversation cache (in the last chunk when streaming).
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import queue
@@ -292,6 +293,20 @@ async def stream(worker: Worker, call: ChatCall, job: Job) -> AsyncIterator[str]
 
 
 # ----- routes ----------------------------------------------------------------------------------
+def client_key(host: str | None) -> str:
+    """Whom a call counts against in the queue: its IPv4 address, or its IPv6 address's /64 (one
+    machine holds a whole /64; an IPv4-mapped address counts as the IPv4 one)."""
+    try:
+        address = ipaddress.ip_address(host or "")
+    except ValueError:
+        return f"api:{host or 'unknown'}"
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return f"api:{address.ipv4_mapped}"
+        return f"api:{ipaddress.IPv6Network((address, 64), strict=False)}"
+    return f"api:{address}"
+
+
 def bearer_check(api_key: str | None):
     """A dependency that refuses (401, OpenAI's shape) requests without ``Authorization: Bearer
     <api_key>``; with no key, every request passes."""
@@ -339,7 +354,7 @@ def routes(worker: Worker, defaults: dict | None = None, api_key: str | None = N
                                code="unsupported_media_type")
             body = parse_body(await read_body(http))
             call = await anyio.to_thread.run_sync(parse, body, worker, defaults, limiter=API_WAITERS)
-            client = f"api:{http.client.host if http.client else 'unknown'}"
+            client = client_key(http.client.host if http.client else None)
             if call.request.cache_key:  # a 'user' names a conversation of this client's, never another's
                 call.request.cache_key = f"{client}|{call.request.cache_key}"
             job = submit(worker, call, client)

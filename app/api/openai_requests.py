@@ -21,7 +21,8 @@ from engine.core.logprobs import MAX_TOP_LOGPROBS
 from engine.core.settings import AUTO, METHODS, TreeSize, TreeSpec, settings_from
 from engine.errors import EngineError
 
-DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_TOKENS = 1024     # a request that names no max_tokens (the rest of the context when less)
+MAX_TOKENS_LIMIT = 4096       # the most a request may ask for (launch.py --max-tokens-limit)
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256           # each stop string; the hold-back check is quadratic in its length
 MAX_BODY_BYTES = 8 << 20       # a request body
@@ -210,7 +211,10 @@ def parse_chat(body, worker: Worker, defaults: dict) -> ChatCall:
     if not isinstance(stream_options, dict):
         raise APIError(400, "'stream_options' must be an object", "stream_options", "invalid_value")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = None if max_tokens is None else _integer(max_tokens, "max_tokens", 1)
+    ceiling = int(defaults.get("max_tokens_limit", MAX_TOKENS_LIMIT))
+    if max_tokens is not None and _integer(max_tokens, "max_tokens", 1) > ceiling:
+        raise APIError(400, f"'max_tokens' must be at most {ceiling} on this server (its --max-tokens-limit), "
+                            f"got {max_tokens}", "max_tokens", "invalid_value")
     seed = body.get("seed")  # none given: a fresh one, so sampled answers differ from call to call
     seed = secrets.randbelow(2 ** 31) if seed is None else _integer(seed, "seed", -(2 ** 63), 2 ** 63 - 1)
     user = body.get("user")
@@ -232,9 +236,10 @@ def parse_chat(body, worker: Worker, defaults: dict) -> ChatCall:
                     parse_stops(body.get("stop")), logprobs=logprobs)
     try:  # refuse what does not fit now, rather than dropping turns as the UI does
         ids, dropped = fit_context(worker.tokenizer, system, history, worker.context_limit(settings))
-        if max_tokens is None:  # the rest of the context, as llama-server does (a model with none stated: 256)
+        if max_tokens is None:  # the default, or the rest of the context where less is left
             room = worker.context_limit(settings)
-            budget = DEFAULT_MAX_TOKENS if room is None else room + 1 - len(ids)
+            default = min(int(defaults.get("max_tokens", DEFAULT_MAX_TOKENS)), ceiling)
+            budget = default if room is None else min(default, room + 1 - len(ids))
             if budget < 1:
                 raise ContextTooLong(f"the messages fill the model's context ({len(ids)} tokens): nothing is left "
                                      f"to answer with")

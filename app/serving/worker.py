@@ -110,7 +110,8 @@ def _inner(engine):
     return getattr(engine, "_engine", engine)
 
 MAX_WAITING = 32      # jobs waiting behind the running one, all clients together
-MAX_PER_CLIENT = 4    # one running and three waiting per client (an API caller's address)
+API_WAITING = 24      # of which API calls may hold at most these: the rest are the page's, never locked out
+MAX_PER_CLIENT = 4    # one running and three waiting per client (an API caller's address, an IPv6 /64)
 RETRY_PER_JOB_S = 15  # what a waiting answer is guessed to take, for Retry-After
 
 
@@ -171,8 +172,9 @@ class Worker:
     # ----- submitting --------------------------------------------------------------------
     def submit(self, request: GenerationRequest, session: str | None = None, client: str | None = None) -> Job:
         """Queue a generation. With ``session``, refused (:class:`SessionBusy`) while that session has
-        a job waiting or running; with ``client``, refused (:class:`QueueFull`) while that client has
-        ``MAX_PER_CLIENT``; any job is refused when ``MAX_WAITING`` wait. Checks and registration
+        a job waiting or running; with ``client`` (an API call), refused (:class:`QueueFull`) while that
+        client has ``MAX_PER_CLIENT`` or API calls hold ``API_WAITING`` of the waiting places (the rest
+        stay the page's); any job is refused when ``MAX_WAITING`` wait. Checks and registration
         are one locked step."""
         return self._enqueue(Job(request, session, client))
 
@@ -195,7 +197,8 @@ class Worker:
                     j.session == job.session and not j.finished for j in [*self._pending, self._current] if j):
                 raise SessionBusy("an answer is still streaming in this session: wait for it or press Stop")
             queued = [j for j in [self._current, *self._pending] if j is not None and not j.finished]
-            if len(self._pending) >= MAX_WAITING:
+            api_waiting = sum(1 for j in self._pending if j.client is not None)
+            if len(self._pending) >= MAX_WAITING or (job.client is not None and api_waiting >= API_WAITING):
                 raise QueueFull(f"the server is busy: {len(self._pending)} requests are waiting; try again later",
                                 RETRY_PER_JOB_S * len(queued))
             mine = [j for j in queued if job.client is not None and j.client == job.client]
