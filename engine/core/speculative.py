@@ -91,13 +91,7 @@ class SpeculativeEngine:
     # ----- public API ---------------------------------------------------------------------
     def generate(self, input_ids: list[int], settings: DecodeSettings | None = None, **options) -> GenerationResult:
         """Decode a whole answer; the arguments are :meth:`stream`'s."""
-        generation = self.stream(input_ids, settings, **options)
-        steps = list(generation)
-        return GenerationResult(tokens=[t for s in steps for t in s.committed], steps=steps,
-                                prompt_tokens=len(input_ids),
-                                prefill_s=generation.prefill_s + sum(s.timings.reading_s for s in steps),
-                                finish_reason=steps[-1].finish_reason or "length",
-                                reused_tokens=generation.reused_tokens, decision=generation.decision)
+        return self.stream(input_ids, settings, **options).collect()
 
     def stream(self, input_ids: list[int], settings: DecodeSettings | None = None, *,
                should_stop: Callable[[], bool] | None = None, cache: ConversationCache | None = None,
@@ -212,6 +206,16 @@ class Generation(Iterator[StepRecord]):
 
     def __next__(self) -> StepRecord:
         return next(self._steps)
+
+    def collect(self) -> GenerationResult:
+        """Decode the rest of the answer; the whole of it (its prompt reading counts the draft's
+        reads between steps too)."""
+        steps = list(self)
+        return GenerationResult(tokens=[t for s in steps for t in s.committed], steps=steps,
+                                prompt_tokens=self._state.prompt_len,
+                                prefill_s=self.prefill_s + sum(s.timings.reading_s for s in steps),
+                                finish_reason=steps[-1].finish_reason or "length",
+                                reused_tokens=self.reused_tokens, decision=self.decision)
 
     def close(self) -> None:
         self._steps.close()
