@@ -165,8 +165,11 @@ def worker_policy(args: argparse.Namespace) -> dict:
 
 
 def report_measurement(job, worker) -> None:
-    """Print how the background measurement of this machine ended (the optimizer's new pick)."""
-    last = job.wait()[-1]
+    """Print how the background measurement of this machine ended (the optimizer's new pick), and
+    one line for each profile refused on the way (it is measured again later)."""
+    for last in job.iter_events():
+        if last.kind == "progress" and str(last.data).startswith("This machine's profile was refused"):
+            print(last.data, flush=True)
     if last.kind == "done" and worker.tuner is not None:
         from engine.core.settings import DecodeSettings
 
@@ -279,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": max(1, args.max_new_tokens),
         "predict": measured and not args.tiny, "models_panel": models_panel(args),
         "history": history, "history_note": history_line})
+    rate = None
     if not args.no_measure:  # before any page can draw on the cores: the stats line's "× the target alone"
         rate = demo.chat_app.measure_baseline_now(0.0, 1.0)
         print(f"Measured the target alone on this machine: {rate:.1f} tokens/s at T = 0." if rate else
@@ -299,9 +303,12 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
     tuner = worker.tuner
     if tuner is not None and not tuner.measured_here and not args.no_measure:
-        job = worker.measure_machine()  # queued: the first answers wait for it (about a minute), then use it
-        print(f"Measuring this machine for the optimizer (about a minute, once); until then it uses the "
-              f"{tuner.origin}.", flush=True)
+        from engine.tuning.profile import QUIET_CORES
+
+        # in slices between answers, while the machine is quiet; refused when its target alone is off `rate`
+        job = worker.measure_machine(reference_tokens_per_s=rate, quiet_cores=QUIET_CORES, checked=True)
+        print(f"Measuring this machine for the optimizer (about a minute, between answers, once); until then "
+              f"it uses the {tuner.origin}.", flush=True)
         threading.Thread(target=report_measurement, args=(job, worker), daemon=True).start()
     print("Press Ctrl-C to stop.", flush=True)
     try:

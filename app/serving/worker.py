@@ -182,11 +182,32 @@ class Worker:
                     trust_remote_code: bool = False, session: str | None = None) -> Job:
         return self._enqueue(Job(LoadRequest(target, draft, dtype, device, trust_remote_code), session))
 
-    def measure_machine(self) -> Job:
+    def measure_machine(self, reference_tokens_per_s: float | None = None, quiet_cores: float | None = None,
+                        checked: bool = False, attempts: int = 3, retry_after_s: float = 120.0) -> Job:
         """Queue a measurement of this machine's profile of the pair in use (about a minute on 2
-        cores; answers queued meanwhile wait, as behind any job); when it succeeds, ``tree="auto"``
-        and the target-alone estimate use it, and it is kept in the user cache for later starts."""
-        return self._enqueue(Job(ProfileRequest()))
+        cores); when it succeeds, ``tree="auto"`` and the target-alone estimate use it, and it is
+        kept in the user cache for later starts. It is measured in short slices
+        (:class:`engine.tuning.profile.QuickProfiler`), each queued behind the jobs that arrived
+        meanwhile, so an answer waits a slice (a few seconds), not the minute. With
+        ``quiet_cores``, a slice waits (re-queued every few seconds, 60 s at most in all) while the
+        machine's other work keeps more cores than that busy. ``checked`` (the app's launch): the
+        profile is refused when :func:`engine.tuning.profile.refusals` finds its repeats spread,
+        its curves falling with n, or its target alone off ``reference_tokens_per_s`` (the
+        launch's measured rate): the
+        profile in use stays, a ``progress`` event says why, and it is measured again after
+        ``retry_after_s``, ``attempts`` times in all. The returned job ends with ``done`` (the
+        profile), ``error`` or ``cancelled``; its slices are jobs of their own."""
+        import types
+
+        tracker = Job(ProfileRequest())
+        tracker.worker = self
+        tracker.profile_run = types.SimpleNamespace(
+            tracker=tracker, profiler=None, tuner=None, attempt=1, attempts=max(1, attempts), retry_after_s=retry_after_s,
+            reference=reference_tokens_per_s, quiet_cores=quiet_cores, checked=checked, waited_s=0.0)
+        first = Job(ProfileRequest())
+        first.profile_run = tracker.profile_run
+        self._enqueue(first)
+        return tracker
 
     def _enqueue(self, job: Job) -> Job:
         job.worker = self
@@ -284,16 +305,89 @@ class Worker:
                     self._current = None
 
     def _serve_profile(self, job: Job) -> None:
-        from engine.user_cache import cache_dir
-        from engine.tuning.profile import profile_path, quick_profile
+        """One slice of :meth:`measure_machine`'s measurement (a profile job queued without it is
+        measured in one go); the next slice is queued behind whatever arrived meanwhile."""
+        import types
 
-        tuner = self.tuner
-        if tuner is None:
-            job._emit("error", "no optimizer for this pair: nothing to measure for")
+        from engine.user_cache import cache_dir
+        from engine.tuning.profile import QUIET_RETRY_S, QUIET_WAIT_S, QuickProfiler, others_busy, profile_path, refusals
+
+        run = getattr(job, "profile_run", None) or types.SimpleNamespace(
+            tracker=job, profiler=None, tuner=None, attempt=1, attempts=1, retry_after_s=0.0, reference=None,
+            quiet_cores=None, checked=False, waited_s=0.0)
+        tracker = run.tracker
+
+        def end(kind: str, data=None) -> None:
+            if not tracker.finished:
+                tracker._emit(kind, data)
+            if job is not tracker and not job.finished:
+                job._emit("done")
+
+        def next_slice(after_s: float = 0.0) -> None:
+            following = Job(ProfileRequest())
+            following.worker, following.profile_run = self, run
+
+            def put() -> None:
+                with self._cond:
+                    if not self._closed and not tracker.cancelled:
+                        self._pending.append(following)
+                        self._cond.notify_all()
+                        return
+                end("cancelled")
+            if after_s > 0:
+                timer = threading.Timer(after_s, put)
+                timer.daemon = True
+                timer.start()
+            else:
+                put()
+            if job is not tracker:
+                job._emit("done")
+
+        if tracker.cancelled:
+            end("cancelled")
             return
-        engine = getattr(self.engine, "_engine", self.engine)
-        job._emit("progress", "measuring this machine's forward times (about a minute)")
-        profile = quick_profile(engine.target, engine.draft, self.tokenizer, tuner.pair or tuner.profile.pair)
+        tuner = self.tuner
+        if tuner is None or (run.tuner is not None and tuner is not run.tuner):
+            run.profiler = None  # the models changed: what was measured is of the others
+            end("error", "no optimizer for this pair: nothing to measure for" if tuner is None
+                else "the models changed while this machine was measured")
+            return
+        if run.profiler is None:
+            engine = getattr(self.engine, "_engine", self.engine)
+            run.tuner = tuner
+            run.profiler = QuickProfiler(engine.target, engine.draft, self.tokenizer, tuner.pair or tuner.profile.pair)
+            tracker._emit("progress", "measuring this machine's forward times (about a minute, between answers)")
+        one_go = job is tracker
+        while True:
+            timed = run.profiler.rounds is not None  # the first slice reads the prefix: nothing timed
+            if timed and run.quiet_cores is not None and run.waited_s < QUIET_WAIT_S and not one_go:
+                if others_busy() > run.quiet_cores:
+                    run.waited_s += QUIET_RETRY_S
+                    next_slice(QUIET_RETRY_S)
+                    return
+            run.profiler.measure_slice()
+            if run.profiler.done:
+                break
+            if not one_go:
+                next_slice()
+                return
+        profile = run.profiler.profile()
+        run.profiler = None
+        reasons = refusals(profile, run.reference) if run.checked else []
+        if reasons:
+            again = run.attempt < run.attempts
+            line = (f"This machine's profile was refused ({'; '.join(reasons)}): the optimizer keeps the "
+                    f"{tuner.origin}" + (f"; measuring again in {run.retry_after_s / 60:.0f} min "
+                                         f"(attempt {run.attempt + 1} of {run.attempts})." if again else "."))
+            log.warning("%s", line)
+            tracker._emit("progress", line)
+            if again and not one_go:
+                run.attempt += 1
+                run.waited_s = 0.0
+                next_slice(run.retry_after_s)
+                return
+            end("error", f"refused: {'; '.join(reasons)}")
+            return
         path = profile_path(cache_dir() / "profiles", profile.device, profile.pair, profile.dtype)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -302,7 +396,7 @@ class Worker:
             log.warning("could not keep this machine's profile (%s): it is measured again at the next start", exc)
         if self.tuner is tuner:  # not replaced meanwhile (a model swap drops it)
             self.set_tuner(dataclasses.replace(tuner, profile=profile, origin="this machine"))
-        job._emit("done", profile)
+        end("done", profile)
 
     def _serve_generate(self, job: Job) -> None:
         request: GenerationRequest = job.request

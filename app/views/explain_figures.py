@@ -165,7 +165,17 @@ def profile_caption(profile: HardwareProfile, source: str) -> str:
     """Where the profile comes from and what it measured (HTML)."""
     return (f"<div class='sc-why-profile'>Profile <b>{html.escape(profile.device)}</b> · pair "
             f"<code>{html.escape(profile.pair)}</code> · {html.escape(profile.dtype)} · after a "
-            f"{profile.prefix_len}-token prefix{_overhead_note(profile)} · {html.escape(source)}</div>")
+            f"{profile.prefix_len}-token prefix{_overhead_note(profile)}{_measured_note(profile)} · "
+            f"{html.escape(source)}</div>")
+
+
+def _measured_note(profile: HardwareProfile) -> str:
+    """When the profile was measured and how much its repeats disagreed (older profiles kept neither)."""
+    when = (f"measured {html.escape(profile.measured_at.replace('T', ' ').removesuffix('Z')[:16])} UTC"
+            if profile.measured_at else "date of measurement not kept")
+    if not profile.repeats:
+        return f" · {when}"
+    return f" · {when}, medians of {profile.repeats} repeats that varied ≤ {profile.max_spread():.0%}"
 
 
 def _overhead_note(profile: HardwareProfile) -> str:
