@@ -223,3 +223,26 @@ def test_a_slice_waits_while_the_machine_is_busy(worker, monkeypatch):
     events = worker.measure_machine(reference_tokens_per_s=LAUNCH_RATE, quiet_cores=0.35, checked=True).wait(120)
     assert events[-1].kind == "done", events[-1]
     assert len(probes) == 2 + 4  # two busy looks, then one before each round and the step overhead
+
+
+def test_the_launch_prints_each_refusal_and_the_end(capsys):
+    from types import SimpleNamespace
+
+    import launch
+    from app.serving.jobs import Event
+
+    refused = "This machine's profile was refused (t_T(4) = 300 ms above t_T(8) = 140 ms): the optimizer keeps the x."
+    events = [Event("progress", "measuring this machine's forward times"), Event("progress", refused),
+              Event("error", "refused: t_T(4) = 300 ms above t_T(8) = 140 ms")]
+    launch.report_measurement(SimpleNamespace(iter_events=lambda: iter(events)), SimpleNamespace(tuner=None))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [refused, "Measuring this machine did not finish (error: refused: t_T(4) = 300 ms above "
+                              "t_T(8) = 140 ms); the bundled profile stays."]
+
+
+def test_others_busy_reads_the_cpu_times_without_psutil(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "psutil", None)
+    assert profile_module._busy_seconds() is None or profile_module._busy_seconds() > 0
+    assert profile_module.others_busy(0.05) >= 0.0

@@ -340,16 +340,33 @@ class QuickProfiler:
 
 def others_busy(window_s: float = 0.5) -> float:
     """Cores this machine kept busy over the next ``window_s`` seconds, apart from the calling
-    thread (which sleeps meanwhile): other programs, a browser drawing, the web server's threads."""
-    import psutil
+    thread (which sleeps meanwhile): other programs, a browser drawing, the web server's threads.
+    0 where the machine's CPU times cannot be read."""
+    before, start = _busy_seconds(), time.monotonic()
+    time.sleep(window_s)
+    after = _busy_seconds()
+    if before is None or after is None:
+        return 0.0
+    return max(after - before, 0.0) / max(time.monotonic() - start, 1e-6)
 
-    def busy() -> float:
+
+def _busy_seconds() -> float | None:
+    """Seconds all cores have spent busy since boot (psutil, else Linux's /proc/stat), or None."""
+    try:
+        import psutil
+
         t = psutil.cpu_times()
         return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
+    except ImportError:
+        pass
+    try:
+        import os
 
-    before, start = busy(), time.monotonic()
-    time.sleep(window_s)
-    return max(busy() - before, 0.0) / max(time.monotonic() - start, 1e-6)
+        ticks = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = ticks
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def profile_prompts(tokenizer, prefix_len: int) -> tuple[list[int], list[int]]:
