@@ -51,9 +51,9 @@ def test_an_answer_is_saved_and_a_new_app_reopens_it_with_its_steps(worker, tmp_
     assert steps
 
     again = new_app(worker, tmp_path / "c.sqlite3")  # a restart: a new app on the same file
-    listed = again.conversation_list()
+    listed = again.conversations.conversation_list()
     assert listed["choices"] == [("Hello there", cid)]
-    out = again.restore(cid, None)  # the page's load with the id the browser kept
+    out = again.conversations.restore(cid, None)  # the page's load with the id the browser kept
     a = again.c
     assert out[a.history] == second[c.history] and out[a.system] == "Be brief." and out[a.conv_title] == "Hello there"
     assert [s.committed for s in out[a.run].steps] == [s.committed for s in steps]
@@ -62,7 +62,7 @@ def test_an_answer_is_saved_and_a_new_app_reopens_it_with_its_steps(worker, tmp_
     assert out[a.conv_id] == cid and out[a.conv_list]["value"] == cid
     # the next answer in the reopened app continues the stored conversation
     third = ask(again, "One more", out[a.history])
-    assert third[a.conv_id] == cid and len(again.history.load(cid).messages) == 6
+    assert third[a.conv_id] == cid and len(again.conversations.store.load(cid).messages) == 6
 
 
 def test_regenerate_clear_rename_search_and_delete(worker, tmp_path):
@@ -72,25 +72,25 @@ def test_regenerate_clear_rename_search_and_delete(worker, tmp_path):
     cid = first[c.conv_id]
     regen = list(app.regenerate(first[c.history], first[c.run], "", 0.0, 1.0, 4, 1, "sequoia", 8, 4, False, False,
                                 False))[-1]
-    assert regen[c.conv_id] == cid and len(app.history.load(cid).messages) == 2
+    assert regen[c.conv_id] == cid and len(app.conversations.store.load(cid).messages) == 2
     # regenerate keeps the first answer as a sibling: ‹ 2 / 2 ›, and ‹ shows the first with its steps
     assert regen[c.sibling_row]["visible"] and "Answer 2 / 2" in regen[c.sibling_text]
-    back = app.previous_answer(cid, None)
+    back = app.conversations.previous_answer(cid, None)
     assert back[c.history] == first[c.history] and "Answer 1 / 2" in back[c.sibling_text]
     assert [st.committed for st in back[c.run].steps] == [st.committed for st in first[c.run].steps]
-    assert "No other answer" in app.previous_answer(cid, None)[c.status]
-    assert app.next_answer(cid, None)[c.history] == regen[c.history]
+    assert "No other answer" in app.conversations.previous_answer(cid, None)[c.status]
+    assert app.conversations.next_answer(cid, None)[c.history] == regen[c.history]
     cleared = app.clear(None)
     assert cleared[c.conv_id] == "" and cleared[c.conv_list]["value"] is None
     other = ask(app, "Rivers please")
     assert other[c.conv_id] != cid
-    assert [v for _, v in app.conversation_list()["choices"]] == [other[c.conv_id], cid]  # newest first
-    assert [v for _, v in app.search_conversations("OAK", None)["choices"]] == [cid]
-    assert app.rename_conversation(cid, "Oaks")[c.conv_list]["choices"][1] == ("Oaks", cid)
-    assert c.delete_row in app.ask_delete(cid)
-    gone = app.delete_conversation(cid, None)
+    assert [v for _, v in app.conversations.conversation_list()["choices"]] == [other[c.conv_id], cid]  # newest first
+    assert [v for _, v in app.conversations.search_conversations("OAK", None)["choices"]] == [cid]
+    assert app.conversations.rename_conversation(cid, "Oaks")[c.conv_list]["choices"][1] == ("Oaks", cid)
+    assert c.delete_row in app.conversations.ask_delete(cid)
+    gone = app.conversations.delete_conversation(cid, None)
     assert gone[c.conv_id] == "" and [v for _, v in gone[c.conv_list]["choices"]] == [other[c.conv_id]]
-    missing = app.restore(cid, None)  # a deleted conversation's id in the browser: a new chat
+    missing = app.conversations.restore(cid, None)  # a deleted conversation's id in the browser: a new chat
     assert missing[c.conv_id] == "" and c.chatbot not in missing
 
 
@@ -110,9 +110,9 @@ def test_a_stopped_answer_is_saved_as_stopped(tmp_path):
                 app.stop(None)
         last = updates[-1]
         assert last[c.history][-1]["role"] == "assistant" and last[c.history][-1]["note"] == "stopped"
-        stored = app.history.load(last[c.conv_id])
+        stored = app.conversations.store.load(last[c.conv_id])
         assert stored.messages == last[c.history] and stored.steps
-        db = sqlite3.connect(app.history.path)
+        db = sqlite3.connect(app.conversations.store.path)
         assert db.execute("SELECT stopped FROM messages WHERE role = 'assistant'").fetchall() == [(1,)]
     finally:
         slow.close()
@@ -121,12 +121,12 @@ def test_a_stopped_answer_is_saved_as_stopped(tmp_path):
 def test_without_a_store_nothing_changes_and_a_note_says_why(worker, tmp_path):
     demo = ui.build_demo(worker, worker.tokenizer)
     app = demo.chat_app
-    assert app.history is None and not hasattr(app.c, "conv_id")
+    assert app.conversations.store is None and not hasattr(app.c, "conv_id")
     assert ask(app, "Hello")[app.c.history][-1]["role"] == "assistant"
     (tmp_path / "conversations.sqlite3").write_bytes(b"not a database" * 10)
     store, line = open_store(tmp_path)
     demo = ui.build_demo(worker, worker.tokenizer, {"history": store, "history_note": line})
-    assert "History is off" in demo.chat_app.history_note
+    assert "History is off" in demo.chat_app.conversations.note
 
 
 def test_launch_flags_choose_the_folder_or_keep_nothing(tmp_path, monkeypatch):
@@ -150,7 +150,7 @@ def test_a_failed_save_keeps_the_answer_and_says_it_was_not_saved(worker, tmp_pa
 
     def full(*args, **kwargs):
         raise sqlite3.OperationalError("database or disk is full")
-    monkeypatch.setattr(app.history, "save", full)
+    monkeypatch.setattr(app.conversations.store, "save", full)
     with pytest.warns(UserWarning, match="not saved to the history"):
         last = ask(app, "Hello there")
     assert last[c.history][-1]["role"] == "assistant" and c.conv_id not in last

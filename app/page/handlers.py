@@ -6,7 +6,6 @@ from __future__ import annotations
 import html
 import os
 import shutil
-import sqlite3
 import tempfile
 import threading
 import time
@@ -36,8 +35,8 @@ from app.views.conversation import (
     import_steps,
     longest_token_chars,
 )
+from app.page.conversations_view import ConversationsView
 from app.page.explain_view import ExplainView
-from app.serving.history import HistoryStore
 from app.page.live_feed import LiveFeeds
 from app.views.text import (
     describe_choice,
@@ -103,10 +102,8 @@ class ChatApp:
         self._free_drafts_lock = threading.Lock()
         self.explain = ExplainView(self)  # the teaching tabs under the chat
         self.feeds = LiveFeeds()  # served by launch (app.page.live_feed.mount): streaming answers' live records
-        # the conversation store (app.serving.history; None: history off) and each session's open conversation
-        self.history: HistoryStore | None = self.options.get("history")
-        self.history_note: str = self.options.get("history_note") or ""
-        self._conversations: dict[str, str] = {}
+        # the stored conversations (app.serving.history; its store None: history off) and their sidebar
+        self.conversations = ConversationsView(self, self.options.get("history"), self.options.get("history_note"))
         if getattr(worker, "tokenizer", None) is not None:  # read once now (0.1 s), not before the first answer
             longest_token_chars(worker.tokenizer)
 
@@ -278,171 +275,12 @@ class ChatApp:
             for update in self._stream(job, ask):
                 if self._epoch(session) != epoch:
                     return  # Clear or Import replaced this conversation: the answer's updates would undo it
-                if c.run in update and self.history is not None:  # the answer's last update: keep it
-                    self._keep(session, ask, update)
+                if c.run in update and self.conversations.store is not None:  # the answer's last update
+                    self.conversations.keep(session, ask, update)
                 yield update
         finally:
             if not job.finished:
                 job.cancel()  # the browser went away or the event was cancelled
-
-    # ----- conversations that last (app.serving.history) ---------------------------------------
-    def _session_conversation(self, session: str, conversation: str | None = None, set_: bool = False) -> str | None:
-        with self._baselines_lock:
-            if set_:
-                if conversation:
-                    self._conversations[session] = conversation
-                else:
-                    self._conversations.pop(session, None)
-            return self._conversations.get(session)
-
-    def _keep(self, session: str, ask: Ask, update: dict) -> None:
-        """Save the conversation ``update`` (an answer's last) ends with, in one transaction, as the
-        session's open conversation (a new one if none), and add the new id and list to ``update``."""
-        c, history, run = self.c, update.get(self.c.history), update.get(self.c.run)
-        if not history:
-            return
-        last = history[-1]
-        answer = last["role"] == "assistant"
-        steps = run.steps if answer and isinstance(run, Run) and run.steps else None
-        try:
-            cid = self.history.save(self._session_conversation(session), ask.controls.system, history,
-                                    ask.export_settings() if answer else None, steps,
-                                    run.texts if steps else None, stopped=answer and last.get("note") == "stopped")
-        except sqlite3.Error as exc:
-            gr.Warning(f"This answer was not saved to the history: {exc}")
-            update[c.status] = update.get(c.status, "") + status_html(
-                html.escape(f"Not saved to the history: {exc}."), "warn")
-            return
-        self._session_conversation(session, cid, set_=True)
-        update[c.conv_id] = cid
-        update[c.conv_list] = self.conversation_list("", cid)
-        try:
-            stored = self.history.load(cid)
-        except sqlite3.Error:
-            stored = None
-        update.update(self._siblings(stored.answers if stored is not None and answer else (1, 1)))
-
-    def _siblings(self, answers: tuple) -> dict:
-        """The ‹ k / n › row under the chat: the last answer is the k-th of n (shown when n > 1)."""
-        k, n = answers
-        return {self.c.sibling_row: gr.update(visible=n > 1),
-                self.c.sibling_text: f"<div class='sc-siblings'>Answer {k} / {n}</div>" if n > 1 else ""}
-
-    def previous_answer(self, conversation, request: gr.Request | None = None):
-        return self.switch_answer(conversation, -1, request)
-
-    def next_answer(self, conversation, request: gr.Request | None = None):
-        return self.switch_answer(conversation, 1, request)
-
-    def switch_answer(self, conversation, step: int, request: gr.Request | None = None):
-        """Show the last answer's sibling ``step`` places on (‹ -1, › +1), with its tree and replay."""
-        c = self.c
-        if self.history is None or not conversation:
-            return {c.status: status_html("No saved conversation is open.", "warn")}
-        try:
-            moved = self.history.switch(str(conversation), int(step))
-        except sqlite3.Error as exc:
-            return {c.status: status_html(html.escape(f"Could not switch answers: {exc}"), "error")}
-        if not moved:
-            return {c.status: status_html("No other answer that way.", "info")}
-        out = self.open_conversation(conversation, request)
-        if c.chatbot in out:
-            k, n = self.history.load(str(conversation)).answers
-            out[c.status] = status_html(f"Answer {k} of {n}.", "ok")
-        return out
-
-    def conversation_list(self, search: str = "", selected: str | None = None):
-        """The sidebar's list of stored conversations, newest first (``search``: in titles and text)."""
-        if self.history is None:
-            return gr.update(choices=[], value=None)
-        try:
-            rows = self.history.list(search)
-        except sqlite3.Error:
-            rows = []
-        choices = [(title, cid) for cid, title, _ in rows]
-        return gr.update(choices=choices, value=selected if any(cid == selected for _, cid in choices) else None)
-
-    def search_conversations(self, search, conversation):
-        return self.conversation_list(str(search or "")[:200], conversation or None)
-
-    def open_conversation(self, conversation, request: gr.Request | None = None):
-        """Show a stored conversation: its text at once, the last answer's tree, replay and chart."""
-        c = self.c
-        session = getattr(request, "session_hash", None) or "local"
-        stored = None
-        if self.history is not None and conversation:
-            try:
-                stored = self.history.load(str(conversation))
-            except sqlite3.Error as exc:
-                gr.Warning(f"Could not read the conversation: {exc}")
-        if stored is None:
-            return {c.conv_list: self.conversation_list(), c.conv_id: "",
-                    c.status: status_html("That conversation is no longer in the history.", "warn")}
-        out = self.clear(request)  # replaces this session's conversation (an answer streaming is stopped)
-        self._session_conversation(session, stored.id, set_=True)
-        history = stored.messages
-        out.update(self._siblings(stored.answers))
-        out.update({c.chatbot: display_messages(history), c.history: history, c.system: stored.system,
-                    c.conv_id: stored.id, c.conv_list: self.conversation_list("", stored.id),
-                    c.conv_title: stored.title, c.status: status_html(
-                        html.escape(f"Opened “{stored.title}”: {len(history)} messages."), "ok"),
-                    c.export_btn: self.export_file(stored.system, history, stored.settings)})
-        if stored.steps:
-            run = Run(steps=stored.steps, texts=stored.texts)
-            out.update(run_views(self, run, len(run.steps) - 1, True))
-            out[c.run] = run
-            out[c.export_btn] = self.export_file(stored.system, history, stored.settings, run)
-        return out
-
-    def restore(self, conversation, request: gr.Request | None = None):
-        """On page load: reopen the conversation this browser had open (F5, a restart), and list them."""
-        c = self.c
-        if conversation and self.history is not None:
-            out = self.open_conversation(conversation, request)
-            if c.chatbot in out:
-                return out
-        return {c.conv_list: self.conversation_list(), c.conv_id: ""}
-
-    def new_chat(self, request: gr.Request | None = None):
-        out = self.clear(request)
-        out[self.c.status] = status_html("New chat.", "info")
-        return out
-
-    def rename_conversation(self, conversation, title):
-        c = self.c
-        if self.history is None or not conversation:
-            return {c.status: status_html("Nothing to rename: send a message first.", "warn")}
-        try:
-            done = self.history.rename(str(conversation), str(title or ""))
-        except sqlite3.Error as exc:
-            return {c.status: status_html(html.escape(f"Not renamed: {exc}"), "error")}
-        if not done:
-            return {c.status: status_html("Type a title first.", "warn")}
-        return {c.conv_list: self.conversation_list("", conversation), c.status: status_html("Renamed.", "ok")}
-
-    def ask_delete(self, conversation):
-        c = self.c
-        if self.history is None or not conversation:
-            return {c.status: status_html("No saved conversation is open.", "warn")}
-        return {c.delete_row: gr.update(visible=True)}
-
-    def cancel_delete(self):
-        return {self.c.delete_row: gr.update(visible=False)}
-
-    def delete_conversation(self, conversation, request: gr.Request | None = None):
-        """Delete the open conversation (after the confirmation) and start a new chat."""
-        c = self.c
-        out = {c.delete_row: gr.update(visible=False)}
-        if self.history is None or not conversation:
-            return out
-        try:
-            self.history.delete(str(conversation))
-        except sqlite3.Error as exc:
-            out[c.status] = status_html(html.escape(f"Not deleted: {exc}"), "error")
-            return out
-        out.update(self.clear(request))
-        out[c.status] = status_html("Deleted.", "info")
-        return out
 
     def _stream(self, job: Job, ask: Ask):
         """The answer's updates: through the live feed while the page reads it (then Gradio gets only
@@ -498,12 +336,7 @@ class ChatApp:
         self._epoch(session, bump=True)
         self.worker.cancel_session(session)
         c = self.c
-        history = {}
-        if self.history is not None:  # the stored conversation stays; the next answer starts a new one
-            self._session_conversation(session, None, set_=True)
-            history = {c.conv_id: "", c.conv_list: self.conversation_list(), c.conv_title: "",
-                       **self._siblings((1, 1))}
-        return {**history, c.chatbot: [], c.history: [], c.run: Run(), c.msg: "",
+        return {**self.conversations.closed(session), c.chatbot: [], c.history: [], c.run: Run(), c.msg: "",
                 c.tree_plot: figures.placeholder_figure("The token tree of each step appears here."),
                 c.live_tree: "",
                 c.slider: gr.update(visible=False), c.steps_plot: figures.placeholder_figure(
@@ -643,8 +476,9 @@ class ChatApp:
                c.export_btn: self.export_file(system, history),
                **{k: v for k, v in self.clear(request).items()
                   if k in (c.tree_plot, c.slider, c.steps_plot, c.stats, c.compare_md, c.highlight_view)}}
-        if self.history is not None:  # a new conversation: stored with its next answer
-            out.update({c.conv_id: "", c.conv_list: self.conversation_list(), **self._siblings((1, 1))})
+        if self.conversations.store is not None:  # a new conversation: stored with its next answer
+            out.update({c.conv_id: "", c.conv_list: self.conversations.conversation_list(),
+                        **self.conversations.siblings((1, 1))})
         if steps:  # the export carried the last answer's steps: its trees and chart come back too
             run = Run(steps=steps, texts=texts)
             out.update(run_views(self, run, len(steps) - 1, True))

@@ -69,8 +69,8 @@ def build(app: ChatApp) -> gr.Blocks:
         # closed by default; opened on load in windows at least COLLAPSE_BELOW px wide (on a phone
         # it would cover the whole app)
         with gr.Sidebar(label="Settings", open=False, width=330, elem_id="sc-sidebar"):
-            history_on = app.history is not None
-            if history_on or app.history_note:
+            history_on = app.conversations.store is not None
+            if history_on or app.conversations.note:
                 _conversations(app, c)
             gr.Markdown("### Settings", elem_classes=["sc-side-title"])
             c.system = gr.Textbox(o["system_prompt"], label="System prompt", lines=3, max_lines=10,
@@ -262,8 +262,8 @@ def _conversations(app: ChatApp, c) -> None:
     """The sidebar's conversations: the list (newest first), search, New chat, Rename, Delete (confirmed);
     with history off, the one line saying why."""
     with gr.Accordion("Conversations", open=True, elem_id="sc-conversations"):
-        if app.history is None:
-            gr.Markdown(app.history_note, elem_id="sc-history-off")
+        if app.conversations.store is None:
+            gr.Markdown(app.conversations.note, elem_id="sc-history-off")
             return
         # the open conversation's id, kept by the browser: a reload (F5) or a restart reopens it
         c.conv_id = gr.BrowserState("", storage_key="sequoia-chat-conversation")
@@ -288,18 +288,18 @@ def _wire_conversations(app: ChatApp, c, demo: gr.Blocks, cleared_outputs: list,
     """The sidebar's events (all private: only the page calls them); the events that open a run."""
     quiet = dict(api_visibility="private", show_progress="hidden")
     opened = cleared_outputs + [c.system]
-    events = [c.conv_list.input(app.open_conversation, c.conv_list, opened, concurrency_limit=4, **quiet),
-              demo.load(app.restore, c.conv_id, opened, **quiet)]
-    cleared.append(c.new_chat.click(app.new_chat, None, cleared_outputs, **quiet))
-    events.append(c.prev_answer.click(app.previous_answer, c.conv_id, opened, **quiet))
-    events.append(c.next_answer.click(app.next_answer, c.conv_id, opened, **quiet))
-    c.conv_search.change(app.search_conversations, [c.conv_search, c.conv_id], c.conv_list,
+    events = [c.conv_list.input(app.conversations.open_conversation, c.conv_list, opened, concurrency_limit=4, **quiet),
+              demo.load(app.conversations.restore, c.conv_id, opened, **quiet)]
+    cleared.append(c.new_chat.click(app.conversations.new_chat, None, cleared_outputs, **quiet))
+    events.append(c.prev_answer.click(app.conversations.previous_answer, c.conv_id, opened, **quiet))
+    events.append(c.next_answer.click(app.conversations.next_answer, c.conv_id, opened, **quiet))
+    c.conv_search.change(app.conversations.search_conversations, [c.conv_search, c.conv_id], c.conv_list,
                          trigger_mode="always_last", **quiet)
-    c.rename_btn.click(app.rename_conversation, [c.conv_id, c.conv_title], [c.conv_list, c.status], **quiet)
-    c.conv_title.submit(app.rename_conversation, [c.conv_id, c.conv_title], [c.conv_list, c.status], **quiet)
-    c.delete_btn.click(app.ask_delete, c.conv_id, [c.delete_row, c.status], **quiet)
-    c.delete_no.click(app.cancel_delete, None, c.delete_row, **quiet)
-    cleared.append(c.delete_yes.click(app.delete_conversation, c.conv_id, cleared_outputs + [c.delete_row],
+    c.rename_btn.click(app.conversations.rename_conversation, [c.conv_id, c.conv_title], [c.conv_list, c.status], **quiet)
+    c.conv_title.submit(app.conversations.rename_conversation, [c.conv_id, c.conv_title], [c.conv_list, c.status], **quiet)
+    c.delete_btn.click(app.conversations.ask_delete, c.conv_id, [c.delete_row, c.status], **quiet)
+    c.delete_no.click(app.conversations.cancel_delete, None, c.delete_row, **quiet)
+    cleared.append(c.delete_yes.click(app.conversations.delete_conversation, c.conv_id, cleared_outputs + [c.delete_row],
                                       **quiet))
     return events
 
