@@ -168,23 +168,35 @@ MAX_COPY = 32        # copied tokens verified in one step at most
 PREDICTION_LEAD = 8  # prompt tokens put before an expected output, so its start matches the prompt's end
 
 
+@dataclass
+class CopyMemory:
+    """What greedy answers learn about copies and carry to the next one (an engine holds one): the
+    copies' acceptance, and each draft tree's tokens per step (by its parents)."""
+
+    stats: CopyStats = field(default_factory=CopyStats)
+    model_tokens: dict[tuple[int, ...], float] = field(default_factory=dict)
+
+
 class CopyPolicy:
     """One generation's copies from the context, asked by each step: which continuations to verify
     beside the draft's tree (:meth:`plan`) and what the step's verdict teaches (:meth:`learn`).
 
-    Everything it measures (copies' acceptance, the draft tree's tokens per step, step costs) is
-    the generation's own, so a seeded answer's trees depend on nothing an earlier one left behind.
-    ``expected``: the draft tree's expected tokens per step before any is measured (the
-    optimizer's prediction, else one per level half the time)."""
+    A sampled answer measures everything (copies' acceptance, the draft tree's tokens per step,
+    step costs) afresh, so a seeded answer's trees depend on nothing an earlier one left behind. A
+    greedy answer, whose tokens no tree can change, starts from what earlier greedy answers learnt
+    and adds to it (``memory``). ``expected``: the draft tree's expected tokens per step before any
+    is measured (the optimizer's prediction, else one per level half the time)."""
 
-    def __init__(self, prompt: list[int], prediction: tuple[int, ...] | None, expected: float) -> None:
+    def __init__(self, prompt: list[int], prediction: tuple[int, ...] | None, tree: Tree, expected: float,
+                 memory: CopyMemory | None = None) -> None:
         self.index = ContextIndex()
         self.index.sync(prompt)
         if prediction:
             self.index.add_document(list(prompt[-PREDICTION_LEAD:]) + list(prediction))
-        self.stats = CopyStats()
+        self.memory, self.key = memory, tree.parents
+        self.stats = memory.stats if memory is not None else CopyStats()
         self.clock = StepClock()  # this generation's measured step costs (its context length's)
-        self.model_tokens = expected
+        self.model_tokens = memory.model_tokens.get(self.key, expected) if memory is not None else expected
 
     def plan(self, seq: list[int], tree: Tree, room: int | None, stops: frozenset[int], branches: int,
              profile: object | None) -> tuple[list[CopyProposal], bool]:
@@ -214,3 +226,5 @@ class CopyPolicy:
         if drafted and not any(merged.sources[a] == SOURCE_COPY for a in accepted):
             from_draft = sum(1 for a in accepted[1:] if merged.model_node[a] > 0)
             self.model_tokens = 0.9 * self.model_tokens + 0.1 * (1 + from_draft)
+            if self.memory is not None:
+                self.memory.model_tokens[self.key] = self.model_tokens

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from engine.core.copy_policy import CopyMemory
 from engine.core.prefix_cache import ConversationCache
 from engine.core.records import GenerationResult, PrefillProgress, StepRecord
 from engine.core.runner import DynamicRunner, StaticRunner, run_model
@@ -70,6 +71,7 @@ class SpeculativeEngine:
         self.cuda_graphs = self.static_cache and (on_cuda if cuda_graphs is None else bool(cuda_graphs))
         self.max_cache_len = int(max_cache_len or min(self.max_context or 8192, 8192))
         self._static_runners: dict[str, StaticRunner] = {}
+        self.copy_memory = CopyMemory()  # what greedy answers learnt about copies (sampled ones start afresh)
 
     @property
     def profile(self):

@@ -81,9 +81,9 @@ class Decoding:
         self.engine, self.params, self.cache, self.timed_alone = engine, params, cache, timed_alone
         choice, tree = params.decision.choice, params.tree
         # the per-step policies this generation's steps ask (None: off)
-        self.copies = CopyPolicy(prompt, params.settings.prediction,
-                                 choice.expected_tokens if choice is not None and choice.tree == tree
-                                 else 1.0 + 0.5 * tree.depth) if params.copies else None
+        expected = choice.expected_tokens if choice is not None and choice.tree == tree else 1.0 + 0.5 * tree.depth
+        self.copies = CopyPolicy(prompt, params.settings.prediction, tree, expected,
+                                 engine.copy_memory if params.greedy else None) if params.copies else None
         self.gate = DraftGate(choice.expected_tokens, choice.step_time_s, engine.profile.token_time()) \
             if params.gated else None
         self.seq = prompt
