@@ -287,10 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         rate = demo.chat_app.measure_baseline_now(0.0, 1.0)
         print(f"Measured the target alone on this machine: {rate:.1f} tokens/s at T = 0." if rate else
               "Measuring the target alone did not finish; the stats line estimates it from the profile.", flush=True)
-    app, local_url, share_url = ui.launch(demo, server_name=args.host, server_port=args.port, share=args.share,
-                                          inbrowser=args.inbrowser, prevent_thread_lock=True, quiet=True,
-                                          extra_hosts=args.allowed_hosts.split(","), api_key=key,
-                                          cors_origins=origins, limits=limits)
+    guards = ui.Guards(extra_hosts=args.allowed_hosts.split(","), api_key=key, cors_origins=origins, limits=limits)
+    app, local_url, share_url = ui.launch(demo, server_name=args.host, server_port=args.port, guards=guards,
+                                          share=args.share, inbrowser=args.inbrowser, prevent_thread_lock=True,
+                                          quiet=True)
     from app.api import openai_api
     if args.max_tokens_limit < 1:
         raise SystemExit("error: --max-tokens-limit must be >= 1")

@@ -240,7 +240,7 @@ def test_models_never_show_a_local_path():
     ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "invalid_value"),
     ({"model": MODEL, "messages": QUESTION + [{"role": "assistant", "content": "x"}]}, 400, "messages",
      "invalid_value"),
-    ({"model": MODEL, "messages": QUESTION, "max_tokens": 10 ** 6}, 400, "messages", "context_length_exceeded"),
+    ({"model": MODEL, "messages": QUESTION, "max_tokens": 10 ** 6}, 400, "max_tokens", "invalid_value"),  # the ceiling
     ({"model": MODEL, "messages": QUESTION, "sequoia": {"method": "magic"}}, 400, "sequoia.method", "invalid_value"),
     ({"model": MODEL, "messages": QUESTION, "sequoia": {"tree_size": 4, "depth": 9}}, 400, "sequoia.depth",
      "invalid_value"),
@@ -251,7 +251,7 @@ def test_models_never_show_a_local_path():
      "unsupported_parameter"),
     ({"model": MODEL, "messages": QUESTION, "logit_bias": {"11": 5}}, 400, "logit_bias", "unsupported_parameter"),
 ], ids=["temperature", "top_p", "max_tokens", "seed", "stop", "n", "empty", "role", "content", "last-assistant",
-        "context", "method", "depth", "auto", "model", "penalty", "response_format", "logit_bias"])
+        "ceiling", "method", "depth", "auto", "model", "penalty", "response_format", "logit_bias"])
 def test_bad_input_gets_an_openai_error(server, body, status, param, code):
     worker, base = server
     jobs_before = next(jobs._ids)
@@ -396,7 +396,8 @@ def keyed_server():
     worker = Worker(make_engine(target, draft, tok), tok, {"target": MODEL, "draft": "tiny-draft"})
     demo = ui.build_demo(worker, tok)
     app, url, _ = ui.launch(demo, server_name="127.0.0.1", server_port=support.free_port(),
-                            prevent_thread_lock=True, quiet=True, api_key=API_KEY, cors_origins={ALLOWED_ORIGIN})
+                            prevent_thread_lock=True, quiet=True,
+                            guards=ui.Guards(api_key=API_KEY, cors_origins=frozenset({ALLOWED_ORIGIN})))
     openai_api.mount(app, worker, {"tree_size": 8, "depth": 4}, api_key=API_KEY)
     yield worker, url.rstrip("/")
     demo.close()

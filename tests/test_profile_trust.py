@@ -48,8 +48,8 @@ def fake_clock(target=QUIET_TARGET, draft=QUIET_DRAFT, slow=lambda kind, n, repe
 
 def measured(models, forward, overhead=OVERHEAD, repeats=3) -> tuple[HardwareProfile, QuickProfiler]:
     target, draft = models
-    profiler = QuickProfiler(target, draft, None, "tiny", repeats, forward=forward,
-                             overhead=lambda *args: overhead, prompts=(PREFIX, CHAT))
+    profiler = QuickProfiler(target, draft, None, "tiny", repeats, clocks=(forward, lambda *args: overhead),
+                             prompts=(PREFIX, CHAT))
     slices = 0
     while not profiler.done:
         assert profiler.slices_left == repeats + 2 - slices

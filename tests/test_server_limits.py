@@ -40,7 +40,7 @@ def serve(limits: ServerLimits, options: dict | None = None):
     demo = ui.build_demo(worker, tok, options)
     port = support.free_port()
     app, url, _ = ui.launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                            limits=limits)
+                            guards=ui.Guards(limits=limits))
     openai_api.mount(app, worker, {"tree_size": 8, "depth": 4})
     yield demo, worker, url.rstrip("/"), port
     demo.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
@@ -287,19 +288,20 @@ def _conversations(app: ChatApp, c) -> None:
 def _wire_conversations(app: ChatApp, c, demo: gr.Blocks, cleared_outputs: list, cleared: list) -> list:
     """The sidebar's events (all private: only the page calls them); the events that open a run."""
     quiet = dict(api_visibility="private", show_progress="hidden")
+    views = app.conversations
     opened = cleared_outputs + [c.system]
-    events = [c.conv_list.input(app.conversations.open_conversation, c.conv_list, opened, concurrency_limit=4, **quiet),
-              demo.load(app.conversations.restore, c.conv_id, opened, **quiet)]
-    cleared.append(c.new_chat.click(app.conversations.new_chat, None, cleared_outputs, **quiet))
-    events.append(c.prev_answer.click(app.conversations.previous_answer, c.conv_id, opened, **quiet))
-    events.append(c.next_answer.click(app.conversations.next_answer, c.conv_id, opened, **quiet))
-    c.conv_search.change(app.conversations.search_conversations, [c.conv_search, c.conv_id], c.conv_list,
+    events = [c.conv_list.input(views.open_conversation, c.conv_list, opened, concurrency_limit=4, **quiet),
+              demo.load(views.restore, c.conv_id, opened, **quiet)]
+    cleared.append(c.new_chat.click(views.new_chat, None, cleared_outputs, **quiet))
+    events.append(c.prev_answer.click(views.previous_answer, c.conv_id, opened, **quiet))
+    events.append(c.next_answer.click(views.next_answer, c.conv_id, opened, **quiet))
+    c.conv_search.change(views.search_conversations, [c.conv_search, c.conv_id], c.conv_list,
                          trigger_mode="always_last", **quiet)
-    c.rename_btn.click(app.conversations.rename_conversation, [c.conv_id, c.conv_title], [c.conv_list, c.status], **quiet)
-    c.conv_title.submit(app.conversations.rename_conversation, [c.conv_id, c.conv_title], [c.conv_list, c.status], **quiet)
-    c.delete_btn.click(app.conversations.ask_delete, c.conv_id, [c.delete_row, c.status], **quiet)
-    c.delete_no.click(app.conversations.cancel_delete, None, c.delete_row, **quiet)
-    cleared.append(c.delete_yes.click(app.conversations.delete_conversation, c.conv_id, cleared_outputs + [c.delete_row],
+    c.rename_btn.click(views.rename_conversation, [c.conv_id, c.conv_title], [c.conv_list, c.status], **quiet)
+    c.conv_title.submit(views.rename_conversation, [c.conv_id, c.conv_title], [c.conv_list, c.status], **quiet)
+    c.delete_btn.click(views.ask_delete, c.conv_id, [c.delete_row, c.status], **quiet)
+    c.delete_no.click(views.cancel_delete, None, c.delete_row, **quiet)
+    cleared.append(c.delete_yes.click(views.delete_conversation, c.conv_id, cleared_outputs + [c.delete_row],
                                       **quiet))
     return events
 
@@ -345,31 +347,42 @@ def without_gradio_cors(app) -> None:
     app.middleware_stack = None
 
 
-def launch(demo: gr.Blocks, server_name: str = "127.0.0.1", server_port: int | None = None, share: bool = False,
-           inbrowser: bool = False, prevent_thread_lock: bool = False, quiet: bool = False,
-           extra_hosts: Sequence[str] = (), api_key: str | None = None, cors_origins: frozenset[str] = frozenset(),
-           limits: ServerLimits | None = None, **kwargs):
+@dataclass(frozen=True)
+class Guards:
+    """Who may reach the server and what each request may cost: Host names beside the loopback ones
+    and ``server_name`` (``extra_hosts``; ``*`` turns the allowlist off), the key every client gives
+    (``api_key``), the web origins that may call ``/v1`` (``cors_origins``), and the read timeouts,
+    connections, body and queue sizes (``limits``, :mod:`app.web.server_limits`)."""
+
+    extra_hosts: Sequence[str] = ()
+    api_key: str | None = None
+    cors_origins: frozenset[str] = frozenset()
+    limits: ServerLimits | None = None
+
+
+def launch(demo: gr.Blocks, server_name: str = "127.0.0.1", server_port: int | None = None,
+           guards: Guards = Guards(), **options):
     """``demo.launch`` with the app's theme, CSS, queue, upload limits, page scripts and live feed,
-    behind a Host allowlist (the loopback names, ``server_name`` and ``extra_hosts``; ``*`` turns
-    it off) and the cross-origin policy of :mod:`app.web.cross_origin` (``cors_origins`` may call
-    ``/v1``). With ``api_key``, the page asks for it (any user name, the key as the password).
-    ``limits`` (:mod:`app.web.server_limits`): read timeouts, connections, body size and queue size;
-    only the page itself may run private events (:mod:`app.web.private_events`)."""
-    limits = limits or ServerLimits()
+    behind a Host allowlist and the cross-origin policy of :mod:`app.web.cross_origin`, as ``guards``
+    say. With an API key, the page asks for it (any user name, the key as the password); only the
+    page itself may run private events (:mod:`app.web.private_events`). ``options``: Gradio's own
+    (``share``, ``inbrowser``, ``quiet``, ``prevent_thread_lock``, ...)."""
+    limits, api_key, kwargs = guards.limits or ServerLimits(), guards.api_key, dict(options)
+    share, prevent_thread_lock = kwargs.pop("share", False), kwargs.pop("prevent_thread_lock", False)
     demo.queue(default_concurrency_limit=4, max_size=limits.queue_size)
     quiet_queue(demo)
     if api_key is not None:
         kwargs.update(auth=lambda _user, password: secrets.compare_digest(password.encode(), api_key.encode()),
                       auth_message="This server needs its API key: any user name, the key as the password.")
     # a share link arrives with the tunnel's Host name: it is public by design
-    guard = Middleware(HostGuardMiddleware, allowed=None if share else allowed_hosts(server_name, extra_hosts))
-    cross_origin = Middleware(CrossOriginMiddleware, api_origins=frozenset(cors_origins))
+    guard = Middleware(HostGuardMiddleware, allowed=None if share else allowed_hosts(server_name, guards.extra_hosts))
+    cross_origin = Middleware(CrossOriginMiddleware, api_origins=frozenset(guards.cors_origins))
     early = Middleware(HeadScriptMiddleware, script="\n".join(path.read_text() for path in PAGE_SCRIPTS))
     body_limit = Middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
     named = Middleware(NamedEventsMiddleware, allowed=callable_names(demo))
     with serving_with(limits):
-        launched = demo.launch(server_name=server_name, server_port=server_port, share=share, inbrowser=inbrowser,
-                               prevent_thread_lock=True, quiet=quiet, theme=theme(),
+        launched = demo.launch(server_name=server_name, server_port=server_port, share=share,
+                               prevent_thread_lock=True, theme=theme(),
                                css_paths=[CSS_PATH] if CSS_PATH.exists() else None, max_file_size="5mb",
                                show_error=True, run_history=False, footer_links=["api", "settings"],
                                app_kwargs={"middleware": [guard, body_limit, named, cross_origin, early]}, **kwargs)

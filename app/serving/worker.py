@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import queue
 import re
 import threading
 import time
@@ -55,8 +54,8 @@ import torch
 
 from app.views.conversation import ContextTooLong, fit_context
 from app.serving.jobs import GenerationRequest, Job, LoadRequest, ProfileRequest, QueueFull, SessionBusy
+from app.serving.measuring import Measurement
 from app.serving.pair import default_loader, describe_pair, make_engine, validate_model_id
-from engine.backends.quantize import draft_format
 from engine.core.prefix_cache import DEFAULT_BUDGET_BYTES, CacheStore, ConversationCache
 from engine.core.settings import DecodeSettings, TreeDecision, settings_from
 from engine.core.timed_alone import TimedAlone
@@ -197,17 +196,22 @@ class Worker:
         profile in use stays, a ``progress`` event says why, and it is measured again after
         ``retry_after_s``, ``attempts`` times in all. The returned job ends with ``done`` (the
         profile), ``error`` or ``cancelled``; its slices are jobs of their own."""
-        import types
-
         tracker = Job(ProfileRequest())
         tracker.worker = self
-        tracker.profile_run = types.SimpleNamespace(
-            tracker=tracker, profiler=None, tuner=None, attempt=1, attempts=max(1, attempts), retry_after_s=retry_after_s,
-            reference=reference_tokens_per_s, quiet_cores=quiet_cores, checked=checked, waited_s=0.0)
-        first = Job(ProfileRequest())
-        first.profile_run = tracker.profile_run
-        self._enqueue(first)
+        measurement = Measurement(tracker, max(1, attempts), retry_after_s, reference_tokens_per_s, quiet_cores, checked)
+        self._enqueue(measurement.slice_job())
         return tracker
+
+    def requeue(self, job: Job, still_wanted: Callable[[], bool]) -> bool:
+        """Put ``job`` (a measurement's next slice) at the end of the queue, past the caps, while
+        ``still_wanted()`` and the worker is open; whether it was queued."""
+        with self._cond:
+            if self._closed or not still_wanted():
+                return False
+            job.worker = self
+            self._pending.append(job)
+            self._cond.notify_all()
+            return True
 
     def _enqueue(self, job: Job) -> Job:
         job.worker = self
@@ -305,98 +309,10 @@ class Worker:
                     self._current = None
 
     def _serve_profile(self, job: Job) -> None:
-        """One slice of :meth:`measure_machine`'s measurement (a profile job queued without it is
-        measured in one go); the next slice is queued behind whatever arrived meanwhile."""
-        import types
-
-        from engine.user_cache import cache_dir
-        from engine.tuning.profile import QUIET_RETRY_S, QUIET_WAIT_S, QuickProfiler, others_busy, profile_path, refusals
-
-        run = getattr(job, "profile_run", None) or types.SimpleNamespace(
-            tracker=job, profiler=None, tuner=None, attempt=1, attempts=1, retry_after_s=0.0, reference=None,
-            quiet_cores=None, checked=False, waited_s=0.0)
-        tracker = run.tracker
-
-        def end(kind: str, data=None) -> None:
-            if not tracker.finished:
-                tracker._emit(kind, data)
-            if job is not tracker and not job.finished:
-                job._emit("done")
-
-        def next_slice(after_s: float = 0.0) -> None:
-            following = Job(ProfileRequest())
-            following.worker, following.profile_run = self, run
-
-            def put() -> None:
-                with self._cond:
-                    if not self._closed and not tracker.cancelled:
-                        self._pending.append(following)
-                        self._cond.notify_all()
-                        return
-                end("cancelled")
-            if after_s > 0:
-                timer = threading.Timer(after_s, put)
-                timer.daemon = True
-                timer.start()
-            else:
-                put()
-            if job is not tracker:
-                job._emit("done")
-
-        if tracker.cancelled:
-            end("cancelled")
-            return
-        tuner = self.tuner
-        if tuner is None or (run.tuner is not None and tuner is not run.tuner):
-            run.profiler = None  # the models changed: what was measured is of the others
-            end("error", "no optimizer for this pair: nothing to measure for" if tuner is None
-                else "the models changed while this machine was measured")
-            return
-        if run.profiler is None:
-            engine = getattr(self.engine, "_engine", self.engine)
-            run.tuner = tuner
-            run.profiler = QuickProfiler(engine.target, engine.draft, self.tokenizer, tuner.pair or tuner.profile.pair)
-            tracker._emit("progress", "measuring this machine's forward times (about a minute, between answers)")
-        one_go = job is tracker
-        while True:
-            timed = run.profiler.rounds is not None  # the first slice reads the prefix: nothing timed
-            if timed and run.quiet_cores is not None and run.waited_s < QUIET_WAIT_S and not one_go:
-                if others_busy() > run.quiet_cores:
-                    run.waited_s += QUIET_RETRY_S
-                    next_slice(QUIET_RETRY_S)
-                    return
-            run.profiler.measure_slice()
-            if run.profiler.done:
-                break
-            if not one_go:
-                next_slice()
-                return
-        profile = run.profiler.profile()
-        run.profiler = None
-        reasons = refusals(profile, run.reference) if run.checked else []
-        if reasons:
-            again = run.attempt < run.attempts
-            line = (f"This machine's profile was refused ({'; '.join(reasons)}): the optimizer keeps the "
-                    f"{tuner.origin}" + (f"; measuring again in {run.retry_after_s / 60:.0f} min "
-                                         f"(attempt {run.attempt + 1} of {run.attempts})." if again else "."))
-            log.warning("%s", line)
-            tracker._emit("progress", line)
-            if again and not one_go:
-                run.attempt += 1
-                run.waited_s = 0.0
-                next_slice(run.retry_after_s)
-                return
-            end("error", f"refused: {'; '.join(reasons)}")
-            return
-        path = profile_path(cache_dir() / "profiles", profile.device, profile.pair, profile.dtype)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(profile.to_json())
-        except OSError as exc:
-            log.warning("could not keep this machine's profile (%s): it is measured again at the next start", exc)
-        if self.tuner is tuner:  # not replaced meanwhile (a model swap drops it)
-            self.set_tuner(dataclasses.replace(tuner, profile=profile, origin="this machine"))
-        end("done", profile)
+        """A slice of a measurement of this machine (:mod:`app.serving.measuring`); a profile job
+        queued on its own is measured in one go."""
+        measurement = getattr(job, "measurement", None) or Measurement(job)
+        measurement.serve(self, job)
 
     def _serve_generate(self, job: Job) -> None:
         request: GenerationRequest = job.request

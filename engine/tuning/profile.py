@@ -137,11 +137,9 @@ def _level_bookkeeping(logits: torch.Tensor) -> None:
 
 
 def measure_profile(target, draft, prefix: list[int], sizes: list[int], widths: list[int], pair: str,
-                    repeats: int = 3, progress: bool = True, runners: dict | None = None,
-                    forward: Callable | None = None) -> HardwareProfile:
-    """Profile ``target`` at each size and ``draft`` at each width; ``runners`` maps "target" /
-    "draft" to the runner to time (default: see :func:`measure_forward`); ``forward``: what times
-    one forward (default :func:`measure_forward`; tests pass a fake clock).
+                    repeats: int = 3, progress: bool = True) -> HardwareProfile:
+    """Profile ``target`` at each size and ``draft`` at each width (each forward timed by
+    :func:`measure_forward`).
 
     The sizes are timed round-robin, ``repeats`` rounds, and each keeps its median and the spread
     of its readings: a slow spell of a shared machine then lands on every size alike instead of
@@ -150,7 +148,7 @@ def measure_profile(target, draft, prefix: list[int], sizes: list[int], widths: 
     app's profile): oneDNN's one-row kernel really is slower than its four-row one on some CPUs."""
     from tqdm.auto import tqdm
 
-    rounds = _Rounds(target, draft, prefix, sizes, widths, pair, runners, forward)
+    rounds = _Rounds(target, draft, prefix, sizes, widths, pair)
     with tqdm(total=len(rounds.jobs) * repeats, desc="profiling", disable=not progress) as bar:
         for _ in range(repeats):
             rounds.measure_round(bar.update)
@@ -298,11 +296,13 @@ class QuickProfiler:
     :func:`profile_prompts`'s."""
 
     def __init__(self, target, draft, tokenizer, pair: str, repeats: int = 3, prefix_len: int = 128, *,
-                 forward: Callable | None = None, overhead: Callable | None = None,
+                 clocks: tuple[Callable | None, Callable | None] = (None, None),
                  prompts: tuple[list[int], list[int]] | None = None) -> None:
+        """``clocks``: what times one forward and the step overhead (default :func:`measure_forward`
+        and :func:`measure_step_overhead`; tests pass fake clocks)."""
         self.target, self.draft, self.pair, self.repeats = target, draft, pair, repeats
         self.prefix, self.chat = prompts or profile_prompts(tokenizer, prefix_len)
-        self.forward, self.overhead = forward, overhead
+        self.forward, self.overhead = clocks
         self.rounds: _Rounds | None = None
         self.rounds_done = 0
         self.step_overhead: float | None = None
