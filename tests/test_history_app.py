@@ -155,3 +155,30 @@ def test_a_failed_save_keeps_the_answer_and_says_it_was_not_saved(worker, tmp_pa
         last = ask(app, "Hello there")
     assert last[c.history][-1]["role"] == "assistant" and c.conv_id not in last
     assert "Not saved to the history: database or disk is full" in last[c.status]
+
+
+def test_editing_an_earlier_message_answers_again_from_there_and_keeps_what_followed(worker, tmp_path):
+    """Edit message 1 of a two-turn chat: the conversation is answered again from the edited
+    message; what followed the old message stays in the history as the conversation it was."""
+    import gradio as gr
+
+    app = new_app(worker, tmp_path / "c.sqlite3")
+    c = app.c
+    first = ask(app, "Tell me about oak trees")
+    second = ask(app, "And about elms?", first[c.history])
+    cid = second[c.conv_id]
+    edit = gr.EditData(None, {"index": 0, "value": "Tell me about beech trees", "previous_value": ""})
+    updates = list(app.edit_message(second[c.history], second[c.run], "Be brief.", 0.0, 1.0, 6, 0, "sequoia", 8, 4,
+                                    False, False, False, False, edit, None))
+    out = updates[-1]
+    history = out[c.history]
+    assert [m["role"] for m in history] == ["user", "assistant"]
+    assert history[0]["content"] == "Tell me about beech trees" and history[1]["content"]
+    assert out[c.run].steps and out[c.conv_id] and out[c.conv_id] != cid  # the branch, stored beside
+    kept = app.conversations.store.load(cid)
+    assert [m["content"] for m in kept.messages if m["role"] == "user"] == ["Tell me about oak trees", "And about elms?"]
+    assert len(app.conversations.conversation_list()["choices"]) == 2
+    refused = list(app.edit_message(second[c.history], second[c.run], "", 0.0, 1.0, 6, 0, "sequoia", 8, 4, False,
+                                    False, False, False, gr.EditData(None, {"index": 1, "value": "x",
+                                                                            "previous_value": ""}), None))
+    assert "Only your own messages" in refused[-1][c.status]  # an answer is not the user's to edit

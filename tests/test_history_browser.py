@@ -88,3 +88,39 @@ def test_a_conversation_survives_a_reload_and_comes_back_from_the_list(server):
             assert not errors, errors
         finally:
             browser.close()
+
+
+def test_editing_a_message_in_the_page_answers_it_again(server):
+    """The chat's own edit button on a user message: the page answers the edited message, and the
+    conversation as it was stays in the list beside the edited one."""
+    store, url = server
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_context(viewport={"width": 1500, "height": 1000}).new_page()
+        errors = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        try:
+            page.goto(url)
+            page.wait_for_selector("#sc-msg textarea", timeout=60_000)
+            page.locator("#sc-new-chat").click()
+            expect(page.locator("#sc-status")).to_contain_text("New chat", timeout=20_000)
+            page.locator("#sc-msg textarea").fill("Tell me about maple trees")
+            page.locator("#sc-send").click()
+            expect(page.locator("#sc-status")).to_contain_text("Done", timeout=60_000)
+            before = len(store.list())
+            user = page.locator("#sc-chatbot .user").first
+            user.hover()
+            page.locator("#sc-chatbot button[aria-label='Edit']").first.click()
+            editor = page.locator("#sc-chatbot textarea").first
+            editor.fill("Tell me about birch trees")
+            page.locator("#sc-chatbot button[aria-label='Submit']").first.click()
+            expect(page.locator("#sc-chatbot .user").first).to_contain_text("birch", timeout=20_000)
+            expect(page.locator("#sc-status")).to_contain_text("Done", timeout=60_000)
+            expect(page.locator("#sc-conv-list label")).to_have_count(before + 1, timeout=10_000)
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "browser-edit.png"))
+            titles = [title for _, title, _ in store.list()]
+            assert "Tell me about maple trees" in titles and "Tell me about birch trees" in titles
+            assert not errors, errors
+        finally:
+            browser.close()

@@ -178,6 +178,20 @@ def test_sampling_on_the_real_pair_is_seeded_and_readable(engine, chat_prompts, 
     assert sum(s.accepted_draft_tokens for s in runs[0].steps) > 0
 
 
+def test_eight_seeded_answers_with_free_drafts_are_one_answer(engine, real_pair):
+    """Free drafts on (the default): copies' statistics are each sampled answer's own and no clock
+    shapes its trees, so the same seed gives the same answer every time on the same engine."""
+    from engine.models.prompts import encode_chat
+
+    line = "def area(radius):\n    return 3.14159 * radius * radius\n"
+    ids = encode_chat(real_pair[2], [{"role": "user", "content": f"Repeat this code exactly:\n{line}{line}"}])
+    runs = [engine.generate(ids, max_new_tokens=32, temperature=0.7, top_p=0.9, tree=Tree.chain(2), seed=21)
+            for _ in range(8)]
+    assert any("copy" in step.sources for step in runs[0].steps), "no copy proposed: the test proves little"
+    assert all(run.tokens == runs[0].tokens for run in runs)
+    assert all([s.parents for s in run.steps] == [s.parents for s in runs[0].steps] for run in runs)
+
+
 THREAD_TREES = {"chain4": Tree.chain(4), "3ary2": Tree.k_ary(3, 2),
                 "irregular": Tree.from_parents([-1, 0, 0, 0, 1, 1, 2, 4, 4, 5, 7, 7, 10]), "auto": "auto"}
 

@@ -234,6 +234,25 @@ class ChatApp:
                                       highlight, present), self.options)
         yield from self._answer(history, "", controls, request)
 
+    def edit_message(self, history, run, system, temperature, top_p, max_new, seed, method, size, depth, auto,
+                     compare, highlight, present=False, edit: gr.EditData = None, request: gr.Request | None = None):
+        """One of the user's messages edited in the chat: the conversation from there is answered
+        again (what followed it stays in the history, as a conversation of its own)."""
+        history = list(history or [])
+        index = edit.index[0] if isinstance(getattr(edit, "index", None), (list, tuple)) else getattr(edit, "index", -1)
+        value = getattr(edit, "value", "")
+        if isinstance(value, list):  # text parts
+            value = "".join(part.get("text", "") for part in value if isinstance(part, dict))
+        message = clean_text(str(value or "")).strip()
+        if not isinstance(index, int) or not 0 <= index < len(history) or history[index]["role"] != "user" or not message:
+            yield {self.c.status: status_html("Only your own messages can be edited, and not to nothing.", "warn"),
+                   self.c.chatbot: display_messages(history)}
+            return
+        history = history[:index] + [{"role": "user", "content": message}]
+        controls = ChatControls.read((system, temperature, top_p, max_new, seed, method, size, depth, auto, compare,
+                                      highlight, present), self.options)
+        yield from self._answer(history, message, controls, request)
+
     def _answer(self, history, message: str, controls: ChatControls, request):
         """Send ``history`` (whose last turn is the user's ``message``, "" when regenerating) with
         the settings ``controls`` name, and stream the answer's updates."""

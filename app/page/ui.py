@@ -156,7 +156,7 @@ def build(app: ChatApp) -> gr.Blocks:
             with gr.Column(scale=5, min_width=300, elem_id="sc-chat-col"):
                 c.chatbot = gr.Chatbot(label="Chat", height=380, buttons=["copy", "copy_all"],
                                        placeholder=PLACEHOLDER, elem_id="sc-chatbot", show_label=False,
-                                       feedback_options=None, layout="bubble", autoscroll=True)
+                                       feedback_options=None, layout="bubble", autoscroll=True, editable="user")
                 if history_on:  # the last answer's siblings (Regenerate keeps the answers it replaces)
                     with gr.Row(visible=False, elem_id="sc-siblings") as c.sibling_row:
                         c.prev_answer = gr.Button("‹", size="sm", scale=0, min_width=36, elem_id="sc-prev-answer")
@@ -200,7 +200,9 @@ def build(app: ChatApp) -> gr.Blocks:
             c.msg.submit(app.respond, [c.msg, c.history, c.run] + settings, outputs, api_name="chat", **chat_kwargs),
             c.send.click(app.respond, [c.msg, c.history, c.run] + settings, outputs, api_name="send", **chat_kwargs),
             c.regen.click(app.regenerate, [c.history, c.run] + settings, outputs, api_name="regenerate",
-                          **chat_kwargs)]
+                          **chat_kwargs),
+            c.chatbot.edit(app.edit_message, [c.history, c.run] + settings, outputs, api_visibility="private",
+                           **chat_kwargs)]
         c.stop_btn.click(app.stop, None, None, api_name="stop", concurrency_limit=None,
                          show_progress="hidden")
         cleared_outputs = outputs + ([c.conv_title] if history_on else [])

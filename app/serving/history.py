@@ -259,7 +259,8 @@ class HistoryStore:
             if fork:
                 cid, keep = None, 0
             if head is None or fork:
-                title = head[0] if fork else title_of(history)
+                # a fork keeps the title unless its first message was edited (a new question)
+                title = head[0] if fork and history and stored[0][1] == history[0]["content"] else title_of(history)
                 cid = cid or uuid.uuid4().hex
                 db.execute("INSERT INTO conversations (id, title, system, created, updated) VALUES (?, ?, ?, ?, ?)",
                            (cid, title, system or "", now, now))
