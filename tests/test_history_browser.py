@@ -117,6 +117,7 @@ def test_editing_a_message_in_the_page_answers_it_again(server):
             expect(page.locator("#sc-chatbot .user").first).to_contain_text("birch", timeout=20_000)
             expect(page.locator("#sc-status")).to_contain_text("Done", timeout=60_000)
             expect(page.locator("#sc-conv-list label")).to_have_count(before + 1, timeout=10_000)
+            expect(page.locator("#sc-conv-title input")).to_have_value("Tell me about birch trees", timeout=10_000)
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "browser-edit.png"))
             titles = [title for _, title, _ in store.list()]

@@ -70,6 +70,8 @@ class ConversationsView:
         except sqlite3.Error:
             stored = None
         update.update(self.siblings(stored.answers if stored is not None and answer else (1, 1)))
+        if stored is not None:  # the Rename box names the conversation the answer went to
+            update[c.conv_title] = stored.title
 
     def siblings(self, answers: tuple) -> dict:
         """The ‹ k / n › row under the chat: the last answer is the k-th of n (shown when n > 1)."""

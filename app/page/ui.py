@@ -193,7 +193,7 @@ def build(app: ChatApp) -> gr.Blocks:
                    c.compare_md, c.highlight_view, c.export_btn, c.stop_btn, c.baseline_info, c.replay_row,
                    c.step_text, c.live_tree]  # the API's output order: new outputs go last
         if history_on:
-            outputs += [c.conv_id, c.conv_list, c.sibling_row, c.sibling_text]
+            outputs += [c.conv_id, c.conv_list, c.sibling_row, c.sibling_text, c.conv_title]
         chat_kwargs = dict(concurrency_limit=16, concurrency_id="chat", show_progress="hidden")
         # events after which the teaching tabs redraw (a new answer) or empty (a cleared chat)
         answered = [
@@ -205,7 +205,7 @@ def build(app: ChatApp) -> gr.Blocks:
                            **chat_kwargs)]
         c.stop_btn.click(app.stop, None, None, api_name="stop", concurrency_limit=None,
                          show_progress="hidden")
-        cleared_outputs = outputs + ([c.conv_title] if history_on else [])
+        cleared_outputs = outputs
         cleared = [c.clear_btn.click(app.clear, None, cleared_outputs, api_name="clear", concurrency_limit=None,
                                      show_progress="hidden"),
                    c.chatbot.clear(app.clear, None, cleared_outputs, api_visibility="private", show_progress="hidden")]
