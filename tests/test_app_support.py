@@ -49,6 +49,19 @@ def tiny_pair():
     return _pair()
 
 
+def tiny_worker():
+    """Generator for a module fixture: a worker on the tiny pair (the app's own engine), closed after."""
+    from app.serving.pair import make_engine
+    from app.serving.worker import Worker
+
+    target, draft = tiny_pair()
+    worker = Worker(make_engine(target, draft, tokenizer()), tokenizer(), {"target": "tiny-target", "draft": "tiny-draft"})
+    try:
+        yield worker
+    finally:
+        worker.close()
+
+
 class SlowEngine:
     """Wraps an engine: sleeps ``delay`` seconds before each step and, when ``fail_after`` is set,
     raises after that many steps of the next generation."""

@@ -21,11 +21,7 @@ def _one_torch_thread():
 
 @pytest.fixture(scope="module")
 def worker():
-    tokenizer = support.tokenizer()
-    target, draft = support.tiny_pair()
-    w = Worker(make_engine(target, draft, tokenizer), tokenizer, {"target": "tiny-target", "draft": "tiny-draft"})
-    yield w
-    w.close()
+    yield from support.tiny_worker()
 
 
 def new_app(worker, path):

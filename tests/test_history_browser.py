@@ -4,6 +4,8 @@ reload (F5) reopens it with its tree and replay, New chat empties the page, the 
 Delete asks first. Skips like tests/test_app_browser.py."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import test_app_support as support
 from test_app_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS
@@ -35,93 +37,92 @@ def server(tmp_path_factory):
     store.close()
 
 
-def test_a_conversation_survives_a_reload_and_comes_back_from_the_list(server):
-    store, url = server
+@contextlib.contextmanager
+def opened(url: str):
+    """``(page, errors)``: Chromium at 1500×1000 on the app, its text box ready; the page's uncaught
+    errors are collected in ``errors``."""
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_context(viewport={"width": 1500, "height": 1000}).new_page()
-        errors = []
+        errors: list[str] = []
         page.on("pageerror", lambda exc: errors.append(str(exc)))
         try:
             page.goto(url)
             page.wait_for_selector("#sc-msg textarea", timeout=60_000)
-            page.locator("#sc-msg textarea").fill("Tell me about oak trees")
-            page.locator("#sc-send").click()
-            expect(page.locator("#sc-status")).to_contain_text("Done", timeout=60_000)
-            entry = page.locator("#sc-conv-list label", has_text="Tell me about oak trees")
-            expect(entry).to_have_count(1, timeout=10_000)
-            (cid, _, _), = store.list()
-            answer = store.load(cid).messages[-1]["content"]
-
-            page.reload()  # F5: the browser kept the open conversation's id
-            page.wait_for_selector("#sc-msg textarea", timeout=60_000)
-            expect(page.locator("#sc-chatbot")).to_contain_text("Tell me about oak trees", timeout=20_000)
-            expect(page.locator("#sc-chatbot .bot").last).to_contain_text(answer.strip()[:10], timeout=20_000)
-            expect(page.locator("#sc-step-slider")).to_be_visible(timeout=20_000)
-            expect(page.locator("#sc-tree .js-plotly-plot")).to_have_count(1, timeout=20_000)
-
-            page.locator("#sc-regen").click()  # the first answer stays, as a sibling
-            expect(page.locator("#sc-sibling-text")).to_contain_text("Answer 2 / 2", timeout=60_000)
-            page.locator("#sc-prev-answer").click()
-            expect(page.locator("#sc-sibling-text")).to_contain_text("Answer 1 / 2", timeout=20_000)
-            ARTIFACTS.mkdir(exist_ok=True)
-            page.screenshot(path=str(ARTIFACTS / "browser-history.png"))
-            expect(page.locator("#sc-chatbot .bot").last).to_contain_text(answer.strip()[:10], timeout=20_000)
-
-            page.locator("#sc-new-chat").click()
-            expect(page.locator("#sc-chatbot .bot")).to_have_count(0, timeout=10_000)
-            page.locator("#sc-conv-list label", has_text="Tell me about oak trees").click()
-            expect(page.locator("#sc-chatbot")).to_contain_text("Tell me about oak trees", timeout=20_000)
-            expect(page.locator("#sc-conv-title input")).to_have_value("Tell me about oak trees", timeout=10_000)
-
-            page.locator("#sc-conv-search input").fill("nothing matches this")
-            expect(page.locator("#sc-conv-list label")).to_have_count(0, timeout=10_000)
-            page.locator("#sc-conv-search input").fill("OAK")
-            expect(page.locator("#sc-conv-list label")).to_have_count(1, timeout=10_000)
-
-            page.locator("#sc-delete").click()
-            expect(page.locator("#sc-delete-confirm")).to_be_visible(timeout=10_000)
-            assert store.list()  # nothing deleted before the confirmation
-            page.locator("#sc-delete-yes").click()
-            expect(page.locator("#sc-chatbot .bot")).to_have_count(0, timeout=10_000)
-            assert store.list() == []
-            assert not errors, errors
+            yield page, errors
         finally:
             browser.close()
+
+
+def test_a_conversation_survives_a_reload_and_comes_back_from_the_list(server):
+    store, url = server
+    with opened(url) as (page, errors):
+        page.locator("#sc-msg textarea").fill("Tell me about oak trees")
+        page.locator("#sc-send").click()
+        expect(page.locator("#sc-status")).to_contain_text("Done", timeout=60_000)
+        entry = page.locator("#sc-conv-list label", has_text="Tell me about oak trees")
+        expect(entry).to_have_count(1, timeout=10_000)
+        (cid, _, _), = store.list()
+        answer = store.load(cid).messages[-1]["content"]
+
+        page.reload()  # F5: the browser kept the open conversation's id
+        page.wait_for_selector("#sc-msg textarea", timeout=60_000)
+        expect(page.locator("#sc-chatbot")).to_contain_text("Tell me about oak trees", timeout=20_000)
+        expect(page.locator("#sc-chatbot .bot").last).to_contain_text(answer.strip()[:10], timeout=20_000)
+        expect(page.locator("#sc-step-slider")).to_be_visible(timeout=20_000)
+        expect(page.locator("#sc-tree .js-plotly-plot")).to_have_count(1, timeout=20_000)
+
+        page.locator("#sc-regen").click()  # the first answer stays, as a sibling
+        expect(page.locator("#sc-sibling-text")).to_contain_text("Answer 2 / 2", timeout=60_000)
+        page.locator("#sc-prev-answer").click()
+        expect(page.locator("#sc-sibling-text")).to_contain_text("Answer 1 / 2", timeout=20_000)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "browser-history.png"))
+        expect(page.locator("#sc-chatbot .bot").last).to_contain_text(answer.strip()[:10], timeout=20_000)
+
+        page.locator("#sc-new-chat").click()
+        expect(page.locator("#sc-chatbot .bot")).to_have_count(0, timeout=10_000)
+        page.locator("#sc-conv-list label", has_text="Tell me about oak trees").click()
+        expect(page.locator("#sc-chatbot")).to_contain_text("Tell me about oak trees", timeout=20_000)
+        expect(page.locator("#sc-conv-title input")).to_have_value("Tell me about oak trees", timeout=10_000)
+
+        page.locator("#sc-conv-search input").fill("nothing matches this")
+        expect(page.locator("#sc-conv-list label")).to_have_count(0, timeout=10_000)
+        page.locator("#sc-conv-search input").fill("OAK")
+        expect(page.locator("#sc-conv-list label")).to_have_count(1, timeout=10_000)
+
+        page.locator("#sc-delete").click()
+        expect(page.locator("#sc-delete-confirm")).to_be_visible(timeout=10_000)
+        assert store.list()  # nothing deleted before the confirmation
+        page.locator("#sc-delete-yes").click()
+        expect(page.locator("#sc-chatbot .bot")).to_have_count(0, timeout=10_000)
+        assert store.list() == []
+        assert not errors, errors
 
 
 def test_editing_a_message_in_the_page_answers_it_again(server):
     """The chat's own edit button on a user message: the page answers the edited message, and the
     conversation as it was stays in the list beside the edited one."""
     store, url = server
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_context(viewport={"width": 1500, "height": 1000}).new_page()
-        errors = []
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        try:
-            page.goto(url)
-            page.wait_for_selector("#sc-msg textarea", timeout=60_000)
-            page.locator("#sc-new-chat").click()
-            expect(page.locator("#sc-status")).to_contain_text("New chat", timeout=20_000)
-            page.locator("#sc-msg textarea").fill("Tell me about maple trees")
-            page.locator("#sc-send").click()
-            expect(page.locator("#sc-status")).to_contain_text("Done", timeout=60_000)
-            before = len(store.list())
-            user = page.locator("#sc-chatbot .user").first
-            user.hover()
-            page.locator("#sc-chatbot button[aria-label='Edit']").first.click()
-            editor = page.locator("#sc-chatbot textarea").first
-            editor.fill("Tell me about birch trees")
-            page.locator("#sc-chatbot button[aria-label='Submit']").first.click()
-            expect(page.locator("#sc-chatbot .user").first).to_contain_text("birch", timeout=20_000)
-            expect(page.locator("#sc-status")).to_contain_text("Done", timeout=60_000)
-            expect(page.locator("#sc-conv-list label")).to_have_count(before + 1, timeout=10_000)
-            expect(page.locator("#sc-conv-title input")).to_have_value("Tell me about birch trees", timeout=10_000)
-            ARTIFACTS.mkdir(exist_ok=True)
-            page.screenshot(path=str(ARTIFACTS / "browser-edit.png"))
-            titles = [title for _, title, _ in store.list()]
-            assert "Tell me about maple trees" in titles and "Tell me about birch trees" in titles
-            assert not errors, errors
-        finally:
-            browser.close()
+    with opened(url) as (page, errors):
+        page.locator("#sc-new-chat").click()
+        expect(page.locator("#sc-status")).to_contain_text("New chat", timeout=20_000)
+        page.locator("#sc-msg textarea").fill("Tell me about maple trees")
+        page.locator("#sc-send").click()
+        expect(page.locator("#sc-status")).to_contain_text("Done", timeout=60_000)
+        before = len(store.list())
+        user = page.locator("#sc-chatbot .user").first
+        user.hover()
+        page.locator("#sc-chatbot button[aria-label='Edit']").first.click()
+        editor = page.locator("#sc-chatbot textarea").first
+        editor.fill("Tell me about birch trees")
+        page.locator("#sc-chatbot button[aria-label='Submit']").first.click()
+        expect(page.locator("#sc-chatbot .user").first).to_contain_text("birch", timeout=20_000)
+        expect(page.locator("#sc-status")).to_contain_text("Done", timeout=60_000)
+        expect(page.locator("#sc-conv-list label")).to_have_count(before + 1, timeout=10_000)
+        expect(page.locator("#sc-conv-title input")).to_have_value("Tell me about birch trees", timeout=10_000)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "browser-edit.png"))
+        titles = [title for _, title, _ in store.list()]
+        assert "Tell me about maple trees" in titles and "Tell me about birch trees" in titles
+        assert not errors, errors

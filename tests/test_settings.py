@@ -16,8 +16,6 @@ import tiny_models as tm
 from app.api import openai_requests
 from app.page.controls import DEFAULTS, ChatControls
 from app.serving.jobs import GenerationRequest
-from app.serving.pair import make_engine
-from app.serving.worker import Worker
 from engine import SpeculativeEngine
 from engine.core.settings import (
     AUTO,
@@ -46,11 +44,7 @@ def _one_torch_thread():
 
 @pytest.fixture(scope="module")
 def worker():
-    tokenizer = support.tokenizer()
-    target, draft = support.tiny_pair()
-    w = Worker(make_engine(target, draft, tokenizer), tokenizer, {"target": "tiny-target", "draft": "tiny-draft"})
-    yield w
-    w.close()
+    yield from support.tiny_worker()
 
 
 def bundled_tuner() -> AutoTuner:

@@ -234,10 +234,10 @@ def parse_chat(body, worker: Worker, defaults: dict) -> ChatCall:
                                 cache_key=f"api-user:{user}" if user else None)
     call = ChatCall(request, served, bool(stream), bool(stream_options.get("include_usage")),
                     parse_stops(body.get("stop")), logprobs=logprobs)
+    room = worker.context_limit(settings)
     try:  # refuse what does not fit now, rather than dropping turns as the UI does
-        ids, dropped = fit_context(worker.tokenizer, system, history, worker.context_limit(settings))
+        ids, dropped = fit_context(worker.tokenizer, system, history, room)
         if max_tokens is None:  # the default, or the rest of the context where less is left
-            room = worker.context_limit(settings)
             default = min(int(defaults.get("max_tokens", DEFAULT_MAX_TOKENS)), ceiling)
             budget = default if room is None else min(default, room + 1 - len(ids))
             if budget < 1:

@@ -157,11 +157,10 @@ class TreeDecision:
     """The tree an answer decodes with (``ROOT_ONLY``: the target alone), the method that verifies
     it, and, for the optimizer's pick, its :class:`engine.tuning.optimizer.TreeChoice`
     (``choice``: expected tokens a step, predicted speed-up). ``confidence``: the growth threshold
-    the steps use. ``requested``: the spec it was decided from."""
+    the steps use."""
 
     tree: Tree
     method: str
-    requested: TreeSpec = None
     choice: Any | None = None
     confidence: float = 0.0
 
@@ -185,7 +184,7 @@ def decide_tree(settings: DecodeSettings, planner: Planner | None) -> TreeDecisi
     spec, method = settings.tree, settings.method
     confidence = settings.confidence or 0.0
     if spec is None or method == "autoregressive":
-        return TreeDecision(ROOT_ONLY, method, spec, confidence=confidence)
+        return TreeDecision(ROOT_ONLY, method, confidence=confidence)
     choice = None
     if isinstance(spec, str):
         _need(planner, "tree='auto'")
@@ -207,7 +206,7 @@ def decide_tree(settings: DecodeSettings, planner: Planner | None) -> TreeDecisi
         tree = spec
     if method == "chain" and tree.size != tree.depth + 1:
         raise InvalidParameterError("method 'chain' needs a chain tree: use Tree.chain(depth)")
-    return TreeDecision(tree, method, settings.tree, choice, confidence)
+    return TreeDecision(tree, method, choice, confidence)
 
 
 def _need(planner: Planner | None, what: str) -> None:
