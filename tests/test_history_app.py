@@ -70,11 +70,11 @@ def test_regenerate_clear_rename_search_and_delete(worker, tmp_path):
                                 False))[-1]
     assert regen[c.conv_id] == cid and len(app.conversations.store.load(cid).messages) == 2
     # regenerate keeps the first answer as a sibling: ‹ 2 / 2 ›, and ‹ shows the first with its steps
-    assert regen[c.sibling_row]["visible"] and "Answer 2 / 2" in regen[c.sibling_text]
+    assert regen[c.sibling_row]["visible"] and "Answer: 2 / 2" in regen[c.sibling_text]
     back = app.conversations.previous_answer(cid, None)
-    assert back[c.history] == first[c.history] and "Answer 1 / 2" in back[c.sibling_text]
+    assert back[c.history] == first[c.history] and "Answer: 1 / 2" in back[c.sibling_text]
     assert [st.committed for st in back[c.run].steps] == [st.committed for st in first[c.run].steps]
-    assert "No other answer" in app.conversations.previous_answer(cid, None)[c.status]
+    assert "No other version" in app.conversations.previous_answer(cid, None)[c.status]
     assert app.conversations.next_answer(cid, None)[c.history] == regen[c.history]
     cleared = app.clear(None)
     assert cleared[c.conv_id] == "" and cleared[c.conv_list]["value"] is None
@@ -109,7 +109,7 @@ def test_a_stopped_answer_is_saved_as_stopped(tmp_path):
         stored = app.conversations.store.load(last[c.conv_id])
         assert stored.messages == last[c.history] and stored.steps
         db = sqlite3.connect(app.conversations.store.path)
-        assert db.execute("SELECT stopped FROM messages WHERE role = 'assistant'").fetchall() == [(1,)]
+        assert db.execute("SELECT stopped FROM nodes WHERE role = 'assistant'").fetchall() == [(1,)]
     finally:
         slow.close()
 
@@ -155,7 +155,9 @@ def test_a_failed_save_keeps_the_answer_and_says_it_was_not_saved(worker, tmp_pa
 
 def test_editing_an_earlier_message_answers_again_from_there_and_keeps_what_followed(worker, tmp_path):
     """Edit message 1 of a two-turn chat: the conversation is answered again from the edited
-    message; what followed the old message stays in the history as the conversation it was."""
+    message, as a branch of the same conversation; ‹ 1 / 2 › at message 1 brings back what
+    followed the old message (its answers' trees too), › the edited one; a regenerate on the
+    branch adds a second ‹ › point, and the menu picks which one steps."""
     import gradio as gr
 
     app = new_app(worker, tmp_path / "c.sqlite3")
@@ -170,10 +172,21 @@ def test_editing_an_earlier_message_answers_again_from_there_and_keeps_what_foll
     history = out[c.history]
     assert [m["role"] for m in history] == ["user", "assistant"]
     assert history[0]["content"] == "Tell me about beech trees" and history[1]["content"]
-    assert out[c.run].steps and out[c.conv_id] and out[c.conv_id] != cid  # the branch, stored beside
-    kept = app.conversations.store.load(cid)
-    assert [m["content"] for m in kept.messages if m["role"] == "user"] == ["Tell me about oak trees", "And about elms?"]
-    assert len(app.conversations.conversation_list()["choices"]) == 2
+    assert out[c.run].steps and out[c.conv_id] == cid and len(app.conversations.conversation_list()["choices"]) == 1
+    assert out[c.sibling_row]["visible"] and "Your message 1: 2 / 2" in out[c.sibling_text]
+    assert not out[c.branch_at]["visible"] and out[c.branch_at]["value"] == 0
+    back = app.conversations.previous_answer(cid, 0, None)
+    assert back[c.history] == second[c.history] and "Your message 1: 1 / 2" in back[c.sibling_text]
+    assert [st.committed for st in back[c.run].steps] == [st.committed for st in second[c.run].steps]
+    assert "Your message 1: 1 of 2" in back[c.status]
+    assert app.conversations.next_answer(cid, 0, None)[c.history] == history
+    regen = list(app.regenerate(history, out[c.run], "", 0.0, 1.0, 4, 1, "sequoia", 8, 4, False, False, False))[-1]
+    assert "Answer: 2 / 2" in regen[c.sibling_text] and regen[c.branch_at]["visible"]
+    assert [v for _, v in regen[c.branch_at]["choices"]] == [0, 1] and regen[c.branch_at]["value"] == 1
+    picked = app.conversations.choose_branch(cid, 0)
+    assert "Your message 1: 2 / 2" in picked[c.sibling_text] and picked[c.branch_at]["value"] == 0
+    assert app.conversations.previous_answer(cid, 0, None)[c.history] == second[c.history]
+    assert app.conversations.next_answer(cid, 0, None)[c.history] == regen[c.history]  # the newest continuation
     refused = list(app.edit_message(second[c.history], second[c.run], "", 0.0, 1.0, 6, 0, "sequoia", 8, 4, False,
                                     False, False, False, gr.EditData(None, {"index": 1, "value": "x",
                                                                             "previous_value": ""}), None))

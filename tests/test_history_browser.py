@@ -73,9 +73,9 @@ def test_a_conversation_survives_a_reload_and_comes_back_from_the_list(server):
         expect(page.locator("#sc-tree .js-plotly-plot")).to_have_count(1, timeout=20_000)
 
         page.locator("#sc-regen").click()  # the first answer stays, as a sibling
-        expect(page.locator("#sc-sibling-text")).to_contain_text("Answer 2 / 2", timeout=60_000)
+        expect(page.locator("#sc-sibling-text")).to_contain_text("Answer: 2 / 2", timeout=60_000)
         page.locator("#sc-prev-answer").click()
-        expect(page.locator("#sc-sibling-text")).to_contain_text("Answer 1 / 2", timeout=20_000)
+        expect(page.locator("#sc-sibling-text")).to_contain_text("Answer: 1 / 2", timeout=20_000)
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "browser-history.png"))
         expect(page.locator("#sc-chatbot .bot").last).to_contain_text(answer.strip()[:10], timeout=20_000)
@@ -101,8 +101,9 @@ def test_a_conversation_survives_a_reload_and_comes_back_from_the_list(server):
 
 
 def test_editing_a_message_in_the_page_answers_it_again(server):
-    """The chat's own edit button on a user message: the page answers the edited message, and the
-    conversation as it was stays in the list beside the edited one."""
+    """The chat's own edit button on a user message: the page answers the edited message as a
+    branch of the same conversation, ‹ 2 / 2 › at that message; ‹ brings back the message as it
+    was with its answer, › the edited one."""
     store, url = server
     with opened(url) as (page, errors):
         page.locator("#sc-new-chat").click()
@@ -119,10 +120,14 @@ def test_editing_a_message_in_the_page_answers_it_again(server):
         page.locator("#sc-chatbot button[aria-label='Submit']").first.click()
         expect(page.locator("#sc-chatbot .user").first).to_contain_text("birch", timeout=20_000)
         expect(page.locator("#sc-status")).to_contain_text("Done", timeout=60_000)
-        expect(page.locator("#sc-conv-list label")).to_have_count(before + 1, timeout=10_000)
-        expect(page.locator("#sc-conv-title input")).to_have_value("Tell me about birch trees", timeout=10_000)
+        expect(page.locator("#sc-sibling-text")).to_contain_text("Your message 1: 2 / 2", timeout=10_000)
+        assert len(store.list()) == before  # a branch of the same conversation, not a new one
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "browser-edit.png"))
-        titles = [title for _, title, _ in store.list()]
-        assert "Tell me about maple trees" in titles and "Tell me about birch trees" in titles
+        page.locator("#sc-prev-answer").click()
+        expect(page.locator("#sc-chatbot .user").first).to_contain_text("maple", timeout=20_000)
+        expect(page.locator("#sc-sibling-text")).to_contain_text("Your message 1: 1 / 2")
+        page.locator("#sc-next-answer").click()
+        expect(page.locator("#sc-chatbot .user").first).to_contain_text("birch", timeout=20_000)
+        page.screenshot(path=str(ARTIFACTS / "browser-edit-switched.png"))
         assert not errors, errors

@@ -74,13 +74,13 @@ def test_answers_are_saved_with_settings_steps_and_earlier_answers_kept(tmp_path
     assert c.messages[-1]["note"] == "stopped" and c.system == "Be brief."
     assert c.settings == {"temperature": 0.5} and [st.committed for st in c.steps] == [[13]] and c.texts == {13: "c"}
     db = sqlite3.connect(s.path)
-    assert db.execute("SELECT position, stopped, steps IS NOT NULL FROM messages ORDER BY position").fetchall() == \
-        [(0, 0, 0), (1, 0, 1), (2, 0, 0), (3, 1, 1)]  # the first answer's steps stay
+    assert db.execute("SELECT id, parent, stopped, steps IS NOT NULL FROM nodes ORDER BY id").fetchall() == \
+        [(0, None, 0, 0), (1, 0, 0, 1), (2, 1, 0, 0), (3, 2, 1, 1)]  # the first answer's steps stay
     assert s.rename(cid, "  Trees  and roots ") and s.load(cid).title == "Trees and roots"
     s.save(cid, "", h2 + chat("x", "y"))  # a renamed title stays
     assert s.load(cid).title == "Trees and roots"
     assert s.delete(cid) and s.load(cid) is None and s.list() == []
-    assert db.execute("SELECT count(*) FROM messages").fetchone()[0] == 0
+    assert db.execute("SELECT count(*) FROM nodes").fetchone()[0] == 0
 
 
 def test_a_failed_write_leaves_the_conversation_as_it_was(tmp_path, monkeypatch):
@@ -94,7 +94,7 @@ def test_a_failed_write_leaves_the_conversation_as_it_was(tmp_path, monkeypatch)
         s.save(cid, "", chat("changed", "all"), {}, [step(0)], {})
     monkeypatch.undo()
     with sqlite3.connect(s.path) as db:  # mid-transaction failure: nothing of it
-        db.execute("CREATE TRIGGER full BEFORE INSERT ON messages WHEN NEW.content = 'boom' "
+        db.execute("CREATE TRIGGER full BEFORE INSERT ON nodes WHEN NEW.content = 'boom' "
                    "BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END")
     with pytest.raises(sqlite3.DatabaseError):
         s.save(cid, "new system", chat("one", "two", "three", "boom"), {}, [step(0)], {})
@@ -241,17 +241,19 @@ def test_a_folder_that_cannot_be_made_turns_history_off(tmp_path):
     assert store is None and "cannot make the folder" in line and blocker.read_text() == "mine"
 
 
-def test_a_conversation_that_moved_on_in_another_tab_is_kept_beside_it_not_over_it(tmp_path):
+def test_a_turn_another_tab_answered_meanwhile_is_a_branch_beside_it_not_over_it(tmp_path):
     s = HistoryStore(tmp_path / "c.sqlite3")
     cid = s.save(None, "", chat("q1", "a1"))
     s.save(cid, "", chat("q1", "a1", "tab A asks", "A's answer"))
-    assert s.save(cid, "", chat("q1", "a1bis")) == cid  # regenerating the last answer replaces it
-    s.save(cid, "", chat("q1", "a1bis", "tab A asks", "A's answer"))
-    other = s.save(cid, "", chat("q1", "a1bis", "tab B asks", "B's answer"))  # B's page had not seen A's turn
-    assert other != cid
-    assert [m["content"] for m in s.load(cid).messages] == ["q1", "a1bis", "tab A asks", "A's answer"]
-    assert [m["content"] for m in s.load(other).messages] == ["q1", "a1bis", "tab B asks", "B's answer"]
-    assert s.load(other).title == s.load(cid).title == "q1"
+    assert s.save(cid, "", chat("q1", "a1", "tab B asks", "B's answer")) == cid  # B's page had not seen A's turn
+    c = s.load(cid)
+    assert [m["content"] for m in c.messages] == ["q1", "a1", "tab B asks", "B's answer"] and c.branches == [(2, 2, 2)]
+    assert s.switch(cid, -1, position=2)
+    assert [m["content"] for m in s.load(cid).messages] == ["q1", "a1", "tab A asks", "A's answer"]
+    s.save(cid, "", chat("q1", "a1", "tab A asks", "A's answer", "A again", "more"))  # A goes on on its branch
+    c = s.load(cid)
+    assert [m["content"] for m in c.messages][2:] == ["tab A asks", "A's answer", "A again", "more"]
+    assert c.branches == [(2, 1, 2)] and len(s.list()) == 1 and c.title == "q1"
 
 
 def test_regenerate_keeps_the_answers_it_replaces_as_siblings(tmp_path):
@@ -271,8 +273,55 @@ def test_regenerate_keeps_the_answers_it_replaces_as_siblings(tmp_path):
     c = s.load(cid)
     assert c.messages[-1]["content"] == "second" and c.answers == (2, 3) and len(c.steps) == 2
     s.save(cid, "", chat("q1", "second", "q2", "a2"))  # a follow-up: the new last answer has no siblings
-    assert s.load(cid).answers == (1, 1)
+    assert s.load(cid).answers == (1, 1) and s.load(cid).branches == [(1, 2, 3)]
     s.save(cid, "", chat("q1", "second", "q2", "a2bis"))
     assert s.load(cid).answers == (2, 2)
     assert s.delete(cid)
-    assert sqlite3.connect(s.path).execute("SELECT count(*) FROM alternatives").fetchone()[0] == 0
+    assert sqlite3.connect(s.path).execute("SELECT count(*) FROM nodes").fetchone()[0] == 0
+
+
+def test_an_edited_message_is_a_branch_with_its_own_answers_and_the_old_one_comes_back(tmp_path):
+    """Edit message 1 of a two-turn chat: ‹ 2 / 2 › at message 1; ‹ brings back the old message with
+    everything that followed it (and its answer's steps), › the edited one."""
+    s = HistoryStore(tmp_path / "c.sqlite3")
+    cid = s.save(None, "", chat("oak?", "Oaks."), {}, [step(0)], {})
+    s.save(cid, "", chat("oak?", "Oaks.", "elm?", "Elms."), {"seed": 3}, [step(0), step(1)], {})
+    s.save(cid, "", chat("beech?", "Beeches."), {"seed": 4}, [step(0, (13,))], {})  # message 1 edited
+    c = s.load(cid)
+    assert [m["content"] for m in c.messages] == ["beech?", "Beeches."] and c.branches == [(0, 2, 2)]
+    assert c.answers == (1, 1) and c.title == "oak?" and len(s.list()) == 1
+    assert not s.switch(cid, 1, position=0) and not s.switch(cid, -1, position=5)
+    assert s.switch(cid, -1, position=0)
+    c = s.load(cid)
+    assert [m["content"] for m in c.messages] == ["oak?", "Oaks.", "elm?", "Elms."] and c.branches == [(0, 1, 2)]
+    assert c.settings == {"seed": 3} and len(c.steps) == 2
+    assert s.switch(cid, 1, position=0)
+    assert [m["content"] for m in s.load(cid).messages] == ["beech?", "Beeches."]
+    assert [cid] == [r[0] for r in s.list("elm")]  # search finds text on any branch
+
+
+def test_a_schema_3_file_keeps_its_messages_and_regenerated_answers_as_siblings(tmp_path):
+    path = tmp_path / "v3.sqlite3"
+    db = sqlite3.connect(path)
+    for script in history.MIGRATIONS[:3]:
+        db.executescript(script)
+    db.execute(f"PRAGMA application_id = {history.APP_ID}")
+    db.execute("PRAGMA user_version = 3")
+    db.execute("INSERT INTO conversations (id, title, system, created, updated) VALUES ('a', 'Old', 'sys', 1, 2)")
+    blob = history.pack_steps([step(0), step(1)], {10: "x"})
+    for position, role, content, variant in ((0, "user", "q", 0), (1, "assistant", "second", 1)):
+        db.execute("INSERT INTO messages (conversation, position, role, content, settings, steps, variant) VALUES "
+                   "('a', ?, ?, ?, ?, ?, ?)", (position, role, content, '{"seed": 1}' if variant else None,
+                                               blob if variant else None, variant))
+    db.execute("INSERT INTO alternatives (conversation, position, variant, content, settings) VALUES "
+               "('a', 1, 0, 'first', '{\"seed\": 0}')")
+    db.commit()
+    db.close()
+    s = HistoryStore(path)
+    c = s.load("a")
+    assert s.schema_version == history.SCHEMA_VERSION and c.title == "Old" and c.system == "sys"
+    assert [m["content"] for m in c.messages] == ["q", "second"] and c.answers == (2, 2)
+    assert c.settings == {"seed": 1} and len(c.steps) == 2 and c.texts == {10: "x"}
+    assert s.switch("a", -1) and s.load("a").messages[-1]["content"] == "first" and s.load("a").settings == {"seed": 0}
+    tables = {r[0] for r in sqlite3.connect(path).execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert tables == {"conversations", "nodes"}

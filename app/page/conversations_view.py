@@ -1,6 +1,6 @@
 """The sidebar of stored conversations (:mod:`app.serving.history`): each answer kept when it ends,
-the list newest first with search, open, rename, delete, new chat, F5's restore, and the ‹ › row
-of the last answer's siblings. :class:`app.page.handlers.ChatApp` holds one; the layout wires its
+the list newest first with search, open, rename, delete, new chat, F5's restore, and the ‹ k / n ›
+row that steps between a message's siblings (regenerated answers, edited messages). :class:`app.page.handlers.ChatApp` holds one; the layout wires its
 methods to the sidebar's components."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import threading
 import gradio as gr
 
 from app.page.answer_stream import Ask, Run, run_views
-from app.serving.history import HistoryStore
+from app.serving.history import Conversation, HistoryStore
 from app.views.conversation import display_messages
 from app.views.text import status_html
 
@@ -32,7 +32,7 @@ class ConversationsView:
             return {}
         c = self.app.c
         self._session_conversation(session, None, set_=True)
-        return {c.conv_id: "", c.conv_list: self.conversation_list(), c.conv_title: "", **self.siblings((1, 1))}
+        return {c.conv_id: "", c.conv_list: self.conversation_list(), c.conv_title: "", **self.branches(None)}
 
     def _session_conversation(self, session: str, conversation: str | None = None, set_: bool = False) -> str | None:
         with self._lock:
@@ -69,37 +69,65 @@ class ConversationsView:
             stored = self.store.load(cid)
         except sqlite3.Error:
             stored = None
-        update.update(self.siblings(stored.answers if stored is not None and answer else (1, 1)))
+        update.update(self.branches(stored))
         if stored is not None:  # the Rename box names the conversation the answer went to
             update[c.conv_title] = stored.title
 
-    def siblings(self, answers: tuple) -> dict:
-        """The ‹ k / n › row under the chat: the last answer is the k-th of n (shown when n > 1)."""
-        k, n = answers
-        return {self.app.c.sibling_row: gr.update(visible=n > 1),
-                self.app.c.sibling_text: f"<div class='sc-siblings'>Answer {k} / {n}</div>" if n > 1 else ""}
-
-    def previous_answer(self, conversation, request: gr.Request | None = None):
-        return self.switch_answer(conversation, -1, request)
-
-    def next_answer(self, conversation, request: gr.Request | None = None):
-        return self.switch_answer(conversation, 1, request)
-
-    def switch_answer(self, conversation, step: int, request: gr.Request | None = None):
-        """Show the last answer's sibling ``step`` places on (‹ -1, › +1), with its tree and replay."""
+    def branches(self, stored: Conversation | None, at: int | None = None) -> dict:
+        """The ‹ k / n › row under the chat, for the message at position ``at`` of ``stored``'s branch
+        (None, or one without siblings: the last that has some); hidden when none has. The menu
+        beside it, shown when several messages have siblings, picks which one ‹ › steps."""
         c = self.app.c
+        points = stored.branches if stored is not None else []
+        if not points:
+            return {c.sibling_row: gr.update(visible=False), c.sibling_text: "",
+                    c.branch_at: gr.update(choices=[], value=None, visible=False)}
+        position, k, n = next((b for b in points if b[0] == at), points[-1])
+        names = [(f"{_message_name(stored.messages, p)} · {i} of {m}", p) for p, i, m in points]
+        return {c.sibling_row: gr.update(visible=True),
+                c.sibling_text: f"<div class='sc-siblings'>{html.escape(_message_name(stored.messages, position))}: "
+                                f"{k} / {n}</div>",
+                c.branch_at: gr.update(choices=names, value=position, visible=len(points) > 1)}
+
+    def choose_branch(self, conversation, at):
+        """The ‹ k / n › row for the message picked in the menu."""
+        stored = self._load(conversation)
+        return self.branches(stored, _position(at))
+
+    def _load(self, conversation) -> Conversation | None:
         if self.store is None or not conversation:
-            return {c.status: status_html("No saved conversation is open.", "warn")}
+            return None
         try:
-            moved = self.store.switch(str(conversation), int(step))
+            return self.store.load(str(conversation))
+        except sqlite3.Error:
+            return None
+
+    def previous_answer(self, conversation, at=None, request: gr.Request | None = None):
+        return self.switch_answer(conversation, -1, at, request)
+
+    def next_answer(self, conversation, at=None, request: gr.Request | None = None):
+        return self.switch_answer(conversation, 1, at, request)
+
+    def switch_answer(self, conversation, step: int, at=None, request: gr.Request | None = None):
+        """Show the sibling ``step`` places on (‹ -1, › +1) of the message at position ``at`` (None:
+        the last one that has siblings), with what followed it and its last answer's tree and replay."""
+        c = self.app.c
+        stored = self._load(conversation)
+        if stored is None:
+            return {c.status: status_html("No saved conversation is open.", "warn")}
+        points = [p for p, _, _ in stored.branches]
+        position = _position(at) if _position(at) in points else (points[-1] if points else -1)
+        try:
+            moved = self.store.switch(str(conversation), int(step), position)
         except sqlite3.Error as exc:
-            return {c.status: status_html(html.escape(f"Could not switch answers: {exc}"), "error")}
+            return {c.status: status_html(html.escape(f"Could not switch: {exc}"), "error")}
         if not moved:
-            return {c.status: status_html("No other answer that way.", "info")}
-        out = self.open_conversation(conversation, request)
-        if c.chatbot in out:
-            k, n = self.store.load(str(conversation)).answers
-            out[c.status] = status_html(f"Answer {k} of {n}.", "ok")
+            return {c.status: status_html("No other version that way.", "info")}
+        out = self.open_conversation(conversation, request, at=position)
+        now = self._load(conversation)
+        shown = next((b for b in now.branches if b[0] == position), None) if now is not None else None
+        if c.chatbot in out and shown is not None:
+            out[c.status] = status_html(f"{_message_name(now.messages, position)}: {shown[1]} of {shown[2]}.", "ok")
         return out
 
     def conversation_list(self, search: str = "", selected: str | None = None):
@@ -116,8 +144,9 @@ class ConversationsView:
     def search_conversations(self, search, conversation):
         return self.conversation_list(str(search or "")[:200], conversation or None)
 
-    def open_conversation(self, conversation, request: gr.Request | None = None):
-        """Show a stored conversation: its text at once, the last answer's tree, replay and chart."""
+    def open_conversation(self, conversation, request: gr.Request | None = None, at: int | None = None):
+        """Show a stored conversation: its text at once, the last answer's tree, replay and chart
+        (``at``: the message whose siblings ‹ › steps)."""
         c = self.app.c
         session = getattr(request, "session_hash", None) or "local"
         stored = None
@@ -132,7 +161,7 @@ class ConversationsView:
         out = self.app.clear(request)  # replaces this session's conversation (an answer streaming is stopped)
         self._session_conversation(session, stored.id, set_=True)
         history = stored.messages
-        out.update(self.siblings(stored.answers))
+        out.update(self.branches(stored, at))
         out.update({c.chatbot: display_messages(history), c.history: history, c.system: stored.system,
                     c.conv_id: stored.id, c.conv_list: self.conversation_list("", stored.id),
                     c.conv_title: stored.title, c.status: status_html(
@@ -194,3 +223,19 @@ class ConversationsView:
         out.update(self.app.clear(request))
         out[c.status] = status_html("Deleted.", "info")
         return out
+
+
+def _message_name(messages: list[dict], position: int) -> str:
+    """"Answer" for the last message when it is one; else "Your message i" / "Answer i" (i counts that role)."""
+    role = messages[position]["role"]
+    if role == "assistant" and position == len(messages) - 1:
+        return "Answer"
+    number = sum(m["role"] == role for m in messages[:position + 1])
+    return f"{'Answer' if role == 'assistant' else 'Your message'} {number}"
+
+
+def _position(at) -> int | None:
+    try:
+        return int(at)
+    except (TypeError, ValueError):
+        return None

@@ -237,7 +237,7 @@ class ChatApp:
     def edit_message(self, history, run, system, temperature, top_p, max_new, seed, method, size, depth, auto,
                      compare, highlight, present=False, edit: gr.EditData = None, request: gr.Request | None = None):
         """One of the user's messages edited in the chat: the conversation from there is answered
-        again (what followed it stays in the history, as a conversation of its own)."""
+        again, as a branch beside what followed it (‹ › steps between them)."""
         history = list(history or [])
         index = edit.index[0] if isinstance(getattr(edit, "index", None), (list, tuple)) else getattr(edit, "index", -1)
         value = getattr(edit, "value", "")
@@ -497,7 +497,7 @@ class ChatApp:
                   if k in (c.tree_plot, c.slider, c.steps_plot, c.stats, c.compare_md, c.highlight_view)}}
         if self.conversations.store is not None:  # a new conversation: stored with its next answer
             out.update({c.conv_id: "", c.conv_list: self.conversations.conversation_list(),
-                        **self.conversations.siblings((1, 1))})
+                        **self.conversations.branches(None)})
         if steps:  # the export carried the last answer's steps: its trees and chart come back too
             run = Run(steps=steps, texts=texts)
             out.update(run_views(self, run, len(steps) - 1, True))

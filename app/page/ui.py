@@ -157,11 +157,13 @@ def build(app: ChatApp) -> gr.Blocks:
                 c.chatbot = gr.Chatbot(label="Chat", height=380, buttons=["copy", "copy_all"],
                                        placeholder=PLACEHOLDER, elem_id="sc-chatbot", show_label=False,
                                        feedback_options=None, layout="bubble", autoscroll=True, editable="user")
-                if history_on:  # the last answer's siblings (Regenerate keeps the answers it replaces)
+                if history_on:  # ‹ k / n ›: the siblings of a message (Regenerate and edits keep what they replace)
                     with gr.Row(visible=False, elem_id="sc-siblings") as c.sibling_row:
                         c.prev_answer = gr.Button("‹", size="sm", scale=0, min_width=36, elem_id="sc-prev-answer")
                         c.sibling_text = gr.HTML("", elem_id="sc-sibling-text")
                         c.next_answer = gr.Button("›", size="sm", scale=0, min_width=36, elem_id="sc-next-answer")
+                        c.branch_at = gr.Dropdown([], value=None, show_label=False, container=False, scale=0,
+                                                  min_width=190, visible=False, elem_id="sc-branch-at")
                 with gr.Row(elem_id="sc-input-row"):
                     c.msg = gr.Textbox(placeholder="Ask something…", show_label=False, lines=1, max_lines=8,
                                        scale=8, autofocus=True, elem_id="sc-msg", container=False,
@@ -193,7 +195,7 @@ def build(app: ChatApp) -> gr.Blocks:
                    c.compare_md, c.highlight_view, c.export_btn, c.stop_btn, c.baseline_info, c.replay_row,
                    c.step_text, c.live_tree]  # the API's output order: new outputs go last
         if history_on:
-            outputs += [c.conv_id, c.conv_list, c.sibling_row, c.sibling_text, c.conv_title]
+            outputs += [c.conv_id, c.conv_list, c.sibling_row, c.sibling_text, c.conv_title, c.branch_at]
         chat_kwargs = dict(concurrency_limit=16, concurrency_id="chat", show_progress="hidden")
         # events after which the teaching tabs redraw (a new answer) or empty (a cleared chat)
         answered = [
@@ -246,7 +248,7 @@ def build(app: ChatApp) -> gr.Blocks:
         answered.append(c.import_btn.upload(app.import_file, c.import_btn,
                                             [c.chatbot, c.history, c.system, c.run, c.status, c.export_btn, c.tree_plot,
                                              c.slider, c.steps_plot, c.stats, c.compare_md, c.highlight_view, c.replay_row,
-                                             c.step_text] + ([c.conv_id, c.conv_list, c.sibling_row, c.sibling_text]
+                                             c.step_text] + ([c.conv_id, c.conv_list, c.sibling_row, c.sibling_text, c.branch_at]
                                                              if history_on else []),
                                             api_name="import_conversation"))
         if history_on:
@@ -295,8 +297,10 @@ def _wire_conversations(app: ChatApp, c, demo: gr.Blocks, cleared_outputs: list,
     events = [c.conv_list.input(views.open_conversation, c.conv_list, opened, concurrency_limit=4, **quiet),
               demo.load(views.restore, c.conv_id, opened, **quiet)]
     cleared.append(c.new_chat.click(views.new_chat, None, cleared_outputs, **quiet))
-    events.append(c.prev_answer.click(views.previous_answer, c.conv_id, opened, **quiet))
-    events.append(c.next_answer.click(views.next_answer, c.conv_id, opened, **quiet))
+    events.append(c.prev_answer.click(views.previous_answer, [c.conv_id, c.branch_at], opened, **quiet))
+    events.append(c.next_answer.click(views.next_answer, [c.conv_id, c.branch_at], opened, **quiet))
+    c.branch_at.input(views.choose_branch, [c.conv_id, c.branch_at], [c.sibling_row, c.sibling_text, c.branch_at],
+                      **quiet)
     c.conv_search.change(views.search_conversations, [c.conv_search, c.conv_id], c.conv_list,
                          trigger_mode="always_last", **quiet)
     c.rename_btn.click(views.rename_conversation, [c.conv_id, c.conv_title], [c.conv_list, c.status], **quiet)

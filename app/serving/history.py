@@ -1,10 +1,13 @@
 """The page's conversations on disk: one SQLite file (WAL) in the user's data folder.
 
-Each conversation keeps its title, system prompt, created and updated times and its messages;
-each answer keeps the settings it was decoded with, whether it was stopped, and its step records
-(the export format of :mod:`app.views.conversation`, zlib-compressed), so its tree, replay and
-chart come back after a restart; Regenerate keeps the answers it replaces (the last answer's
-siblings, ``alternatives``). Every answer is saved in one transaction.
+Each conversation keeps its title, system prompt, created and updated times and its messages as
+a tree (``nodes``: each message has a parent, the one before it), with the leaf of the branch on
+show: Regenerate adds a sibling of the answer it replaces, an edited message a sibling of the
+message it edits, and a turn another tab answered meanwhile a sibling of that tab's, so nothing is
+ever overwritten; ‹ k / n › steps between the siblings of any message on the branch. Each answer
+keeps the settings it was decoded with, whether it was stopped, and its step records (the export
+format of :mod:`app.views.conversation`, zlib-compressed), so its tree, replay and chart come back
+after a restart. Every answer is saved in one transaction.
 
 A file that is not this app's database (corrupt, foreign, from a newer version), a folder that
 cannot be written or a full disk turns history off with one line saying why: nothing already on
@@ -70,8 +73,58 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (conversation, position, variant)
     );
     """,
+    # 4: messages as a tree (edits and other tabs' turns branch too); the conversation's branch on show
+    lambda db: _messages_to_nodes(db),
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
+
+NODES = """
+    CREATE TABLE nodes (
+        conversation TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        id INTEGER NOT NULL,
+        parent INTEGER,
+        role TEXT NOT NULL,
+        content TEXT NOT NULL,
+        note TEXT NOT NULL DEFAULT '',
+        settings TEXT,
+        steps BLOB,
+        stopped INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (conversation, id)
+    );
+    CREATE INDEX nodes_by_parent ON nodes(conversation, parent);
+    ALTER TABLE conversations ADD COLUMN leaf INTEGER;
+"""
+
+
+def _messages_to_nodes(db: sqlite3.Connection) -> None:
+    """Schema 3 → 4: each conversation's messages become a chain of nodes, and the answers
+    Regenerate kept become siblings of the one on show (in the order they were made)."""
+    _run_script(db, NODES)
+    for (cid,) in db.execute("SELECT id FROM conversations").fetchall():
+        shown = db.execute("SELECT position, variant, role, content, note, settings, steps, stopped FROM messages "
+                           "WHERE conversation = ? ORDER BY position", (cid,)).fetchall()
+        kept = db.execute("SELECT position, variant, 'assistant', content, note, settings, steps, stopped FROM "
+                          "alternatives WHERE conversation = ?", (cid,)).fetchall()
+        parent, next_id = None, 0
+        for row in shown:
+            siblings = sorted([row] + [k for k in kept if k[0] == row[0]], key=lambda r: r[1])
+            for sibling in siblings:
+                db.execute("INSERT INTO nodes (conversation, id, parent, role, content, note, settings, steps, stopped) "
+                           "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", (cid, next_id, parent, *sibling[2:]))
+                if sibling is row:
+                    shown_id = next_id
+                next_id += 1
+            parent = shown_id
+        db.execute("UPDATE conversations SET leaf = ? WHERE id = ?", (parent, cid))
+    db.execute("DROP TABLE alternatives")
+    db.execute("DROP TABLE messages")
+
+
+def _run_script(db: sqlite3.Connection, script: str) -> None:
+    """Each statement of ``script`` in the transaction that is open (``executescript`` would commit it)."""
+    for statement in script.split(";"):
+        if statement.strip():
+            db.execute(statement)
 
 
 class HistoryUnavailable(Exception):
@@ -88,8 +141,10 @@ def default_data_dir() -> Path:
 
 @dataclass
 class Conversation:
-    """One stored conversation. ``messages``: ``{"role", "content"}`` (plus ``"note"`` when there
-    is one) in order; ``steps``/``texts``: the last answer's step records and token texts."""
+    """One stored conversation, the branch on show. ``messages``: ``{"role", "content"}`` (plus
+    ``"note"`` when there is one) in order; ``steps``/``texts``: the last answer's step records and
+    token texts; ``branches``: ``(position, k, n)`` for each message on the branch that has
+    siblings (it is the k-th of n)."""
 
     id: str
     title: str
@@ -100,7 +155,13 @@ class Conversation:
     settings: dict = field(default_factory=dict)  # the last answer's
     steps: list = field(default_factory=list)
     texts: dict = field(default_factory=dict)
-    answers: tuple = (1, 1)  # the last answer is the k-th of n (regenerate keeps the others)
+    branches: list = field(default_factory=list)
+
+    @property
+    def answers(self) -> tuple[int, int]:
+        """``(k, n)``: the last answer is the k-th of its n siblings (``(1, 1)``: it has none)."""
+        last = len(self.messages) - 1
+        return next(((k, n) for position, k, n in self.branches if position == last), (1, 1))
 
 
 def pack_steps(steps: Sequence, texts: dict | None) -> bytes | None:
@@ -197,9 +258,8 @@ class HistoryStore:
                     db.execute("COMMIT")
                     version = now
                     continue
-                for statement in MIGRATIONS[version].split(";"):
-                    if statement.strip():
-                        db.execute(statement)
+                step = MIGRATIONS[version]
+                step(db) if callable(step) else _run_script(db, step)
                 db.execute(f"PRAGMA application_id = {APP_ID}")
                 db.execute(f"PRAGMA user_version = {version + 1}")
                 db.execute("COMMIT")
@@ -233,10 +293,11 @@ class HistoryStore:
     # ----- writing ----------------------------------------------------------------------------
     def save(self, conversation: str | None, system: str, history: Sequence[dict], settings: dict | None = None,
              steps: Sequence | None = None, texts: dict | None = None, stopped: bool = False) -> str:
-        """Save ``history`` (after an answer) as conversation ``conversation`` (a new one if None or
-        unknown), in one transaction: messages that changed from the first difference on are
-        replaced, earlier ones (and their answers' steps) kept; the last message, when it is an
-        answer, gets ``settings``, ``steps``/``texts`` and ``stopped``. Returns its id."""
+        """Save ``history`` (after an answer) in conversation ``conversation`` (a new one if None or
+        unknown), in one transaction, and show it: the longest run of its first messages already
+        stored is kept (with their answers' steps), the rest (always the last answer) is added
+        beside what was there; the last message, when it is an answer, gets ``settings``,
+        ``steps``/``texts`` and ``stopped``. Returns the conversation's id."""
         history = list(history)
         blob = pack_steps(steps or [], texts)
         settings_text = json.dumps(settings or {}, ensure_ascii=False)
@@ -244,48 +305,27 @@ class HistoryStore:
         def work(db):
             now = time.time()
             cid = conversation
-            head = None if cid is None else db.execute("SELECT title FROM conversations WHERE id = ?",
+            head = None if cid is None else db.execute("SELECT leaf FROM conversations WHERE id = ?",
                                                         (cid,)).fetchone()
-            stored = [] if head is None else db.execute(
-                "SELECT role, content, note FROM messages WHERE conversation = ? ORDER BY position", (cid,)).fetchall()
-            last = len(history) - 1
-            keep = 0
-            while keep < min(len(stored), last) and stored[keep] == (
-                    history[keep]["role"], history[keep]["content"], history[keep].get("note") or ""):
-                keep += 1
-            # the stored conversation moved on elsewhere (another tab answered in it): this one is
-            # kept beside it, as a copy under the same title, rather than over it
-            fork = head is not None and keep < min(len(stored), last)
-            if fork:
-                cid, keep = None, 0
-            if head is None or fork:
-                # a fork keeps the title unless its first message was edited (a new question)
-                title = head[0] if fork and history and stored[0][1] == history[0]["content"] else title_of(history)
+            if head is None:
                 cid = cid or uuid.uuid4().hex
                 db.execute("INSERT INTO conversations (id, title, system, created, updated) VALUES (?, ?, ?, ?, ?)",
-                           (cid, title, system or "", now, now))
+                           (cid, title_of(history), system or "", now, now))
             else:
                 db.execute("UPDATE conversations SET system = ?, updated = ? WHERE id = ?", (system or "", now, cid))
-            variant = 0
-            regenerated = not fork and head is not None and keep == last and len(stored) > last and \
-                stored[last][0] == "assistant" and history[last]["role"] == "assistant"
-            if regenerated:  # the answer it replaces is kept as a sibling
-                db.execute("INSERT INTO alternatives (conversation, position, variant, content, note, settings, steps, "
-                           "stopped) SELECT conversation, position, variant, content, note, settings, steps, stopped "
-                           "FROM messages WHERE conversation = ? AND position = ?", (cid, last))
-                variant = 1 + db.execute("SELECT max(variant) FROM alternatives WHERE conversation = ? AND "
-                                         "position = ?", (cid, last)).fetchone()[0]
-            db.execute("DELETE FROM alternatives WHERE conversation = ? AND position >= ?",
-                       (cid, last + 1 if regenerated else keep))
-            db.execute("DELETE FROM messages WHERE conversation = ? AND position >= ?", (cid, keep))
-            for position in range(keep, len(history)):
+            tree = _Tree.read(db, cid, head[0] if head else None)
+            answered = bool(history) and history[-1]["role"] == "assistant"
+            parent, start = tree.longest_stored(history[:len(history) - answered])
+            next_id = tree.next_id
+            for position in range(start, len(history)):
                 m = history[position]
-                answer = position == last and m["role"] == "assistant"
-                db.execute("INSERT INTO messages (conversation, position, role, content, note, settings, steps, "
-                           "stopped, variant) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                           (cid, position, m["role"], m["content"], m.get("note") or "",
-                            settings_text if answer else None, blob if answer else None,
-                            int(bool(stopped) and answer), variant if answer else 0))
+                answer = answered and position == len(history) - 1
+                db.execute("INSERT INTO nodes (conversation, id, parent, role, content, note, settings, steps, "
+                           "stopped) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                           (cid, next_id, parent, m["role"], m["content"], m.get("note") or "",
+                            settings_text if answer else None, blob if answer else None, int(bool(stopped) and answer)))
+                parent, next_id = next_id, next_id + 1
+            db.execute("UPDATE conversations SET leaf = ? WHERE id = ?", (parent, cid))
             return cid
 
         return self._write(work)
@@ -297,44 +337,35 @@ class HistoryStore:
         return self._write(lambda db: db.execute("UPDATE conversations SET title = ? WHERE id = ?",
                                                  (title, conversation)).rowcount > 0)
 
-    def switch(self, conversation: str, step: int) -> bool:
-        """Show the last answer's sibling ``step`` places on (-1: the one before), in one
-        transaction; False when there is none that way."""
+    def switch(self, conversation: str, step: int, position: int = -1) -> bool:
+        """Show the sibling ``step`` places on (-1: the one before) of the message at ``position``
+        of the branch on show (-1: the last), with its newest continuation; False when there is
+        none that way."""
         def work(db):
-            row = db.execute("SELECT position, variant FROM messages WHERE conversation = ? AND role = 'assistant' "
-                             "AND position = (SELECT max(position) FROM messages WHERE conversation = ?)",
-                             (conversation, conversation)).fetchone()
-            if row is None:
+            head = db.execute("SELECT leaf FROM conversations WHERE id = ?", (conversation,)).fetchone()
+            tree = _Tree.read(db, conversation, head[0] if head else None)
+            path = tree.path()
+            at = position + len(path) if position < 0 else position
+            if not 0 <= at < len(path):
                 return False
-            position, variant = row
-            others = [v for (v,) in db.execute("SELECT variant FROM alternatives WHERE conversation = ? AND "
-                                               "position = ?", (conversation, position))]
-            variants = sorted(others + [variant])
-            index = variants.index(variant) + int(step)
-            if not others or not 0 <= index < len(variants):
+            siblings = tree.children[tree.parents[path[at]]]
+            index = siblings.index(path[at]) + int(step)
+            if not 0 <= index < len(siblings) or step == 0:
                 return False
-            target = variants[index]
-            key = (conversation, position)
-            db.execute("INSERT INTO alternatives (conversation, position, variant, content, note, settings, steps, "
-                       "stopped) SELECT conversation, position, variant, content, note, settings, steps, stopped "
-                       "FROM messages WHERE conversation = ? AND position = ?", key)
-            db.execute("UPDATE messages SET (variant, content, note, settings, steps, stopped) = (SELECT variant, "
-                       "content, note, settings, steps, stopped FROM alternatives WHERE conversation = ?1 AND "
-                       "position = ?2 AND variant = ?3) WHERE conversation = ?1 AND position = ?2", key + (target,))
-            db.execute("DELETE FROM alternatives WHERE conversation = ? AND position = ? AND variant = ?", key + (target,))
+            db.execute("UPDATE conversations SET leaf = ? WHERE id = ?", (tree.newest_leaf(siblings[index]),
+                                                                         conversation))
             return True
         return self._write(work)
 
     def delete(self, conversation: str) -> bool:
         def work(db):
-            db.execute("DELETE FROM alternatives WHERE conversation = ?", (conversation,))
-            db.execute("DELETE FROM messages WHERE conversation = ?", (conversation,))
+            db.execute("DELETE FROM nodes WHERE conversation = ?", (conversation,))
             return db.execute("DELETE FROM conversations WHERE id = ?", (conversation,)).rowcount > 0
         return self._write(work)
 
     # ----- reading ----------------------------------------------------------------------------
     def list(self, search: str = "", limit: int = 200) -> list[tuple[str, str, float]]:
-        """``(id, title, updated)`` newest first; ``search`` matches titles and message text."""
+        """``(id, title, updated)`` newest first; ``search`` matches titles and the text of any branch."""
         search = " ".join(str(search or "").split())
         with self._lock:
             if not search:
@@ -344,32 +375,86 @@ class HistoryStore:
                 like = _like(search)
                 rows = self._db.execute(
                     "SELECT id, title, updated FROM conversations c WHERE title LIKE ?1 ESCAPE '\\' OR EXISTS "
-                    "(SELECT 1 FROM messages m WHERE m.conversation = c.id AND m.content LIKE ?1 ESCAPE '\\') "
+                    "(SELECT 1 FROM nodes m WHERE m.conversation = c.id AND m.content LIKE ?1 ESCAPE '\\') "
                     "ORDER BY updated DESC LIMIT ?2", (like, limit))
             return [tuple(r) for r in rows.fetchall()]
 
     def load(self, conversation: str) -> Conversation | None:
-        """The conversation with its messages and its last answer's settings and steps, or None."""
+        """The conversation's branch on show, its siblings' counts and its last answer's settings
+        and steps, or None."""
         with self._lock:
-            head = self._db.execute("SELECT id, title, system, created, updated FROM conversations WHERE id = ?",
-                                    (conversation,)).fetchone()
+            head = self._db.execute("SELECT id, title, system, created, updated, leaf FROM conversations "
+                                    "WHERE id = ?", (conversation,)).fetchone()
             if head is None:
                 return None
-            rows = self._db.execute("SELECT role, content, note, settings, steps, variant FROM messages "
-                                    "WHERE conversation = ? ORDER BY position", (conversation,)).fetchall()
-            others = [] if not rows or rows[-1][0] != "assistant" else [v for (v,) in self._db.execute(
-                "SELECT variant FROM alternatives WHERE conversation = ? AND position = ?",
-                (conversation, len(rows) - 1))]
-        out = Conversation(*head)
-        for role, content, note, *_ in rows:
+            tree = _Tree.read(self._db, conversation, head[5])
+            path = tree.path()
+            last = self._db.execute("SELECT settings, steps FROM nodes WHERE conversation = ? AND id = ?",
+                                    (conversation, path[-1])).fetchone() if path else None
+        out = Conversation(*head[:5])
+        for position, node in enumerate(path):
+            role, content, note = tree.messages[node]
             out.messages.append({"role": role, "content": content, **({"note": note} if note else {})})
-        answers = [r for r in rows if r[0] == "assistant" and r[3] is not None]
-        if rows and rows[-1][0] == "assistant" and answers:
-            out.settings = json.loads(answers[-1][3] or "{}")
-            out.steps, out.texts = unpack_steps(answers[-1][4])
-            variants = sorted(others + [rows[-1][5]])
-            out.answers = (variants.index(rows[-1][5]) + 1, len(variants))
+            siblings = tree.children[tree.parents[node]]
+            if len(siblings) > 1:
+                out.branches.append((position, siblings.index(node) + 1, len(siblings)))
+        if last is not None and last[0] is not None and out.messages[-1]["role"] == "assistant":
+            out.settings = json.loads(last[0] or "{}")
+            out.steps, out.texts = unpack_steps(last[1])
         return out
+
+
+@dataclass
+class _Tree:
+    """One conversation's messages as a tree: ``parents[id]``, ``children[parent]`` (ids in the
+    order they were made; parent None: the first messages), the ``leaf`` on show, and each
+    message's ``(role, content, note)``."""
+
+    parents: dict
+    children: dict
+    leaf: int | None
+    messages: dict
+
+    @classmethod
+    def read(cls, db: sqlite3.Connection, conversation: str, leaf: int | None) -> "_Tree":
+        rows = db.execute("SELECT id, parent, role, content, note FROM nodes WHERE conversation = ? ORDER BY id",
+                          (conversation,)).fetchall()
+        parents, children, messages = {}, {None: []}, {}
+        for node, parent, *message in rows:
+            parents[node] = parent
+            children.setdefault(parent, []).append(node)
+            messages[node] = tuple(message)
+        return cls(parents, children, leaf if leaf in parents else None, messages)
+
+    @property
+    def next_id(self) -> int:
+        return max(self.parents, default=-1) + 1
+
+    def path(self) -> list[int]:
+        """The ids from the first message to the leaf on show."""
+        out, node = [], self.leaf
+        while node is not None:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def longest_stored(self, history: Sequence[dict]) -> tuple[int | None, int]:
+        """``(parent, count)``: how many first messages of ``history`` are stored as a branch (those
+        on show first), and the id of the last of them (None: none)."""
+        shown, parent = set(self.path()), None
+        for count, m in enumerate(history):
+            want = (m["role"], m["content"], m.get("note") or "")
+            same = [k for k in self.children.get(parent, []) if self.messages[k] == want]
+            if not same:
+                return parent, count
+            parent = next((k for k in same if k in shown), same[-1])
+        return parent, len(history)
+
+    def newest_leaf(self, node: int) -> int:
+        """The end of ``node``'s newest continuation (its last-made child's, and so on)."""
+        while self.children.get(node):
+            node = self.children[node][-1]
+        return node
 
 
 def open_store(data_dir: str | os.PathLike | None = None) -> tuple[HistoryStore | None, str]:
