@@ -205,3 +205,25 @@ def test_an_idle_page_requests_few_frames(server, page):
     slowed, frames = slowed1 - slowed0, frames1 - frames0
     assert slowed > 0  # the trackers' loops are there, and go through the gate
     assert frames < 4 * 25, (frames, slowed)  # unthrottled: 90 a second here (16 with the gate)
+
+
+def test_the_roofline_panel_moves_the_pick(server, page):
+    """Why this tree's roofline panel on the bundled int4 CPU profile: the draft-cost slider re-runs the
+    optimizer and the chart's pick moves (screenshot: test-artifacts/roofline.png)."""
+    from test_explain import Q4K, tuner_for
+
+    assert support.wait_until(lambda: server[0].busy == 0, 60), "the previous answer is still decoding"
+    server[0].set_tuner(tuner_for(Q4K))
+    try:
+        panel = page.locator("#sc-roofline")
+        panel.scroll_into_view_if_needed()
+        box = page.locator("#sc-roof-draft input[type=number]")
+        box.fill("0.25")
+        box.press("Enter")
+        expect(page.locator("#sc-roof-text")).to_contain_text("every draft level ×0.25", timeout=20_000)
+        expect(page.locator("#sc-roof-plot .js-plotly-plot")).to_be_visible(timeout=20_000)
+        expect(page.locator("#sc-roof-s text", has_text="pick").first).to_be_visible(timeout=20_000)
+        page.wait_for_timeout(500)
+        panel.screenshot(path=str(ARTIFACTS / "roofline.png"))
+    finally:
+        server[0].set_tuner(None)

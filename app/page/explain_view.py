@@ -2,7 +2,9 @@
 
 - **Why this tree**: the DP table G(n, d) for the acceptance calibration in use, the hardware
   profile, the predicted speedup S(n, d) with the optimizer's pick and the user's setting marked,
-  and one line on why the pick wins. Follows the temperature, top-p, method, size, depth and
+  and one line on why the pick wins; under them this machine's limits (:mod:`engine.tuning.roofline`:
+  the bandwidth floor and compute roof against the profile and the last answer's steps) with two
+  what-if sliders that re-run the optimizer. Follows the temperature, top-p, method, size, depth and
   auto controls; no model runs (the tables are cached, :mod:`engine.tuning.explain`).
 - **Step through the verifier**: the last answer's steps, decision by decision (Prev / Next or the
   sliders): p and q, the uniform r against min(1, p/q), the residual after a rejection, in a
@@ -27,11 +29,14 @@ from engine.core.settings import settings_from
 from engine.errors import EngineError
 from engine.trees.tree import Tree
 from engine.tuning import explain
+from engine.tuning import roofline as rl
+from engine.tuning.acceptance import nearest_setting
 from engine.tuning.optimizer import predict
 
 from app.views import explain_figures as xf
 from app.views import explain_text
 from app.views import figures
+from app.views import roofline_figures as rf
 from app.page.controls import ChatControls, sampling
 
 
@@ -122,6 +127,58 @@ class ExplainView:
         text = (f"<div class='sc-why'>{''.join(lines)}<div class='sc-why-note'>{label} · vector p₁…p₄ = "
                 f"{', '.join(f'{p:.2f}' for p in vector[:4])}…</div>{caption}</div>")
         return text, g_fig, s_fig, prof
+
+    # ----- this machine's limits -------------------------------------------------------------------
+    def _roofline(self):
+        """The :class:`~engine.tuning.roofline.Roofline` of the pair in use (the machine's limits are
+        measured the first time, about a second, then kept for the process), None without models."""
+        engine = self.app.worker.engine
+        engine = getattr(engine, "_engine", engine)
+        target = getattr(engine, "target", None)
+        if target is None:
+            return None
+        tuner = self.app.worker.tuner
+        return rl.roofline_of(rl.machine_limits(), tuner.profile if tuner is not None else None, target,
+                              getattr(engine, "draft", None))
+
+    def roofline(self, draft_scale, target_scale, run, method, temperature, top_p):
+        """``(roofline figure, what-if S figure, sentence HTML)``: the machine's limits, the profile, the
+        last answer's steps and the optimizer's pick with every draft level ``draft_scale`` times as
+        dear and the target ``target_scale`` times as large."""
+        temperature, top_p = sampling(temperature, top_p)
+        scales = (float(draft_scale or 1.0), float(target_scale or 1.0))
+        roofline = self._roofline()
+        if roofline is None:
+            return (figures.placeholder_figure("No models loaded.", 400),
+                    figures.placeholder_figure("No models loaded.", 340), "")
+        steps = run.steps if run is not None and getattr(run, "steps", None) else []
+        tuner = self.app.worker.tuner
+        if roofline.profile is None or tuner is None:
+            s_fig = figures.placeholder_figure("No hardware profile for this pair and device: no speedup to "
+                                               "predict, no pick to move.", 340)
+            return rf.roofline_figure(roofline, None, steps), s_fig, rf.roofline_html(None, roofline, scales)
+        vector = self.app.calibration(temperature, top_p).vector
+        confidence = tuner.confidence.get(nearest_setting(tuner.acceptance, temperature, top_p))
+        grid = (tuner.max_size or max(roofline.profile.target), tuner.max_depth)
+        what = rl.what_if(roofline, vector, scales[0], scales[1], grid, method == "chain", confidence)
+        pick = what.pick
+        scaled = what.roofline
+        chart = rf.roofline_figure(scaled, (pick.size, scaled.profile.target_time(pick.size)),
+                                   steps if scales == (1.0, 1.0) else ())
+        title = ("S(n, d) on this machine" if scales == (1.0, 1.0) else
+                 f"S(n, d) if a draft level cost ×{scales[0]:g} and the target were ×{scales[1]:g}")
+        s_fig = xf.speedup_heatmap(what.tables, (pick.size, max(pick.depth, 1)), None, title,
+                                   "pick" if scales == (1.0, 1.0) else "what-if pick")
+        return chart, s_fig, rf.roofline_html(what, scaled, scales)
+
+    def target_size_label(self) -> str:
+        """The target-size slider's label: the target's size in the weights of its matrices."""
+        roofline = self._roofline()
+        if roofline is None or not roofline.target_macs:
+            return "What if the target were × as large"
+        billions = roofline.target_macs / 1e9
+        return (f"What if the target were × as large (this one: {billions:.2f}B weights in its matrices; "
+                f"7B ≈ ×{7 / billions:.1f})" if billions >= 0.1 else "What if the target were × as large")
 
     # ----- step-through ------------------------------------------------------------------------------
     def walk(self, run, step_no, event_no):
@@ -237,6 +294,7 @@ class ExplainView:
                     c.g_plot = gr.Plot(why[1], show_label=False, elem_id="sc-why-g", min_width=320)
                     c.s_plot = gr.Plot(why[2], show_label=False, elem_id="sc-why-s", min_width=320)
                 c.profile_plot = gr.Plot(why[3], show_label=False, elem_id="sc-why-profile")
+                self._build_roofline(c)
             with gr.Tab("Step through the verifier", id="walk", elem_id="sc-walk-tab") as c.walk_tab:
                 c.trace_box = gr.Checkbox(False, label="Record the verifier's walk (for the next answers; costs no "
                                                        "model run)", elem_id="sc-trace")
@@ -258,6 +316,24 @@ class ExplainView:
                 c.acc_text = gr.HTML(text, elem_id="sc-acc-text")
             c.conversation = gr.State([])
 
+    def _build_roofline(self, c) -> None:
+        """The roofline panel: the what-if sliders, the chart and S(n, d) under them, the sentence."""
+        o = self.app.options
+        with gr.Column(elem_id="sc-roofline"):
+            gr.HTML("<div class='sc-why-note'><b>This machine's limits.</b> A forward streams all its weights "
+                    "once (the bandwidth floor) and computes every row (the compute roof): where the measured "
+                    "curves sit against them decides how big a tree pays. Move the sliders to see the pick move.</div>")
+            with gr.Row(equal_height=True):
+                c.draft_scale = gr.Slider(0.25, 2.0, value=1.0, step=0.05, elem_id="sc-roof-draft",
+                                          label="What if a draft level cost × as much")
+                c.target_scale = gr.Slider(0.25, 5.0, value=1.0, step=0.05, elem_id="sc-roof-target",
+                                           label=self.target_size_label())
+            chart, s_fig, text = self.roofline(1.0, 1.0, None, o["method"], o["temperature"], o["top_p"])
+            with gr.Row(equal_height=False):
+                c.roof_plot = gr.Plot(chart, show_label=False, elem_id="sc-roof-plot", min_width=320)
+                c.roof_s_plot = gr.Plot(s_fig, show_label=False, elem_id="sc-roof-s", min_width=320)
+            c.roof_text = gr.HTML(text, elem_id="sc-roof-text")
+
     def wire(self, answered: list, cleared: list) -> None:
         """Event hooks: the controls redraw "why"; ``answered`` (events that end with a new run in
         the app's ``run`` state) refresh the walk and the acceptance chart; ``cleared`` resets them."""
@@ -267,10 +343,17 @@ class ExplainView:
         for control in controls:
             control.change(self.why, controls, [c.why_text, c.g_plot, c.s_plot, c.profile_plot],
                            trigger_mode="always_last", **quiet)
+        roof_in = [c.draft_scale, c.target_scale, a.run, a.method, a.temperature, a.top_p]
+        roof_out = [c.roof_plot, c.roof_s_plot, c.roof_text]
+        for control in (c.draft_scale, c.target_scale):
+            control.input(self.roofline, roof_in, roof_out, trigger_mode="always_last", **quiet)
+        for control in (a.method, a.temperature, a.top_p):
+            control.change(self.roofline, roof_in, roof_out, trigger_mode="always_last", **quiet)
         walk_out = [c.step_slider, c.event_slider, c.walk_text, c.walk_tree, c.walk_bars]
         after_out = [c.conversation, *walk_out, c.acc_plot, c.acc_text]
         for event in answered:
             event.then(self.after_answer, [a.run, c.conversation, a.temperature, a.top_p], after_out, **quiet)
+            event.then(self.roofline, roof_in, roof_out, **quiet)
         for event in cleared:
             event.then(self.cleared, [a.temperature, a.top_p], after_out, **quiet)
         c.trace_box.change(self.set_trace, c.trace_box, None, **quiet)

@@ -69,9 +69,10 @@ def _label(size: int, depth: int, text: str, colour: str, below: bool) -> dict:
 
 
 def _heatmap_figure(tables: Tables, grid, title: str, colourbar: str, marks: tuple, kind: str,
-                    **scale) -> go.Figure:
+                    pick_text: str | None = None, **scale) -> go.Figure:
     """A heatmap of ``grid`` over the tables' sizes and depths; ``marks``: (pick, yours), each an
-    (n, d) to mark or None."""
+    (n, d) to mark or None; ``pick_text``: the pick's label (default "pick", or "pick = you"
+    without ``yours``)."""
     pick, yours = marks
     hover = _hover_cells(tables)
     traces = [dict(type="heatmap", x=list(tables.sizes), y=list(tables.depths), z=[list(r) for r in grid],
@@ -83,7 +84,7 @@ def _heatmap_figure(tables: Tables, grid, title: str, colourbar: str, marks: tup
         traces.append(_marker(*yours, "your setting", YOURS_COLOUR, "circle", "you", "yours"))
         labels.append(_label(*yours, "you", YOURS_COLOUR, below=True))
     if pick is not None:
-        text = "pick" if yours is not None else "pick = you"
+        text = pick_text or ("pick" if yours is not None else "pick = you")
         traces.append(_marker(*pick, "optimizer's pick", PICK_COLOUR, "star", text, "pick"))
         labels.append(_label(*pick, text, "#b45309", below=False))
     layout = _base_layout(title, 340)
@@ -125,9 +126,12 @@ def expected_heatmap(tables: Tables, pick: tuple[int, int] | None = None, yours:
 
 
 def speedup_heatmap(tables: Tables, pick: tuple[int, int] | None = None,
-                    yours: tuple[int, int] | None = None) -> go.Figure:
+                    yours: tuple[int, int] | None = None,
+                    title: str = "S(n, d): predicted speedup over the target alone",
+                    pick_text: str | None = None) -> go.Figure:
     """S(n, d) = G(n, d)·t_T(1) / (t_T(n) + draft cost), predicted speedup over the target alone;
-    diverging around 1 (red: slower than the target alone, green: faster)."""
+    diverging around 1 (red: slower than the target alone, green: faster); ``title`` and
+    ``pick_text`` (the pick's label) for a what-if's table."""
     if tables.speedup is None:
         return figures.placeholder_figure("No hardware profile for this pair and device: no speedup to predict "
                                           "(python -m engine.cli.profile measures one).", 340)
@@ -136,8 +140,8 @@ def speedup_heatmap(tables: Tables, pick: tuple[int, int] | None = None,
     middle = (1.0 - low) / (high - low)  # where 1× (the target alone) falls on the scale: pale yellow
     scale = [[0.0, "#b91c1c"], [middle / 2, "#f87171"], [middle, "#fef9c3"],
              [middle + (1 - middle) / 2, "#4ade80"], [1.0, "#166534"]]
-    return _heatmap_figure(tables, tables.speedup, "S(n, d): predicted speedup over the target alone", "speedup ×",
-                           (pick, yours), "speedup", colorscale=scale, zmin=low, zmax=high)
+    return _heatmap_figure(tables, tables.speedup, title, "speedup ×",
+                           (pick, yours), "speedup", pick_text, colorscale=scale, zmin=low, zmax=high)
 
 
 def profile_figure(profile: HardwareProfile) -> go.Figure:

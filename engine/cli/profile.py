@@ -1,5 +1,6 @@
 """Command line: ``python -m engine.cli.profile`` measures a pair's hardware profile
-(:mod:`engine.tuning.profile`: t_T(n), t_D(w) and the step overhead) and caches it per device, pair and dtype."""
+(:mod:`engine.tuning.profile`: t_T(n), t_D(w) and the step overhead) and caches it per device, pair and dtype;
+on a CPU it then says where the profile sits against the machine's limits (:mod:`engine.tuning.roofline`)."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,7 @@ from pathlib import Path
 from engine.cli.arguments import add_format_arguments, formats_of
 from engine.models.loading import DTYPES, load_pair, pair_name
 from engine.user_cache import cache_dir
+from engine.tuning.roofline import limits_sentence, measure_machine, roofline_of
 from engine.tuning.profile import (measure_profile, measure_step_overhead, powers_of_two, profile_path,
                                    profile_prompts)
 
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"draft  w={w:5d}: {t * 1e3:8.1f} ms")
     print(f"step overhead: {profile.step_overhead * 1e3:.1f} ms (a bundled chat prompt, the target alone)")
     print(f"saved {path}")
+    if args.device == "cpu":  # this machine's limits against the profile (not saved: the app measures them itself)
+        print(limits_sentence(roofline_of(measure_machine(), profile, target, draft)))
 
 
 if __name__ == "__main__":
