@@ -41,6 +41,7 @@ class Run:
     baseline: float | None = None
     baseline_source: str = figures.MEASURED  # of ``baseline``: see ``figures.BASELINE_WORDS``
     priced: float | None = None         # its speedup as the device profile prices its steps
+    acceptance: str = ""                # which acceptance predicted ``expected`` (PricedBy.label)
     scale: float = 1.0                  # figure font scale (presentation mode)
     main: dict | None = None
     compare: dict | None = None
@@ -134,12 +135,14 @@ class AnswerState:
         if data.get("dropped") is not None:  # as the worker fitted it
             self.notice = dropped_notice(data["dropped"], max_context)
         decision, run = data["decision"], self.run
+        priced = decision.priced_by
         if decision.choice is not None:
             run.predicted = decision.choice.predicted_speedup
             run.expected = decision.choice.expected_tokens
             run.tree_desc = f"{decision.method}, auto: " + describe_choice(decision.choice)
         elif self.vector is not None and decision.drafts:
-            run.expected = decision.tree.expected_tokens(self.vector)
+            run.expected = decision.tree.expected_tokens(priced.vector if priced is not None else self.vector)
+        run.acceptance = priced.label() if priced is not None and run.expected is not None else ""
         n, alone = data.get("prompt_tokens"), self.who == "the target alone"
         deferred = bool(data.get("draft_later"))
         readers = "the target reads" if alone or deferred else "the target and the draft read"
@@ -270,7 +273,8 @@ def _live_update(app, state: AnswerState, feed: Feed, fed: _FedText, pacer: _Pac
             record["status"] = _status(state, state.decoding_status())
             if pacer.plots_due(state, now, o["feed_tree_interval"]):
                 record["tree"] = tree_figures.tree_svg(run.steps[-1], run.texts, scale=1.25 * run.scale)
-                record["stats"] = figures.markdown_html(figures.stats_line(run.steps, expected_tokens=run.expected))
+                line = figures.stats_line(run.steps, expected_tokens=run.expected, acceptance=run.acceptance)
+                record["stats"] = figures.markdown_html(line)
             feed.put(**record)
             pacer.text, state.dirty_text = now, False
         return None
@@ -289,7 +293,7 @@ def _live_update(app, state: AnswerState, feed: Feed, fed: _FedText, pacer: _Pac
                                          visible=True)
     if pacer.plots_due(state, now, o["plot_interval"]):
         update[c.live_tree] = tree_figures.tree_svg(run.steps[-1], run.texts, scale=1.25 * run.scale)
-        update[c.stats] = figures.stats_line(run.steps, expected_tokens=run.expected)
+        update[c.stats] = figures.stats_line(run.steps, expected_tokens=run.expected, acceptance=run.acceptance)
     pacer.text, state.dirty_text = now, False
     return update
 
@@ -375,7 +379,8 @@ def run_views(app, run: Run, index: int | None, highlight: bool, tokenizer=None)
         out[c.steps_plot] = figures.steps_figure(run.steps, run.baseline, run.expected, run.predicted,
                                                  highlight=run.steps[index].index,
                                                  baseline_source=run.baseline_source)
-        out[c.stats] = figures.stats_line(run.steps, run.baseline, run.baseline_source, run.expected, run.priced)
+        out[c.stats] = figures.stats_line(run.steps, run.baseline, run.baseline_source, run.expected, run.priced,
+                                          run.acceptance)
     out[c.compare_md] = gr.update(value=compare_markdown(run), visible=run.compare is not None)
     tokenizer = tokenizer or app.worker.tokenizer
     out[c.highlight_view] = gr.update(value=highlight_html(tokenizer, run.steps, current=index),

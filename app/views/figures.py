@@ -210,8 +210,11 @@ def summarise(steps: Sequence[StepRecord]) -> dict:
     draft_s = sum(s.timings.draft_s for s in steps)
     verify_s = sum(s.timings.verify_s for s in steps)
     total_s = sum(s.timings.total_s for s in steps)
+    drafting = [s for s in steps if s.tree_size > 1]  # the target alone's steps (timed, paused, reading) aside
     return {
         "steps": len(steps), "tokens": tokens, "seconds": total_s,
+        "drafting_steps": len(drafting),
+        "drafting_tokens_per_step": sum(len(s.committed) for s in drafting) / len(drafting) if drafting else None,
         "reading_s": sum(s.timings.reading_s for s in steps),
         "paused": sum(1 for s in steps if s.draft_paused),
         "tokens_per_s": tokens / total_s if total_s > 0 else 0.0,
@@ -226,12 +229,13 @@ def summarise(steps: Sequence[StepRecord]) -> dict:
 
 def stats_line(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None = None,
                baseline_source: str = "measured", expected_tokens: float | None = None,
-               priced_speedup: float | None = None) -> str:
+               priced_speedup: float | None = None, acceptance: str = "") -> str:
     """One Markdown line: tokens/s, tokens/step, acceptance, draft/verify time split, speedup.
 
     Every figure says what it is: *measured* (this answer's steps, or a run of the target alone),
     *estimated* (the target-alone rate from the device profile, ``baseline_source="estimated"``)
-    or *predicted* (``expected_tokens``, from the acceptance calibration). ``priced_speedup``
+    or *predicted* (``expected_tokens``, from the acceptance vector ``acceptance`` names:
+    "calibrated", or "this conversation's after N steps"). ``priced_speedup``
     (:func:`engine.core.draft_gate.priced_speedup`) explains a measured ratio below 1."""
     if not steps:
         return "No steps yet."
@@ -247,7 +251,10 @@ def stats_line(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None 
     else:
         parts.append("no drafts (target alone)")
     if expected_tokens is not None and s["acceptance_rate"] is not None:
-        parts.append(f"predicted {expected_tokens:.2f} tokens/step")
+        notes = [f"acceptance {acceptance}"] if acceptance else []
+        if s["drafting_steps"]:
+            notes.append(f"measured {s['drafting_tokens_per_step']:.2f} on the {s['drafting_steps']} steps that drafted")
+        parts.append(f"predicted {expected_tokens:.2f} tokens/step" + (f" ({'; '.join(notes)})" if notes else ""))
     parts.append(f"time: draft {_percent(s['draft_share'])} · verify {_percent(s['verify_share'])}")
     if s["paused"]:
         parts.append(f"drafting paused on {s['paused']} of {s['steps']} steps (this answer kept too few drafts "

@@ -6,6 +6,11 @@ lets the next prompt reuse the longest common prefix of those tokens and prefill
 the engine keeps the record up to date as it decodes, so the cache is valid whenever the
 generation stops (done, cancelled or failed).
 
+It also keeps what its greedy answers' steps said about acceptance (:class:`RankCounts`, by the
+length of the prompt each answered): the next greedy answer's tree is priced by the counts of the
+answers whose prompts its own still holds (:meth:`ConversationCache.evidence_for`), not those of a
+branch left behind.
+
 Exactness is unchanged: a reused slot holds the keys and values the engine itself computed for
 that token at that position, the very ones it would have attended to had the generation gone on.
 """
@@ -16,6 +21,7 @@ from collections import OrderedDict
 
 import torch
 
+from engine.core.acceptance_evidence import RankCounts
 from engine.core.kv_cache import truncate
 from engine.core.runner import DynamicRunner
 
@@ -43,6 +49,7 @@ class ConversationCache:
         self.runners: dict[str, DynamicRunner] = {}
         self.tokens: dict[str, list[int]] = {"target": [], "draft": []}
         self.reused: dict[str, int] = {"target": 0, "draft": 0}  # of the last prompt
+        self.evidence: list[tuple[int, RankCounts]] = []  # (its answer's prompt tokens, a step's counts)
 
     def belongs_to(self, target: torch.nn.Module, draft: torch.nn.Module | None) -> bool:
         """Whether this cache was built for exactly these models."""
@@ -53,6 +60,18 @@ class ConversationCache:
         if role not in self.runners:
             self.runners[role] = DynamicRunner(self.models[role])
         return self.runners[role]
+
+    def observe(self, start: int, counts: RankCounts) -> None:
+        """A greedy step of the answer to a ``start``-token prompt counted ``counts``."""
+        if counts:
+            self.evidence.append((start, counts))
+
+    def evidence_for(self, prompt: list[int]) -> RankCounts:
+        """The counts of the kept answers whose prompts ``prompt`` still holds (an edit or a branch
+        drops those after it, here too); an answer's own text need not come back token for token."""
+        held = self.held("target", prompt)
+        self.evidence = [(start, counts) for start, counts in self.evidence if start <= held + 1]
+        return sum((counts for _, counts in self.evidence), RankCounts())
 
     def held(self, role: str, prompt: list[int]) -> int:
         """How many leading tokens of ``prompt`` the cache of ``role`` holds (nothing is changed)."""

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from engine.core.acceptance_evidence import PricedBy, RankCounts
 from engine.core.logprobs import check_logprobs
 from engine.errors import InvalidParameterError
 from engine.trees.tree import Tree
@@ -142,11 +143,15 @@ def _is_number(value) -> bool:
 
 # ----- the one tree decision ----------------------------------------------------------------------
 class Planner(Protocol):
-    """What :func:`decide_tree` asks (:class:`engine.tuning.planner.TreePlanner`)."""
+    """What :func:`decide_tree` asks (:class:`engine.tuning.planner.TreePlanner`); ``evidence``:
+    a conversation's own :class:`RankCounts` (None: the calibration alone)."""
 
-    def sized_tree(self, size: int, depth: int, temperature: float, top_p: float) -> Tree: ...
+    def acceptance(self, temperature: float, top_p: float, evidence: RankCounts | None = None) -> PricedBy: ...
 
-    def choose(self, temperature: float, top_p: float, method: str) -> Any | None: ...
+    def sized_tree(self, size: int, depth: int, temperature: float, top_p: float,
+                   evidence: RankCounts | None = None) -> Tree: ...
+
+    def choose(self, temperature: float, top_p: float, method: str, evidence: RankCounts | None = None) -> Any | None: ...
 
 
 DEFAULT_SIZE = TreeSize(8, 4)  # "auto" where the pair has no hardware profile: the app's manual default
@@ -163,6 +168,7 @@ class TreeDecision:
     method: str
     choice: Any | None = None
     confidence: float = 0.0
+    priced_by: PricedBy | None = None  # the acceptance that shaped and priced the tree (None: no planner asked)
 
     @property
     def auto(self) -> bool:
@@ -174,21 +180,25 @@ class TreeDecision:
         return self.tree.depth > 0
 
 
-def decide_tree(settings: DecodeSettings, planner: Planner | None) -> TreeDecision:
+def decide_tree(settings: DecodeSettings, planner: Planner | None, evidence: RankCounts | None = None) -> TreeDecision:
     """The tree ``settings`` decode with. ``None`` and ``autoregressive`` (or size 1, but for
     ``chain``): the target alone. A ``Tree``: itself (``chain`` needs a chain). A
     :class:`TreeSize`: a chain of its depth for ``chain``, else the planner's DP tree with the
     depth capped at ``size - 1``. ``"auto"``: the planner's pick for this temperature, top-p and
-    method; a planner without a hardware profile gives :data:`DEFAULT_SIZE` instead.
-    :class:`InvalidParameterError` when a spec needs a planner and there is none."""
+    method; a planner without a hardware profile gives :data:`DEFAULT_SIZE` instead. ``evidence``:
+    a conversation's own acceptance counts, which shape a size's or ``"auto"``'s tree for greedy
+    answers only (their output is the target's whatever the tree; a sampled answer's draws depend
+    on its tree, so it follows nothing but its settings). :class:`InvalidParameterError` when a
+    spec needs a planner and there is none."""
     spec, method = settings.tree, settings.method
+    evidence = evidence if evidence and settings.greedy else None
     confidence = settings.confidence or 0.0
     if spec is None or method == "autoregressive":
         return TreeDecision(ROOT_ONLY, method, confidence=confidence)
     choice = None
     if isinstance(spec, str):
         _need(planner, "tree='auto'")
-        choice = planner.choose(settings.temperature, settings.top_p, method)
+        choice = planner.choose(settings.temperature, settings.top_p, method, evidence)
         if choice is None:
             spec = DEFAULT_SIZE
         else:
@@ -201,12 +211,14 @@ def decide_tree(settings: DecodeSettings, planner: Planner | None) -> TreeDecisi
             tree = ROOT_ONLY
         else:
             _need(planner, f"tree=TreeSize({spec.size}, {spec.depth})")
-            tree = planner.sized_tree(spec.size, min(spec.depth, spec.size - 1), settings.temperature, settings.top_p)
+            tree = planner.sized_tree(spec.size, min(spec.depth, spec.size - 1), settings.temperature, settings.top_p,
+                                      evidence)
     elif isinstance(spec, Tree):
         tree = spec
     if method == "chain" and tree.size != tree.depth + 1:
         raise InvalidParameterError("method 'chain' needs a chain tree: use Tree.chain(depth)")
-    return TreeDecision(tree, method, choice, confidence)
+    priced = planner.acceptance(settings.temperature, settings.top_p, evidence) if planner is not None else None
+    return TreeDecision(tree, method, choice, confidence, priced)
 
 
 def _need(planner: Planner | None, what: str) -> None:

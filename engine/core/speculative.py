@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from engine.core.acceptance_evidence import RankCounts
 from engine.core.copy_policy import CopyMemory
 from engine.core.prefix_cache import ConversationCache
 from engine.core.records import GenerationResult, PrefillProgress, StepRecord
@@ -140,7 +141,7 @@ class SpeculativeEngine:
             raise InvalidParameterError(f"timed_alone must be a TimedAlone policy or None, got {timed_alone!r}")
         if cache is not None and not (isinstance(cache, ConversationCache) and cache.belongs_to(self.target, self.draft)):
             raise InvalidParameterError("cache must be a ConversationCache built for this engine's target and draft")
-        params = self._prepare(input_ids, settings_from(settings, **setting_values))
+        params = self._prepare(input_ids, settings_from(settings, **setting_values), cache)
         return Generation(Decoding(self, list(input_ids), params, cache, timed_alone), should_stop, on_prefill)
 
     # ----- validation -----------------------------------------------------------------------
@@ -148,16 +149,18 @@ class SpeculativeEngine:
         """Whether every item of ``ids`` is a token id of this engine's vocabulary."""
         return not any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids)
 
-    def decide(self, settings: DecodeSettings) -> TreeDecision:
+    def decide(self, settings: DecodeSettings, evidence: RankCounts | None = None) -> TreeDecision:
         """The tree ``settings`` decode with on this engine: :func:`~engine.core.settings.decide_tree`
-        with its planner (a size or ``"auto"`` without a draft: the target alone)."""
+        with its planner (a size or ``"auto"`` without a draft: the target alone); ``evidence``: a
+        conversation's own acceptance counts (a conversation cache's, for greedy answers)."""
         if self.draft is None and settings.tree is not None and not isinstance(settings.tree, Tree):
             settings = dataclasses.replace(settings, tree=None)
-        return decide_tree(settings, self.planner)
+        return decide_tree(settings, self.planner, evidence)
 
-    def _prepare(self, input_ids, settings: DecodeSettings) -> DecodeParams:
+    def _prepare(self, input_ids, settings: DecodeSettings, cache: ConversationCache | None = None) -> DecodeParams:
         """The generation's parameters: the prompt and prediction checked against this vocabulary,
-        the tree decided, the context's room checked."""
+        the tree decided (a greedy answer's by its conversation's acceptance too, where ``cache``
+        kept some and the tree it picks fits the context), the context's room checked."""
         if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
             raise InvalidParameterError("input_ids must be a non-empty list of token ids (the prompt is empty)")
         if not self._token_ids(input_ids):
@@ -165,13 +168,18 @@ class SpeculativeEngine:
         if settings.prediction is not None and not self._token_ids(settings.prediction):
             raise InvalidParameterError(f"prediction must be a list of token ids in [0, {self.vocab_size})")
         decision = self.decide(settings)
+        limit, what = (self.max_context, "the target's context") if self.max_context else (0, "")
+        if self.static_cache and (not limit or self.max_cache_len < limit):
+            limit, what = self.max_cache_len, "the static KV cache (max_cache_len)"
+        evidence = cache.evidence_for(list(input_ids)) if cache is not None and settings.greedy else None
+        if evidence:
+            followed = self.decide(settings, evidence)
+            if not limit or len(input_ids) + settings.max_new_tokens + followed.tree.size <= limit:
+                decision = followed
         tree = decision.tree
         if tree.depth > 0 and self.draft is None:
             raise InvalidParameterError("a tree with draft tokens needs a draft model: pass draft= or use tree=None")
         needed = len(input_ids) + settings.max_new_tokens + tree.size
-        limit, what = (self.max_context, "the target's context") if self.max_context else (0, "")
-        if self.static_cache and (not limit or self.max_cache_len < limit):
-            limit, what = self.max_cache_len, "the static KV cache (max_cache_len)"
         if limit and needed > limit:
             raise ContextOverflowError(
                 f"prompt ({len(input_ids)} tokens) + max_new_tokens ({settings.max_new_tokens}) + tree ({tree.size}) "

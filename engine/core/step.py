@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.core.acceptance_evidence import RankCounts
 from engine.core.copy_policy import CopyPolicy
 from engine.core.draft_gate import DraftGate
 from engine.core.logprobs import committed_logprobs
@@ -217,6 +218,8 @@ class Decoding:
                             copy_origins=merged.origin if proposals else [], token_logprobs=scored,
                             draft_behind=len(self.seq) - 1 - self.draft_len if catching_up else 0,
                             draft_paused=paused, timed_alone=timed)
+        if self.cache is not None and self.params.greedy:  # what the conversation's next answers are priced by
+            self.cache.observe(self.prompt_len, RankCounts.of_step(record, grown=self.params.confidence > 0))
         self.steps += 1
         return record
 

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.core.acceptance_evidence import PRIOR_SAMPLES
 from engine.core.copy_policy import step_cost
 from engine.trees import dp
 from engine.trees.tree import Tree
@@ -93,28 +94,54 @@ def grown_chain(samples, depth: int, threshold: float, profile: HardwareProfile)
                       expected * profile.token_time() / step_s, confidence=threshold)
 
 
+@dataclass(frozen=True)
+class Followed:
+    """A conversation's own (q, kept) samples (:class:`engine.core.acceptance_evidence.RankCounts`)
+    that grown chains are priced by beside the calibration's, which weighs as ``weight`` of them;
+    ``calibrated``: the calibration's vector (the one its samples are scaled to)."""
+
+    samples: tuple
+    weight: float
+    calibrated: tuple
+
+
 def choose_tree(acceptance, profile: HardwareProfile, max_size: int | None = None,
-                max_depth: int = 16, chains_only: bool = False, confidence=None) -> TreeChoice:
+                max_depth: int = 16, chains_only: bool = False, confidence=None,
+                followed: Followed | None = None) -> TreeChoice:
     """The (n, d) maximising predicted speedup, with its DP tree (a chain of d = n - 1 when
     ``chains_only``, for methods that verify chains only). ``n = 1`` (no drafting) always competes,
-    and with ``confidence`` samples (:func:`grown_chain`) so do chains grown by confidence, their
-    tokens scaled by the vector's one-token chain over the samples' own."""
+    and with ``confidence`` samples (:func:`grown_chain`) so do chains grown by confidence
+    (:func:`price_grown`; ``followed``: a conversation's samples beside them)."""
     max_size = max_size or max(profile.target)
     best = _best_fixed_tree(acceptance, profile, max_size, max_depth, chains_only)
     if not confidence or max_depth < 2 or max_size < 3:
         return best
-    # the samples' own one-token chain against the vector's: growth's tokens are scaled by their
-    # ratio, so that grown and fixed trees are judged on the same acceptance
-    scale = (predict(Tree.chain(1), acceptance, profile).expected_tokens
-             / grown_chain(confidence, 1, 1.0, profile).expected_tokens)
     for depth in range(2, min(max_depth, max_size - 1, MAX_GROWN_DEPTH) + 1):
         for threshold in GROWTH_THRESHOLDS:
-            choice = grown_chain(confidence, depth, threshold, profile)
-            choice = dataclasses.replace(choice, expected_tokens=choice.expected_tokens * scale,
-                                         predicted_speedup=choice.predicted_speedup * scale)
+            choice = price_grown(acceptance, confidence, depth, threshold, profile, followed)
             if choice.predicted_speedup > best.predicted_speedup:
                 best = choice
     return best
+
+
+def price_grown(acceptance, confidence, depth: int, threshold: float, profile: HardwareProfile,
+                followed: Followed | None = None) -> TreeChoice:
+    """A chain grown by confidence (:func:`grown_chain`) over the calibration's samples, its tokens
+    scaled by the vector's one-token chain over the samples' own (so that grown and fixed trees are
+    judged on the same acceptance); with ``followed``, blended with the same chain over the
+    conversation's samples (these need no scale: they are the conversation's acceptance), the
+    calibration's weighing as ``followed.weight`` samples."""
+    prior = followed.calibrated if followed is not None else acceptance
+    scale = predict(Tree.chain(1), prior, profile).expected_tokens / grown_chain(confidence, 1, 1.0,
+                                                                                  profile).expected_tokens
+    choice = grown_chain(confidence, depth, threshold, profile)
+    tokens, seconds = choice.expected_tokens * scale, choice.step_time_s
+    if followed is not None and followed.samples:
+        own, n, w = grown_chain(followed.samples, depth, threshold, profile), len(followed.samples), followed.weight
+        tokens = (w * tokens + n * own.expected_tokens) / (w + n)
+        seconds = (w * seconds + n * own.step_time_s) / (w + n)
+    return dataclasses.replace(choice, expected_tokens=tokens, step_time_s=seconds,
+                               predicted_speedup=tokens * profile.token_time() / seconds)
 
 
 def _best_fixed_tree(acceptance, profile: HardwareProfile, max_size: int, max_depth: int,
@@ -183,6 +210,25 @@ class AutoTuner:
                                             chains_only=key[2],
                                             confidence=self.confidence.get(key[:2]) if grown else None)
         return self._chosen[key]
+
+    def choose_for(self, vector, temperature: float, top_p: float, method: str = "sequoia",
+                   samples: tuple = ()) -> TreeChoice:
+        """:meth:`choose` for a conversation: its acceptance ``vector`` in place of the setting's
+        calibration, and its (q, kept) ``samples`` beside the calibration's for grown chains. Not memoised."""
+        key = nearest_setting(self.acceptance, temperature, top_p)
+        return choose_tree(list(vector), self.profile, self.max_size, self.max_depth, chains_only=method == "chain",
+                           confidence=self.confidence.get(key), followed=self._followed(key, samples))
+
+    def reprice(self, choice: TreeChoice, vector, temperature: float, top_p: float, samples: tuple = ()) -> TreeChoice:
+        """``choice`` (a pick of :meth:`choose`) priced for a conversation, as :meth:`choose_for` prices trees."""
+        if choice.confidence <= 0:
+            return predict(choice.tree, list(vector), self.profile)
+        key = nearest_setting(self.acceptance, temperature, top_p)
+        return price_grown(list(vector), self.confidence[key], choice.depth, choice.confidence, self.profile,
+                           self._followed(key, samples))
+
+    def _followed(self, key, samples: tuple) -> Followed:
+        return Followed(tuple(samples), PRIOR_SAMPLES, tuple(self.acceptance[key]))
 
 
 def load_tuner(pair: str, target, cache: Path | None = None, nearest: bool = True):
