@@ -16,6 +16,7 @@ from engine.tuning.calibrate import find_acceptance
 from engine.tuning.optimizer import AutoTuner
 from engine.tuning.planner import TreePlanner
 from engine.tuning.profile import HardwareProfile
+from engine.tuning.roofline import _ms
 
 pytestmark = pytest.mark.real_pair
 
@@ -70,6 +71,15 @@ def test_the_teaching_tabs_on_the_real_pair(server):
         assert page.locator("#sc-why-s text", has_text="pick").count() >= 1
         expect(why).to_contain_text("bundled with the app: assets/profiles/")
         shot(page, "explain-why.png")
+        # this machine's limits against the profile: the sentence quotes the profile's own t_T(1) and t_D(1)
+        profile = worker.tuner.profile
+        roof = page.locator("#sc-roof-text")
+        page.locator("#sc-roofline").scroll_into_view_if_needed()
+        expect(roof).to_contain_text(f"t_T(1) measures {_ms(profile.target_time(1))}", timeout=60_000)
+        expect(roof).to_contain_text(f"The draft's level costs {_ms(profile.draft_time(1))}")
+        expect(page.locator("#sc-roof-plot .js-plotly-plot")).to_be_visible(timeout=30_000)
+        page.wait_for_timeout(400)
+        page.locator("#sc-roofline").screenshot(path=str(ARTIFACTS / "roofline-real-pair.png"))
 
         page.get_by_role("tab", name="Step through the verifier").click()
         expect(page.get_by_label("Record the verifier's walk", exact=False)).to_be_checked(timeout=10_000)

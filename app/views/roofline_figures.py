@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
+from engine.core.draft_gate import drafted_tree
 from engine.core.records import StepRecord
 from engine.tuning.roofline import Roofline, WhatIf, limits_sentence, one_sentence
 
@@ -38,17 +39,15 @@ def _rows_axis(roofline: Roofline, steps: Sequence[StepRecord]) -> list[int]:
 def step_points(steps: Sequence[StepRecord]) -> tuple[list[tuple[int, float, int]], list[tuple[float, float, int]]]:
     """``(verify, draft)`` points of ``steps``: ``(rows verified, seconds, step number)`` for every step
     that timed its verification, and ``(mean level width, seconds per level, step number)`` for every
-    step that drafted (a level per depth of its tree: the levels with children)."""
+    step whose draft drafted (a level per depth of the draft's own tree: the levels with children)."""
     verify, draft = [], []
     for number, step in enumerate(steps, 1):
         if step.timings.verify_s > 0:
             verify.append((step.tree_size, step.timings.verify_s, number))
-        depth = [0] * len(step.parents)
-        for node, parent in enumerate(step.parents[1:], 1):
-            depth[node] = depth[parent] + 1
-        levels = max(depth, default=0)
+        drafted = drafted_tree(step)  # nodes copied from the context cost the draft nothing
+        levels = drafted.depth
         if levels and step.timings.draft_s > 0:
-            width = len(set(step.parents[1:])) / levels
+            width = len(set(drafted.parents[1:])) / levels
             draft.append((width, step.timings.draft_s / levels, number))
     return verify, draft
 

@@ -304,7 +304,7 @@ def limits_sentence(roofline: Roofline) -> str:
         return words + (f"; its rows turn compute-bound past n = {roofline.compute_bound_from - 1} "
                         f"({limits.compute} roof {limits.int8_gops:.0f} GOPS). No profile: nothing measured to set against them.")
     one = roofline.profile.target_time(1)
-    words += f", and t_T(1) measures {_ms(one)} ({one / floor:.2f}× its floor)."
+    words += f", and t_T(1) measures {_ms(one)} ({_factor(one / floor)}× its floor)."
     words += (f" At the {limits.compute} roof ({limits.int8_gops:.0f} GOPS) a row's arithmetic takes {_ms(per_row)}, "
               f"so rows turn compute-bound past n = {roofline.compute_bound_from - 1}")
     achieved = achieved_gops(roofline)
