@@ -90,8 +90,7 @@ class Measurement:
             line = (f"This machine's profile was refused ({'; '.join(reasons)}): the optimizer keeps the "
                     f"{tuner.origin}" + (f"; measuring again in {self.retry_after_s / 60:.0f} min "
                                          f"(attempt {self.attempt + 1} of {self.attempts})." if again else "."))
-            log.warning("%s", line)
-            self.tracker._emit("progress", line)
+            self.tracker._emit("progress", line)  # launch.report_measurement prints it
             if again and job is not self.tracker:
                 self.attempt += 1
                 self.waited_s = 0.0

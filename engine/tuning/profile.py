@@ -236,7 +236,7 @@ def monotone_profile(profile: HardwareProfile) -> HardwareProfile:
 # spells, which is why the cross-check's margin is wider than the repeats'.
 SPREAD_LIMIT = 0.30      # a size's readings: interquartile range over the median
 MONOTONE_SLACK = 0.15    # a smaller size's median may exceed a larger one's by this much (then fitted)
-AGREEMENT = 0.20         # the profile's target alone against the launch's measured rate, either way
+AGREEMENT = 0.15         # the profile's target alone against the launch's measured rate, either way
 NOISE_FLOOR_S = 0.002    # differences below 2 ms are timer and scheduler noise whatever the ratio
 # a slice of the app's measurement put off while the machine is busy (others_busy): how often it
 # looks again, and for how long in all before it measures anyway (the checks above then judge)
