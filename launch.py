@@ -287,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         rate = demo.chat_app.measure_baseline_now(0.0, 1.0)
         print(f"Measured the target alone on this machine: {rate:.1f} tokens/s at T = 0." if rate else
               "Measuring the target alone did not finish; the stats line estimates it from the profile.", flush=True)
+        from engine.tuning.roofline import machine_limits
+        roof = machine_limits()  # for Why this tree's roofline, while no page draws
+        print(f"Measured this machine's limits: memory {roof.bandwidth_gbs:.0f} GB/s, {roof.compute} arithmetic "
+              f"{roof.int8_gops:.0f} GOPS.", flush=True)
     guards = ui.Guards(extra_hosts=args.allowed_hosts.split(","), api_key=key, cors_origins=origins, limits=limits)
     app, local_url, share_url = ui.launch(demo, server_name=args.host, server_port=args.port, guards=guards,
                                           share=args.share, inbrowser=args.inbrowser, prevent_thread_lock=True,

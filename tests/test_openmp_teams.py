@@ -83,3 +83,18 @@ def test_loading_on_a_passing_thread_leaves_no_team_behind(two_torch_threads):
     assert settled(before) - before == set()
     with pytest.raises(ValueError, match="bad id"):
         on_a_passing_thread(lambda: (_ for _ in ()).throw(ValueError("bad id")))
+
+
+def test_the_roofline_measures_this_machine_leaving_no_team_on_the_calling_thread(two_torch_threads, monkeypatch):
+    """Why this tree's limits (bandwidth, int8 roof) are measured with large torch ops; asked from a
+    UI handler's thread (after an answer) they must not leave that thread a team."""
+    from engine.tuning import roofline
+
+    monkeypatch.setattr(roofline, "_measured", {})
+    monkeypatch.setattr(roofline, "measure_machine", lambda: roofline.MachineLimits(
+        float(torch.ones(1 << 22).mul(2).sum()) / (1 << 22), 1.0, "now", "int8", torch.get_num_threads()))
+    limits = {}
+    before, after = on_a_new_thread(lambda: limits.setdefault("first", roofline.machine_limits()))
+    assert limits["first"].bandwidth_gbs == 2.0
+    assert settled(before) - before == set()
+    assert roofline.machine_limits() is limits["first"]  # once per process

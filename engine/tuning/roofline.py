@@ -100,11 +100,21 @@ _measuring = threading.Lock()
 
 
 def machine_limits() -> MachineLimits:
-    """:func:`measure_machine`, once per process and thread count (later calls return the first measurement)."""
+    """:func:`measure_machine`, once per process and thread count (later calls return the first
+    measurement). It runs on a thread that ends with it: its large torch ops would start an OpenMP
+    team on the calling thread (a UI handler's, kept for the process's life), beside the engine
+    thread's own; with more OpenMP threads than cores every decoding step then loses time
+    (tests/test_openmp_teams.py)."""
     threads = torch.get_num_threads()
     with _measuring:
         if threads not in _measured:
-            _measured[threads] = measure_machine()
+            outcome: list = []
+            thread = threading.Thread(target=lambda: outcome.append(measure_machine()), name="roofline")
+            thread.start()
+            thread.join()
+            if not outcome:
+                raise RuntimeError("measuring this machine's limits failed (see the log)")
+            _measured[threads] = outcome[0]
         return _measured[threads]
 
 
