@@ -181,6 +181,33 @@ def report_measurement(job, worker) -> None:
         print(f"Measuring this machine did not finish ({last.kind}: {last.data}); the bundled profile stays.", flush=True)
 
 
+def start_measuring(worker, rate: float | None) -> None:
+    """Measure this machine's profile in the background when it has none of its own, or when the
+    one it stored disagrees with the launch's target-alone ``rate`` (:func:`stale_profile`)."""
+    tuner = worker.tuner
+    stale = stale_profile(tuner, rate)
+    if tuner is None or (tuner.measured_here and not stale):
+        return
+    from engine.tuning.profile import QUIET_CORES
+
+    # in slices between answers, while the machine is quiet; refused when its target alone is off `rate`
+    job = worker.measure_machine(reference_tokens_per_s=rate, quiet_cores=QUIET_CORES, checked=True)
+    print((f"This machine's stored profile disagrees with the launch ({stale}): measuring it again"
+           if stale else "Measuring this machine for the optimizer") + " (about a minute, between answers, "
+          f"once); until then it uses {tuner.profile_words}.", flush=True)
+    threading.Thread(target=report_measurement, args=(job, worker), daemon=True).start()
+
+
+def stale_profile(tuner, rate: float | None) -> str:
+    """Why the profile this machine stored earlier no longer agrees with the target-alone ``rate``
+    the launch measured (the host got faster or slower since), or "" (none stored, or it agrees)."""
+    if tuner is None or not tuner.measured_here or not rate:
+        return ""
+    from engine.tuning.profile import refusals
+
+    return "; ".join(reason for reason in refusals(tuner.profile, rate) if "measured at launch" in reason)
+
+
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
@@ -305,15 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"OpenAI-compatible API: {local_url.rstrip('/')}/v1 (chat/completions, models)", flush=True)
     if (line := other_machines_line(args.host, local_url)) is not None:
         print(line, flush=True)
-    tuner = worker.tuner
-    if tuner is not None and not tuner.measured_here and not args.no_measure:
-        from engine.tuning.profile import QUIET_CORES
-
-        # in slices between answers, while the machine is quiet; refused when its target alone is off `rate`
-        job = worker.measure_machine(reference_tokens_per_s=rate, quiet_cores=QUIET_CORES, checked=True)
-        print(f"Measuring this machine for the optimizer (about a minute, between answers, once); until then "
-              f"it uses the {tuner.origin}.", flush=True)
-        threading.Thread(target=report_measurement, args=(job, worker), daemon=True).start()
+    if not args.no_measure:
+        start_measuring(worker, rate)
     print("Press Ctrl-C to stop.", flush=True)
     try:
         demo.block_thread()

@@ -129,3 +129,21 @@ def test_binding_every_interface_lists_this_machines_addresses(monkeypatch):
     assert "http://192.168.1.23:7861/" in line and "http://[2001:db8::5]:7861/" in line
     assert launch.other_machines_line("::", "http://localhost:7861/") == line
     assert launch.other_machines_line("127.0.0.1", "http://127.0.0.1:7861/") is None
+
+
+def test_a_stored_profile_the_launch_disagrees_with_is_measured_again():
+    """The host got faster or slower since this machine's profile was stored: the launch's own
+    target-alone rate says so, and the app measures the profile again (in the background)."""
+    from engine.tuning.optimizer import AutoTuner
+    from engine.tuning.profile import HardwareProfile
+
+    profile = HardwareProfile("cpu", "pair", "float32", 128, target={1: 0.030, 2: 0.032, 4: 0.036},
+                              draft={1: 0.010, 2: 0.011})
+    stored = AutoTuner(profile, {(0.0, 1.0): [0.8, 0.1]}, origin="this machine")
+    assert launch.stale_profile(stored, 1 / 0.030) == ""             # agrees
+    assert launch.stale_profile(stored, 1 / 0.032) == ""             # within the margin
+    assert "measured at launch" in launch.stale_profile(stored, 1 / 0.020)  # the host is faster now
+    assert "measured at launch" in launch.stale_profile(stored, 1 / 0.045)  # ... or slower
+    assert launch.stale_profile(stored, None) == ""                  # nothing measured at launch
+    bundled = AutoTuner(profile, {(0.0, 1.0): [0.8, 0.1]}, origin="bundled, measured on x")
+    assert launch.stale_profile(bundled, 1 / 0.020) == ""            # not this machine's: measured anyway

@@ -87,8 +87,8 @@ class Measurement:
         reasons = refusals(profile, self.reference) if self.checked else []
         if reasons:
             again = self.attempt < self.attempts
-            line = (f"This machine's profile was refused ({'; '.join(reasons)}): the optimizer keeps the "
-                    f"{tuner.origin}" + (f"; measuring again in {self.retry_after_s / 60:.0f} min "
+            line = (f"This machine's profile was refused ({'; '.join(reasons)}): the optimizer keeps "
+                    f"{tuner.profile_words}" + (f"; measuring again in {self.retry_after_s / 60:.0f} min "
                                          f"(attempt {self.attempt + 1} of {self.attempts})." if again else "."))
             self.tracker._emit("progress", line)  # launch.report_measurement prints it
             if again and job is not self.tracker:

@@ -192,6 +192,11 @@ class AutoTuner:
     def measured_here(self) -> bool:
         return self.origin == "this machine"
 
+    @property
+    def profile_words(self) -> str:
+        """Whose profile it is, as a sentence names it: "the profile this machine stored", "the bundled, measured on …"."""
+        return "the profile this machine stored" if self.measured_here else f"the {self.origin}"
+
     def __post_init__(self) -> None:
         if not self.acceptance:
             raise ValueError("AutoTuner needs at least one calibrated acceptance vector")
