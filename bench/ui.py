@@ -128,10 +128,10 @@ def start_app(port: int, extra: list[str], log, wait_measure_s: float) -> tuple[
             raise RuntimeError("the app exited before it was ready")
         log("app: " + line.rstrip())
         url = url or (URL_LINE.search(line)[1] if URL_LINE.search(line) else None)
-        measuring = measuring or line.startswith("Measuring this machine")
+        measuring = measuring or line.startswith(("Measuring this machine", "This machine's stored profile disagrees"))
         if line.startswith("Press Ctrl-C") and not measuring:
             return process, url
-        if line.startswith(("Measured this machine", "Measuring this machine did not finish")):
+        if line.startswith(("Measured this machine:", "Measuring this machine did not finish")):
             return process, url
         if line.startswith("Press Ctrl-C"):
             deadline = time.monotonic() + wait_measure_s

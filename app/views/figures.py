@@ -210,11 +210,14 @@ def summarise(steps: Sequence[StepRecord]) -> dict:
     draft_s = sum(s.timings.draft_s for s in steps)
     verify_s = sum(s.timings.verify_s for s in steps)
     total_s = sum(s.timings.total_s for s in steps)
-    drafting = [s for s in steps if s.tree_size > 1]  # the target alone's steps (timed, paused, reading) aside
+    # what the draft's own trees wrote a step (what G predicts): the target alone's steps (timed,
+    # paused, reading) and the tokens copied from the context aside
+    drafting = [s for s in steps if s.tree_size > 1 and (not s.sources or "draft" in s.sources)]
+    drafted_tokens = sum(len(s.committed) - s.accepted_by_source()["copy"] for s in drafting)
     return {
         "steps": len(steps), "tokens": tokens, "seconds": total_s,
         "drafting_steps": len(drafting),
-        "drafting_tokens_per_step": sum(len(s.committed) for s in drafting) / len(drafting) if drafting else None,
+        "drafting_tokens_per_step": drafted_tokens / len(drafting) if drafting else None,
         "reading_s": sum(s.timings.reading_s for s in steps),
         "paused": sum(1 for s in steps if s.draft_paused),
         "tokens_per_s": tokens / total_s if total_s > 0 else 0.0,
@@ -253,7 +256,8 @@ def stats_line(steps: Sequence[StepRecord], baseline_tokens_per_s: float | None 
     if expected_tokens is not None and s["acceptance_rate"] is not None:
         notes = [f"acceptance {acceptance}"] if acceptance else []
         if s["drafting_steps"]:
-            notes.append(f"measured {s['drafting_tokens_per_step']:.2f} on the {s['drafting_steps']} steps that drafted")
+            notes.append(f"measured {s['drafting_tokens_per_step']:.2f} on the {s['drafting_steps']} steps the draft "
+                         "drafted, copies aside")
         parts.append(f"predicted {expected_tokens:.2f} tokens/step" + (f" ({'; '.join(notes)})" if notes else ""))
     parts.append(f"time: draft {_percent(s['draft_share'])} · verify {_percent(s['verify_share'])}")
     if s["paused"]:
