@@ -113,11 +113,19 @@ def models():
     torch.set_num_threads(before)
 
 
-def test_greedy_turns_are_priced_by_their_conversation_and_stay_exact(models):
+PROMPT = [5, 17, 3, 42, 9, 11, 7, 8]
+
+
+def engine_and_cache(models) -> tuple[SpeculativeEngine, ConversationCache]:
+    """An engine on the tiny pair with the planner above, and a fresh conversation cache of it."""
     target, draft = models
-    engine = SpeculativeEngine(target, draft, stop_token_ids=[], planner=planner())
-    cache = ConversationCache(target, draft)
-    first_prompt = [5, 17, 3, 42, 9, 11, 7, 8]
+    return SpeculativeEngine(target, draft, stop_token_ids=[], planner=planner()), ConversationCache(target, draft)
+
+
+def test_greedy_turns_are_priced_by_their_conversation_and_stay_exact(models):
+    target = models[0]
+    engine, cache = engine_and_cache(models)
+    first_prompt = PROMPT
     first = engine.generate(first_prompt, max_new_tokens=40, cache=cache, copies=False)
     assert first.decision.priced_by.steps == 0 and first.tokens == tm.hf_greedy(target, first_prompt, 40)
     counted = RankCounts.of_steps(first.steps, grown=first.decision.confidence > 0)
@@ -134,12 +142,9 @@ def test_greedy_turns_are_priced_by_their_conversation_and_stay_exact(models):
 
 
 def test_a_seeded_sampled_answer_is_one_answer_whatever_the_conversation_kept(models):
-    target, draft = models
-    engine = SpeculativeEngine(target, draft, stop_token_ids=[], planner=planner())
-    cache = ConversationCache(target, draft)
-    prompt = [5, 17, 3, 42, 9, 11, 7, 8]
-    greedy = engine.generate(prompt, max_new_tokens=24, cache=cache, copies=False)
-    turn = prompt + greedy.tokens + [21, 22]
+    engine, cache = engine_and_cache(models)
+    greedy = engine.generate(PROMPT, max_new_tokens=24, cache=cache, copies=False)
+    turn = PROMPT + greedy.tokens + [21, 22]
     fresh = engine.generate(turn, max_new_tokens=20, temperature=0.7, seed=11, copies=False)
     again = engine.generate(turn, max_new_tokens=20, temperature=0.7, seed=11, copies=False, cache=cache)
     assert again.decision.priced_by.steps == 0 and again.tokens == fresh.tokens
