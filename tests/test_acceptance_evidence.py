@@ -177,7 +177,7 @@ def test_a_grown_chain_is_priced_by_the_conversations_samples_beside_the_calibra
     """The calibration's (q, kept) samples weigh as PRIOR_SAMPLES positions; a conversation whose
     sure-looking positions are rejected prices the same chain lower, and the pick follows."""
     from engine.core.acceptance_evidence import PRIOR_SAMPLES
-    from engine.tuning.optimizer import grown_chain, price_grown
+    from engine.tuning.optimizer import grown_chain, growth_scale, price_grown
 
     sure = [(0.95, 1)] * 9 + [(0.2, 0)]
     tuner = AutoTuner(PROFILE, {(0.0, 1.0): list(CALIBRATED)}, max_size=32, max_depth=8,
@@ -189,7 +189,8 @@ def test_a_grown_chain_is_priced_by_the_conversations_samples_beside_the_calibra
     followed = decide_tree(DecodeSettings(), p, wrong)
     assert followed.choice.expected_tokens < calibrated.choice.expected_tokens
     again = tuner.reprice(calibrated.choice, followed.priced_by.vector, 0.0, 1.0, wrong.samples)
-    alone = price_grown(CALIBRATED, sure * 40, calibrated.choice.depth, calibrated.choice.confidence, PROFILE)
+    alone = price_grown(sure * 40, calibrated.choice.depth, calibrated.choice.confidence, PROFILE,
+                        growth_scale(CALIBRATED, sure * 40, PROFILE))
     own = grown_chain(wrong.samples, calibrated.choice.depth, calibrated.choice.confidence, PROFILE)
     assert alone == calibrated.choice
     assert again.expected_tokens == pytest.approx((PRIOR_SAMPLES * alone.expected_tokens + 300 * own.expected_tokens)

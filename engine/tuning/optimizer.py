@@ -116,24 +116,28 @@ def choose_tree(acceptance, profile: HardwareProfile, max_size: int | None = Non
     best = _best_fixed_tree(acceptance, profile, max_size, max_depth, chains_only)
     if not confidence or max_depth < 2 or max_size < 3:
         return best
+    scale = growth_scale(followed.calibrated if followed is not None else acceptance, confidence, profile)
     for depth in range(2, min(max_depth, max_size - 1, MAX_GROWN_DEPTH) + 1):
         for threshold in GROWTH_THRESHOLDS:
-            choice = price_grown(acceptance, confidence, depth, threshold, profile, followed)
+            choice = price_grown(confidence, depth, threshold, profile, scale, followed)
             if choice.predicted_speedup > best.predicted_speedup:
                 best = choice
     return best
 
 
-def price_grown(acceptance, confidence, depth: int, threshold: float, profile: HardwareProfile,
+def growth_scale(acceptance, confidence, profile: HardwareProfile) -> float:
+    """The vector ``acceptance``'s one-token chain over the ``confidence`` samples' own: what growth's
+    tokens are scaled by, so that grown and fixed trees are judged on the same acceptance."""
+    return (predict(Tree.chain(1), acceptance, profile).expected_tokens
+            / grown_chain(confidence, 1, 1.0, profile).expected_tokens)
+
+
+def price_grown(confidence, depth: int, threshold: float, profile: HardwareProfile, scale: float,
                 followed: Followed | None = None) -> TreeChoice:
     """A chain grown by confidence (:func:`grown_chain`) over the calibration's samples, its tokens
-    scaled by the vector's one-token chain over the samples' own (so that grown and fixed trees are
-    judged on the same acceptance); with ``followed``, blended with the same chain over the
-    conversation's samples (these need no scale: they are the conversation's acceptance), the
-    calibration's weighing as ``followed.weight`` samples."""
-    prior = followed.calibrated if followed is not None else acceptance
-    scale = predict(Tree.chain(1), prior, profile).expected_tokens / grown_chain(confidence, 1, 1.0,
-                                                                                  profile).expected_tokens
+    times ``scale`` (:func:`growth_scale` of the calibration's vector); with ``followed``, blended
+    with the same chain over the conversation's samples (these need no scale: they are the
+    conversation's acceptance), the calibration's weighing as ``followed.weight`` samples."""
     choice = grown_chain(confidence, depth, threshold, profile)
     tokens, seconds = choice.expected_tokens * scale, choice.step_time_s
     if followed is not None and followed.samples:
@@ -229,7 +233,8 @@ class AutoTuner:
         if choice.confidence <= 0:
             return predict(choice.tree, list(vector), self.profile)
         key = nearest_setting(self.acceptance, temperature, top_p)
-        return price_grown(list(vector), self.confidence[key], choice.depth, choice.confidence, self.profile,
+        scale = growth_scale(self.acceptance[key], self.confidence[key], self.profile)
+        return price_grown(self.confidence[key], choice.depth, choice.confidence, self.profile, scale,
                            self._followed(key, samples))
 
     def _followed(self, key, samples: tuple) -> Followed:
