@@ -23,7 +23,7 @@ a sampled answer's tree, which its random draws depend on, follows nothing but i
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.trees.copies import SOURCE_COPY
@@ -45,11 +45,6 @@ class RankCounts:
 
     def __bool__(self) -> bool:
         return self.steps > 0
-
-    def __add__(self, other: "RankCounts") -> "RankCounts":
-        width = max(len(self.offered), len(other.offered))
-        return RankCounts(_sum(self.offered, other.offered, width), _sum(self.accepted, other.accepted, width),
-                          self.steps + other.steps, self.samples + other.samples)
 
     @classmethod
     def of_step(cls, step, grown: bool = False) -> "RankCounts":
@@ -88,10 +83,25 @@ class RankCounts:
 
     @classmethod
     def of_steps(cls, steps: Sequence, grown: bool = False) -> "RankCounts":
-        total = cls()
-        for step in steps:
-            total = total + cls.of_step(step, grown)
-        return total
+        return cls.total(cls.of_step(step, grown) for step in steps)
+
+    @classmethod
+    def total(cls, parts: Iterable["RankCounts"]) -> "RankCounts":
+        """The sum of ``parts`` in one pass (``+`` copies the samples each time: quadratic over a conversation)."""
+        offered: list[int] = []
+        accepted: list[int] = []
+        samples: list[tuple[float, int]] = []
+        steps = 0
+        for part in parts:
+            for total, counts in ((offered, part.offered), (accepted, part.accepted)):
+                total.extend([0] * (len(counts) - len(total)))
+                for k, count in enumerate(counts):
+                    total[k] += count
+            samples.extend(part.samples)
+            steps += part.steps
+        width = max(len(offered), len(accepted))
+        return cls(tuple(offered) + (0,) * (width - len(offered)), tuple(accepted) + (0,) * (width - len(accepted)),
+                   steps, tuple(samples))
 
     def blend(self, prior: Sequence[float], weight: float = PRIOR_WEIGHT) -> tuple[float, ...]:
         """The calibration ``prior`` (p_1..p_K) moved toward these counts (see the module's
@@ -122,7 +132,3 @@ def _bump(counts: list[int], rank: int) -> None:
     while len(counts) < rank:
         counts.append(0)
     counts[rank - 1] += 1
-
-
-def _sum(a: tuple[int, ...], b: tuple[int, ...], width: int) -> tuple[int, ...]:
-    return tuple((a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(width))

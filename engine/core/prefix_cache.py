@@ -71,7 +71,7 @@ class ConversationCache:
         drops those after it, here too); an answer's own text need not come back token for token."""
         held = self.held("target", prompt)
         self.evidence = [(start, counts) for start, counts in self.evidence if start <= held + 1]
-        return sum((counts for _, counts in self.evidence), RankCounts())
+        return RankCounts.total(counts for _, counts in self.evidence)
 
     def held(self, role: str, prompt: list[int]) -> int:
         """How many leading tokens of ``prompt`` the cache of ``role`` holds (nothing is changed)."""
