@@ -79,9 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"open connections at once; more are closed at once, requests past it get 503 "
                              f"({MAX_CONNECTIONS})")
     parser.add_argument("--no-measure", action="store_true",
-                        help="do not measure this machine's forward times for the optimizer on a first start "
-                             "(it then uses the nearest bundled profile; python -m engine.cli.profile measures), "
-                             "nor the target alone's rate at T = 0 before serving on each start (a 48-token answer, a few seconds)")
+                        help="do not measure this machine's forward times for the optimizer on a first start, or "
+                             "again when the stored ones disagree with the launch (the nearest bundled profile is "
+                             "used then; python -m engine.cli.profile measures), nor the target alone's rate at T = 0 "
+                             "and the memory and arithmetic limits before serving on each start (a few seconds)")
     parser.add_argument("--data-dir", default=None,
                         help="folder of the conversation history (default: $SEQUOIA_DATA, else "
                              "$XDG_DATA_HOME/sequoia-chat, else ~/.local/share/sequoia-chat)")
@@ -201,11 +202,11 @@ def start_measuring(worker, rate: float | None) -> None:
 def stale_profile(tuner, rate: float | None) -> str:
     """Why the profile this machine stored earlier no longer agrees with the target-alone ``rate``
     the launch measured (the host got faster or slower since), or "" (none stored, or it agrees)."""
-    if tuner is None or not tuner.measured_here or not rate:
+    if tuner is None or not tuner.measured_here:
         return ""
-    from engine.tuning.profile import refusals
+    from engine.tuning.profile import launch_disagreement
 
-    return "; ".join(reason for reason in refusals(tuner.profile, rate) if "measured at launch" in reason)
+    return launch_disagreement(tuner.profile, rate)
 
 
 GIL_SWITCH_INTERVAL_S = 0.0005

@@ -264,13 +264,22 @@ def refusals(profile: HardwareProfile, reference_tokens_per_s: float | None = No
             if above:
                 reasons.append(f"{name}({small}) = {medians[small] * 1e3:.0f} ms above {name}({above[0]}) = "
                                f"{medians[above[0]] * 1e3:.0f} ms")
-    if reference_tokens_per_s and profile.target:
-        implied = 1.0 / profile.token_time()
-        off = implied / reference_tokens_per_s - 1.0
-        if abs(off) > AGREEMENT and abs(1.0 / implied - 1.0 / reference_tokens_per_s) > NOISE_FLOOR_S:
-            reasons.append(f"its target alone, {implied:.1f} tokens/s, is {off:+.0%} off the {reference_tokens_per_s:.1f} "
-                           f"measured at launch (limit ±{AGREEMENT:.0%})")
-    return reasons
+    disagreement = launch_disagreement(profile, reference_tokens_per_s)
+    return reasons + ([disagreement] if disagreement else [])
+
+
+def launch_disagreement(profile: HardwareProfile, reference_tokens_per_s: float | None) -> str:
+    """How ``profile``'s target alone (``1 / (t_T(1) + step overhead)``) is more than
+    :data:`AGREEMENT` off ``reference_tokens_per_s``, the rate the launch measured, in words; ""
+    when it agrees (or there is nothing to compare)."""
+    if not reference_tokens_per_s or not profile.target:
+        return ""
+    implied = 1.0 / profile.token_time()
+    off = implied / reference_tokens_per_s - 1.0
+    if abs(off) <= AGREEMENT or abs(1.0 / implied - 1.0 / reference_tokens_per_s) <= NOISE_FLOOR_S:
+        return ""
+    return (f"its target alone, {implied:.1f} tokens/s, is {off:+.0%} off the {reference_tokens_per_s:.1f} "
+            f"measured at launch (limit ±{AGREEMENT:.0%})")
 
 
 QUICK_SIZES, QUICK_WIDTHS = [1, 2, 4, 8, 16], [1, 2, 4]  # what a first start measures (the CPU's best trees are small)
