@@ -123,10 +123,12 @@ class ConversationsView:
             return {c.status: status_html(html.escape(f"Could not switch: {exc}"), "error")}
         if not moved:
             return {c.status: status_html("No other version that way.", "info")}
-        out = self.open_conversation(conversation, request, at=position)
         now = self._load(conversation)
-        shown = next((b for b in now.branches if b[0] == position), None) if now is not None else None
-        if c.chatbot in out and shown is not None:
+        if now is None:
+            return self.open_conversation(conversation, request)  # gone meanwhile: says so
+        out = self._show(now, request, position)
+        shown = next((b for b in now.branches if b[0] == position), None)
+        if shown is not None:
             out[c.status] = status_html(f"{_message_name(now.messages, position)}: {shown[1]} of {shown[2]}.", "ok")
         return out
 
@@ -148,7 +150,6 @@ class ConversationsView:
         """Show a stored conversation: its text at once, the last answer's tree, replay and chart
         (``at``: the message whose siblings ‹ › steps)."""
         c = self.app.c
-        session = getattr(request, "session_hash", None) or "local"
         stored = None
         if self.store is not None and conversation:
             try:
@@ -158,6 +159,12 @@ class ConversationsView:
         if stored is None:
             return {c.conv_list: self.conversation_list(), c.conv_id: "",
                     c.status: status_html("That conversation is no longer in the history.", "warn")}
+        return self._show(stored, request, at)
+
+    def _show(self, stored: Conversation, request: gr.Request | None, at: int | None) -> dict:
+        """The page showing ``stored`` as this session's open conversation (see :meth:`open_conversation`)."""
+        c = self.app.c
+        session = getattr(request, "session_hash", None) or "local"
         out = self.app.clear(request)  # replaces this session's conversation (an answer streaming is stopped)
         self._session_conversation(session, stored.id, set_=True)
         history = stored.messages
