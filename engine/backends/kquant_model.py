@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from engine.backends.gguf_file import GGUFTensor, read_blocks, read_dequantised, tensor_table
-from engine.backends.kquant import ATTENTION_NAME, SUPER_BLOCK, TILE, KQuantLinear, pack_q4k, pack_q6k, packed_bytes, \
-    padded_size, quantize_q4k, register_attention, use_fixed_silu
+from engine.backends.gguf_file import GGUFTensor, read_blocks, tensor_table
+from engine.backends.kquant import ATTENTION_NAME, PACKED_NAMES, TILE, KQuantLinear, packed_bytes, padded_size, \
+    quantize_q4k, register_attention, use_fixed_silu
 from engine.backends.lean import attach
 
 # GGUF tensor name (after ``blk.N.``) -> Hugging Face module path (after ``model.layers.N.``), for
@@ -44,16 +44,18 @@ def gguf_linear_tensors(table: dict[str, GGUFTensor]) -> dict[str, GGUFTensor]:
 
 
 def pack_gguf_tensor(gguf_path: Path, tensor: GGUFTensor) -> tuple[str, dict[str, torch.Tensor]]:
-    """``(kind, packed tensors)`` of a GGUF matrix: Q4_K and Q6_K blocks are kept exactly; any
-    other type is dequantised (as transformers does) and quantised by
-    :func:`~engine.backends.kquant.quantize_q4k`, its inputs padded with zeros to whole super-blocks."""
+    """``(kind, packed tensors)`` of a GGUF matrix, its blocks served exactly as stored
+    (:func:`~engine.backends.blocks.pack_blocks`: every type llama-quantize writes); a type no
+    kernel serves raises :class:`~engine.backends.blocks.UnsupportedBlockType` (nothing is
+    re-quantised behind the file's back)."""
     from gguf import GGMLQuantizationType
 
-    if tensor.qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
-        blocks = read_blocks(gguf_path, tensor).reshape(tensor.rows, tensor.dims[0] // SUPER_BLOCK, -1)
-        return ("q4k", pack_q4k(blocks)) if tensor.qtype == GGMLQuantizationType.Q4_K else ("q6k", pack_q6k(blocks))
-    weight = torch.from_numpy(read_dequantised(gguf_path, tensor))
-    return "q4k", quantize_q4k(torch.nn.functional.pad(weight, (0, padded_size(tensor.dims[0]) - tensor.dims[0])))
+    from engine.backends.blocks import SERVED_TYPES, UnsupportedBlockType, pack_blocks
+
+    if tensor.qtype not in SERVED_TYPES:
+        raise UnsupportedBlockType(f"{gguf_path.name}: {tensor.name} is stored as "
+                                   f"{GGMLQuantizationType(tensor.qtype).name}, which no kernel serves")
+    return pack_blocks(tensor.qtype, read_blocks(gguf_path, tensor), tensor.dims[0])
 
 
 def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None, cache_file: Path | None = None,
@@ -63,8 +65,9 @@ def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None, cache_fi
     float32 weight of a replaced layer is read.
 
     With ``gguf_path`` (the GGUF ``model`` was dequantised from) the layers keep that file's own
-    Q4_K/Q6_K blocks, exactly; other layers (and every layer without a GGUF) are quantised to
-    Q4_K by :func:`~engine.backends.kquant.quantize_q4k` when their outputs are a multiple of 16
+    blocks of any served type, exactly (:mod:`engine.backends.blocks`); layers the file does not
+    hold (and every layer without a GGUF) are quantised to Q4_K by
+    :func:`~engine.backends.kquant.quantize_q4k` when their outputs are a multiple of 16
     (inputs are padded with zeros to whole super-blocks of 256).
     ``cache_file``: where the packed layers of *these exact* weights are kept (the caller names
     it after them): read when present and fitting, written otherwise, so later starts skip packing.
@@ -101,11 +104,8 @@ def finish_kquant(model: torch.nn.Module, mapped_only: bool = False) -> torch.nn
 
 
 def _pack_layers(model: torch.nn.Module, gguf_path: Path | None) -> dict[str, KQuantLinear]:
-    from gguf import GGMLQuantizationType
-
-    exact = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
     from_file = {name: t for name, t in gguf_linear_tensors(tensor_table(gguf_path)).items()
-                 if t.qtype in exact} if gguf_path else {}
+                 if t.rows % TILE == 0} if gguf_path else {}
     layers = {}
     for name, linear in model.named_modules():
         if type(linear) is not torch.nn.Linear:
@@ -146,7 +146,9 @@ def read_cache(path: Path, model: torch.nn.Module) -> dict[str, KQuantLinear] | 
         if type(linear) is not torch.nn.Linear:
             return None
         parts = {key.rpartition(".")[2]: t for key, t in tensors.items() if key.rpartition(".")[0] == name}
-        if parts.get("qs") is None or parts["qs"].numel() != packed_bytes(kind, linear.out_features, linear.in_features):
+        main = parts.get(PACKED_NAMES[kind][0]) if kind in PACKED_NAMES else None
+        if main is None or main.numel() * main.element_size() != packed_bytes(kind, linear.out_features,
+                                                                                linear.in_features):
             return None
         layers[name] = KQuantLinear(kind, parts, linear.in_features, linear.out_features, linear.bias)
     return layers

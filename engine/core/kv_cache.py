@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 SPARE_SLOTS = 256  # room left after the filled slots when a growing layer (re)allocates
 
@@ -96,10 +96,13 @@ def commit_all(cache, filled: int) -> None:
 
 
 def growing_cache(config) -> DynamicCache:
-    """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`GrowingLayer`
-    (sliding-window and other layer kinds stay as transformers makes them)."""
+    """A ``DynamicCache`` for ``config`` whose attention layers are all :class:`GrowingLayer`: a
+    sliding-window layer keeps every position too (tree verification compacts the cache by slot),
+    and its window is applied by the mask (:func:`engine.core.runner.windowed`, or transformers'
+    own sliding mask for a causal chunk); other layer kinds stay as transformers makes them."""
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [GrowingLayer() if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer
+                    for layer in cache.layers]
     return cache
 
 

@@ -206,9 +206,27 @@ def run_model(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: to
     lean = model.__dict__.get("lean_forward")
     if lean is not None:
         return lean(ids, positions, mask, cache, logits_to_keep)[0].float()
+    if mask is not None and sliding_window(model.config):
+        mask = {"full_attention": mask, "sliding_attention": windowed(mask, positions, sliding_window(model.config))}
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, position_ids=positions,
                 attention_mask=mask, logits_to_keep=logits_to_keep)
     return out.logits[0].float()
+
+
+def sliding_window(config) -> int | None:
+    """The window of a model whose config has sliding-window layers (Gemma 3's), else None."""
+    window = getattr(config, "sliding_window", None)
+    return window if window and "sliding_attention" in (getattr(config, "layer_types", None) or ()) else None
+
+
+def windowed(mask: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """The additive ``mask [1, 1, q, slots]`` of the sliding-window layers: a query at position p
+    also leaves out the slots at or before p - window. The cache keeps every position, a prefix
+    position in the slot of its number, so slot = position there; a tree's own nodes, past the
+    prefix, lie within the tree's depth of any query and are never left out."""
+    slots = torch.arange(mask.shape[-1], device=mask.device)
+    far = (positions[0, :, None] - slots[None, :]) >= window  # [q, slots]
+    return mask.masked_fill(far[None, None], torch.finfo(mask.dtype).min)
 
 
 def make_runner(model: torch.nn.Module, static: bool, max_len: int, cuda_graphs: bool):

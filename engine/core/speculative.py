@@ -263,9 +263,10 @@ def _stop_set(stop_token_ids) -> frozenset[int]:
 
 
 def _refuse_sliding_window(model: torch.nn.Module) -> None:
-    """Tree verification keeps every prefix position; sliding-window caches drop them."""
+    """Tree verification keeps every prefix position and applies a window by the mask, for models
+    that say which layers slide (``layer_types``, as Gemma 3's); a window without them is refused."""
     config = model.config
-    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or []):
+    if getattr(config, "use_sliding_window", False) and "sliding_attention" not in (getattr(config, "layer_types", None) or []):
         raise InvalidParameterError(
             f"{type(model).__name__} uses sliding-window attention, which tree verification does not support "
             f"yet: choose a model with full attention")

@@ -22,7 +22,7 @@ from engine.kernels import cpu
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("kquant.cpp", "nucleus.cpp")]
-HEADERS = [Path(__file__).with_name("csrc") / "fixed_exp.h"]  # part of the build's digest, not compiled alone
+HEADERS = [Path(__file__).with_name("csrc") / name for name in ("fixed_exp.h", "blocks.h")]  # part of the build's digest, not compiled alone
 
 
 @lru_cache(maxsize=1)

@@ -1,16 +1,17 @@
-"""An embedded model built straight from its GGUF file in the k-quant format, with no float32 copy
-of its weights at any point.
+"""Any served GGUF file (:mod:`engine.models.gguf_arch`) built straight into the engine's model,
+its matrices as the file stores them, with no float32 copy of its weights at any point.
 
-transformers' ``gguf_file=`` loader dequantises every tensor to float (about a minute per model
-here, and 9.6 GB of safetensors to keep it). A k-quant model needs none of that: its linear layers
-are the file's own Q4_K/Q6_K blocks (:func:`engine.backends.kquant_model.pack_gguf_tensor`; other types
-are dequantised one matrix at a time and quantised to Q4_K), its token embedding stays in its
-blocks (:class:`engine.backends.gguf_embedding.GGUFEmbedding`) and only the norms and biases are
-read as float32. The model skeleton comes from the config with its parameters on the meta device
+transformers' ``gguf_file=`` loader dequantises every tensor to float. The engine needs none of
+that: its linear layers are the file's own blocks (:func:`pack_tensor`, through the kernels of
+:mod:`engine.backends.blocks`), its token embedding stays in its blocks
+(:class:`engine.backends.gguf_embedding.GGUFEmbedding`) and only the norms and biases are read as
+float32. The model skeleton comes from the config with its parameters on the meta device
 (accelerate's ``init_empty_weights``), so nothing is allocated twice.
 
-The config and tokenizer are what transformers derives from the GGUF's metadata, saved once beside
-the packed weights (``<cache>/kquant/<model>-v1``); later starts read those small files.
+The config comes from the file's hyperparameters (:func:`engine.models.gguf_arch.config_values`),
+the tokenizer from the file's ``tokenizer.ggml.*`` through transformers' converter; both are saved
+once beside the packed weights (``<cache>/kquant/<file>-<identity>-v2``, :func:`model_dir`), and later
+starts read those small files.
 """
 from __future__ import annotations
 
@@ -26,27 +27,24 @@ import threading
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from engine.backends.blocks import UnsupportedBlockType
 from engine.backends.gguf_embedding import TOKEN_EMBEDDING, gguf_embedding
-from engine.backends.gguf_file import GGUFTensor, MetadataReader, read_dequantised, tensor_table
+from engine.backends.gguf_file import GGUFTensor, MetadataReader, read_blocks, read_dequantised, read_metadata, \
+    tensor_table
 from engine.backends.kquant import CACHE_FORMAT, KQuantLinear
-from engine.backends.kquant_model import GGUF_LINEARS, finish_kquant, gguf_linear_tensors, pack_gguf_tensor, \
-    read_cache, write_cache
+from engine.backends.kquant_model import finish_kquant, read_cache, write_cache
 from engine.errors import ModelLoadError
+from engine.models.gguf_arch import DEFAULT_TEMPLATES, LINEARS, Architecture, architecture_of, config_values, \
+    end_of_turn_ids, hf_config, rope_freq_factors, unpermute_rows
 
 log = logging.getLogger(__name__)
 
-METADATA_FORMAT = 1  # bump when the files kept beside the packed weights change
-# GGUF tensor name (after ``blk.N.``) -> Hugging Face parameter (after ``model.layers.N.``) for the
-# float tensors of a qwen2-style block: the linear layers' biases and the two norms.
-GGUF_BLOCK_FLOATS = {
-    **{f"{gguf}.bias": f"{hf}.bias" for gguf, hf in GGUF_LINEARS.items()},
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-GGUF_FLOATS = {"output_norm.weight": "model.norm.weight"}
+METADATA_FORMAT = 2  # bump when the files kept beside the packed weights change (2: any file, keyed by identity)
 # One first-start metadata reading at a time: it swaps two module globals of gguf and transformers.
 _METADATA_LOCK = threading.Lock()
 # Tokenizers loaded from a kept directory, by the digest of the files that define them (all but the
@@ -56,22 +54,78 @@ _TOKENIZERS_LOCK = threading.Lock()
 NOT_TOKENIZER_FILES = ("config.json", "chat_template.jinja")
 
 
-def kquant_dir(name: str) -> Path:
-    """Where the packed weights, config and tokenizer of embedded model ``name`` are kept."""
+def file_identity(gguf: Path) -> str:
+    """What names a GGUF file's kept files: its size and a hash of its header (metadata and tensor
+    table, which name every tensor's type, shape and place), not of its gigabytes of blocks. A file
+    edited in place keeps its size only if its header keeps its length; its header hash then moves."""
+    size = gguf.stat().st_size
+    header = min((t.offset for t in tensor_table(gguf).values()), default=size)
+    digest = hashlib.sha256(str(size).encode())
+    with open(gguf, "rb") as f:
+        digest.update(f.read(header))
+    return digest.hexdigest()[:16]
+
+
+def model_dir(gguf: Path) -> Path:
+    """Where the packed weights, config and tokenizer of the GGUF file ``gguf`` are kept."""
     from engine.user_cache import cache_dir
 
-    return cache_dir() / "kquant" / f"{name}-v{METADATA_FORMAT}"
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in gguf.stem)[:80]
+    return cache_dir() / "kquant" / f"{stem}-{file_identity(gguf)}-v{METADATA_FORMAT}"
 
 
-def load_kquant_gguf(gguf: Path, directory: Path):
-    """``(model, tokenizer)`` for the GGUF at ``gguf`` (a qwen2-style file), the model in the
-    k-quant format; ``directory`` keeps its config, tokenizer and packed weights for later starts."""
+@dataclass(frozen=True)
+class GGUFModelFile:
+    """One GGUF file read for serving: its metadata, tensor table and served architecture."""
+
+    path: Path
+    metadata: dict
+    table: dict[str, GGUFTensor]
+    arch: Architecture
+
+    @property
+    def tokens(self) -> list[str]:
+        return list(self.metadata.get("tokenizer.ggml.tokens") or [])
+
+    @property
+    def vocab_rows(self) -> int:
+        return self.table[TOKEN_EMBEDDING].rows
+
+
+def open_gguf(path: str | Path) -> GGUFModelFile:
+    """Read and check a GGUF model file's header: one-line :class:`ModelLoadError` for a file that
+    is not a GGUF, is damaged, or is not a causal LM of a served architecture."""
+    path = Path(path)
+    try:
+        metadata, table = read_metadata(path), tensor_table(path)
+    except (OSError, ValueError) as exc:
+        message = str(exc).replace("\n", " ")
+        raise ModelLoadError(message if path.name in message else f"{path.name}: {message}") from exc
+    arch = architecture_of(metadata, path.name)
+    if TOKEN_EMBEDDING not in table or len(table[TOKEN_EMBEDDING].dims) != 2:
+        raise ModelLoadError(f"{path.name} has no token embedding ({TOKEN_EMBEDDING}): not a causal LM file")
+    if not metadata.get("tokenizer.ggml.tokens") or "tokenizer.ggml.model" not in metadata:
+        raise ModelLoadError(f"{path.name} has no tokenizer (tokenizer.ggml.tokens / .model): a GGUF written "
+                             f"without one cannot be served")
+    return GGUFModelFile(path, metadata, table, arch)
+
+
+def load_gguf(path: str | Path, dequantise_unserved: bool = False):
+    """``(model, tokenizer)`` for any served GGUF file, the model's matrices as the file stores
+    them (:func:`engine.backends.kquant_model.pack_gguf_tensor`), its tokenizer and chat template
+    the file's own. Its config, tokenizer and packed weights are kept in :func:`model_dir` for
+    later starts. ``dequantise_unserved``: a block type without a kernel is dequantised to float32
+    (said in the log and the model's ``as_stored`` note) instead of refused."""
     from transformers import AutoConfig
 
+    source = open_gguf(path)
+    directory = model_dir(source.path)
     if not (directory / "config.json").exists():
-        _save_metadata(gguf, directory)
+        _save_metadata(source, directory)
     config = AutoConfig.from_pretrained(directory)
-    return kquant_from_gguf(gguf, config, directory / f"kquant-v{CACHE_FORMAT}.safetensors"), load_tokenizer(directory)
+    cache_file = directory / f"kquant-v{CACHE_FORMAT}{'-f32' if dequantise_unserved else ''}.safetensors"
+    model = build_model(source, config, cache_file, dequantise_unserved)
+    return model, load_tokenizer(directory)
 
 
 def load_tokenizer(directory: Path):
@@ -121,80 +175,194 @@ def _keep_added_tokens(directory: Path) -> None:
     os.replace(partial, settings_file)  # atomic: a concurrent start reads the old file or the new one
 
 
-def kquant_from_gguf(gguf: Path, config, cache_file: Path | None = None) -> torch.nn.Module:
-    """The model ``config`` describes, with every weight from ``gguf`` and its linear layers as
-    :class:`KQuantLinear` (packed once into ``cache_file`` when given, read back from it later).
-    Bit-identical to :func:`engine.backends.kquant_model.kquant_model` of the float32 model
-    transformers loads from the same file, without building that model."""
+def build_model(source: GGUFModelFile, config, cache_file: Path | None = None,
+                dequantise_unserved: bool = False) -> torch.nn.Module:
+    """The model ``config`` describes, every weight from ``source``'s file: linear layers as
+    :class:`KQuantLinear` of the file's own blocks (packed once into ``cache_file`` when given, read
+    back from it later), the token embedding in its blocks, norms and biases as float32."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    table = tensor_table(gguf)
+    gguf, table, arch = source.path, source.table, source.arch
     # parameters on the meta device, buffers (rotary) real; no random initialisation of parameters
     # that every one gets replaced below (on the meta device it still costs about 0.1 s a model)
     with init_empty_weights(include_buffers=False), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    layers = (cache_file and read_cache(cache_file, model)) or _pack(gguf, table, model)
+    layers = (cache_file and read_cache(cache_file, model)) or _pack(source, model, dequantise_unserved)
     if cache_file and not cache_file.exists():
         write_cache(cache_file, layers)
         for stale in cache_file.parent.glob("kquant-v*.safetensors"):  # packed for an older layout
-            if stale != cache_file:
+            if stale != cache_file and stale.name.endswith("-f32.safetensors") == cache_file.name.endswith("-f32.safetensors"):
                 stale.unlink(missing_ok=True)
     for name, layer in layers.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
     with torch.no_grad():
-        for hf_name, tensor in _float_tensors(table).items():
+        for hf_name, tensor in float_tensors(arch, table).items():
             module_name, _, attribute = hf_name.rpartition(".")
             values = torch.from_numpy(read_dequantised(gguf, tensor))
+            if arch.norm_offset and "norm" in hf_name:
+                values = values + arch.norm_offset
             setattr(model.get_submodule(module_name), attribute, torch.nn.Parameter(values, requires_grad=False))
-    if TOKEN_EMBEDDING in table:
-        model.set_input_embeddings(gguf_embedding(gguf, TOKEN_EMBEDDING, table))
+    embedding = gguf_embedding(gguf, TOKEN_EMBEDDING, table)
+    model.set_input_embeddings(ScaledEmbedding(embedding, config.hidden_size ** 0.5) if arch.embedding_scale
+                               else embedding)
+    _apply_rope_freqs(source, model)
     missing = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
         raise ModelLoadError(f"{gguf.name} has no tensor for {', '.join(missing[:3])}"
-                             f"{' …' if len(missing) > 3 else ''}: not a qwen2-style GGUF")
+                             f"{' …' if len(missing) > 3 else ''}: an incomplete {arch.name} GGUF")
+    model.generation_config.eos_token_id = end_of_turn_ids(source.metadata, source.tokens) or None
+    model.as_stored = stored_types(source, dequantise_unserved)
+    model.gguf_source = source  # what the pair rule reads (engine.models.pair_rule)
     return finish_kquant(model, mapped_only=True)  # the rest was read or packed into memory of its own
 
 
-def _pack(gguf: Path, table: dict[str, GGUFTensor], model: torch.nn.Module) -> dict[str, KQuantLinear]:
-    """Every linear layer of ``model`` packed from its GGUF tensor (a tied output head from the token embedding)."""
-    tensors = gguf_linear_tensors(table)
-    if "lm_head" not in tensors and TOKEN_EMBEDDING in table:
-        tensors["lm_head"] = table[TOKEN_EMBEDDING]
+class ScaledEmbedding(torch.nn.Module):
+    """Gemma's token embedding: the rows times ``sqrt(hidden)`` (a float32 product, as
+    ``Gemma3TextScaledWordEmbedding`` computes it), the rows kept in their GGUF blocks."""
+
+    def __init__(self, inner: torch.nn.Module, scale: float) -> None:
+        super().__init__()
+        self.inner, self.num_embeddings, self.embedding_dim = inner, inner.num_embeddings, inner.embedding_dim
+        self.register_buffer("embed_scale", torch.tensor(scale, dtype=torch.float32), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids) * self.embed_scale
+
+
+def linear_tensors(table: dict[str, GGUFTensor]) -> dict[str, GGUFTensor]:
+    """Hugging Face module name -> GGUF tensor for every linear layer (the output head from the
+    token embedding when the file ties them)."""
+    linears = {}
+    for tensor in table.values():
+        parts = tensor.name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in LINEARS:
+            linears[f"model.layers.{parts[1]}.{LINEARS[parts[2]]}"] = tensor
+    linears["lm_head"] = table.get("output.weight", table[TOKEN_EMBEDDING])
+    return linears
+
+
+def float_tensors(arch: Architecture, table: dict[str, GGUFTensor]) -> dict[str, GGUFTensor]:
+    """Hugging Face parameter name -> GGUF tensor for the norms and biases."""
+    floats = {}
+    for name, tensor in table.items():
+        parts = name.split(".", 2)
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in arch.floats:
+            floats[f"model.layers.{parts[1]}.{arch.floats[parts[2]]}"] = tensor
+    if "output_norm.weight" in table:
+        floats["model.norm.weight"] = table["output_norm.weight"]
+    return floats
+
+
+def _pack(source: GGUFModelFile, model: torch.nn.Module, dequantise_unserved: bool) -> dict[str, KQuantLinear]:
+    """Every linear layer of ``model`` packed from its GGUF tensor as stored (q/k rows of the llama
+    family back in Hugging Face's order)."""
+    tensors = linear_tensors(source.table)
     linears = {name: m for name, m in model.named_modules() if type(m) is torch.nn.Linear}
     for name, linear in linears.items():
         tensor = tensors.get(name)
         if tensor is None or (tensor.rows, tensor.dims[0]) != (linear.out_features, linear.in_features):
-            raise ModelLoadError(f"{gguf.name}: no tensor of {linear.out_features} x {linear.in_features} "
-                                 f"for {name}: not a qwen2-style GGUF")
+            raise ModelLoadError(f"{source.path.name}: no tensor of {linear.out_features} x {linear.in_features} "
+                                 f"for {name}: an incomplete or inconsistent {source.arch.name} GGUF")
+    orders = _row_orders(source, model.config, linears)
+
+    def pack(name: str):
+        try:
+            return pack_tensor(source.path, tensors[name], orders.get(name), dequantise_unserved)
+        except (UnsupportedBlockType, ValueError) as exc:
+            raise ModelLoadError(f"{source.path.name}: {exc}") from exc
+
     # numpy's array work releases the GIL: one thread a core packs the layers side by side
     with ThreadPoolExecutor(max(1, min(len(os.sched_getaffinity(0)), 4))) as pool:
-        packed = dict(zip(linears, pool.map(lambda name: pack_gguf_tensor(gguf, tensors[name]), linears)))
+        packed = dict(zip(linears, pool.map(pack, linears)))
     return {name: KQuantLinear(*packed[name], linear.in_features, linear.out_features) for name, linear in linears.items()}
 
 
-def _float_tensors(table: dict[str, GGUFTensor]) -> dict[str, GGUFTensor]:
-    """Hugging Face parameter name -> GGUF tensor for the biases and norms."""
-    floats = {}
-    for name, tensor in table.items():
-        parts = name.split(".", 2)
-        if parts[0] == "blk" and len(parts) == 3 and parts[2] in GGUF_BLOCK_FLOATS:
-            floats[f"model.layers.{parts[1]}.{GGUF_BLOCK_FLOATS[parts[2]]}"] = tensor
-        elif name in GGUF_FLOATS:
-            floats[GGUF_FLOATS[name]] = tensor
-    return floats
+def pack_tensor(gguf: Path, tensor: GGUFTensor, row_order: list[int] | None = None,
+                dequantise_unserved: bool = False) -> tuple[str, dict[str, torch.Tensor]]:
+    """``(kind, packed tensors)`` of a GGUF matrix as stored, its rows taken in ``row_order`` when
+    given (whole rows of blocks: exact); a type without a kernel raises
+    :class:`~engine.backends.blocks.UnsupportedBlockType`, or with ``dequantise_unserved`` is
+    dequantised to float32 (the values transformers' reader gives)."""
+    from engine.backends.blocks import SERVED_TYPES, pack_blocks, pack_float
+
+    blocks = read_blocks(gguf, tensor)
+    if row_order is not None:
+        blocks = blocks[row_order]
+    if tensor.qtype in SERVED_TYPES:
+        return pack_blocks(tensor.qtype, blocks, tensor.dims[0])
+    if not dequantise_unserved:
+        raise UnsupportedBlockType(f"{tensor.name} is {tensor.qtype.name}, a block type without a kernel here "
+                                   f"(served: {', '.join(sorted(t.name for t in SERVED_TYPES))}); "
+                                   f"launch.py --dequantise-unserved runs it as float32")
+    from gguf.quants import dequantize
+
+    return pack_float(torch.from_numpy(dequantize(blocks, tensor.qtype).astype("float32")))
 
 
-def _save_metadata(gguf: Path, directory: Path) -> None:
-    """The config and tokenizer transformers derives from ``gguf``'s metadata, written atomically."""
-    from transformers import AutoConfig, AutoTokenizer
+def _row_orders(source: GGUFModelFile, config, linears: dict) -> dict[str, list[int]]:
+    """The row orders that undo llama.cpp's q/k permutation (the llama family only)."""
+    if not source.arch.permuted_qk:
+        return {}
+    orders = {}
+    for name, linear in linears.items():
+        if name.endswith("self_attn.q_proj"):
+            orders[name] = unpermute_rows(config.num_attention_heads, linear.out_features)
+        elif name.endswith("self_attn.k_proj"):
+            orders[name] = unpermute_rows(config.num_key_value_heads, linear.out_features)
+    return orders
 
-    log.info("reading the config and tokenizer of %s (once)", gguf.name)
-    with _METADATA_LOCK, _fast_metadata_reading():
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+def _apply_rope_freqs(source: GGUFModelFile, model: torch.nn.Module) -> None:
+    """Llama 3.x's per-pair frequency factors (the ``rope_freqs`` tensor), as llama.cpp applies them:
+    each rotary pair's inverse frequency divided by its factor."""
+    tensor = source.table.get("rope_freqs.weight")
+    if tensor is None:
+        return
+    rotary = model.model.rotary_emb
+    factors = torch.tensor(rope_freq_factors(read_dequantised(source.path, tensor).tolist(),
+                                             2 * rotary.inv_freq.numel()), dtype=torch.float32)
+    rotary.inv_freq = rotary.inv_freq / factors
+    rotary.original_inv_freq = rotary.inv_freq
+
+
+def stored_types(source: GGUFModelFile, dequantised: bool) -> str:
+    """The block types of the file's matrices, largest share first ("Q4_K 62%, Q6_K 12%, ..."), and
+    whether any was dequantised: the model card's note."""
+    from collections import Counter
+
+    from engine.backends.blocks import SERVED_TYPES
+
+    weights = Counter()
+    for tensor in source.table.values():
+        if len(tensor.dims) == 2:
+            weights[tensor.qtype] += tensor.rows * tensor.dims[0]
+    total = sum(weights.values()) or 1
+    note = ", ".join(f"{t.name} {100 * n / total:.0f}%" for t, n in weights.most_common())
+    unserved = [t.name for t in weights if t not in SERVED_TYPES]
+    return note + (f"; {', '.join(unserved)} dequantised to float32" if dequantised and unserved else "")
+
+
+def _save_metadata(source: GGUFModelFile, directory: Path) -> None:
+    """The config (from the file's hyperparameters, :mod:`engine.models.gguf_arch`) and the tokenizer
+    (transformers' conversion of the file's ``tokenizer.ggml.*``, with the file's chat template or
+    its family's when it carries none), written atomically."""
+    from transformers import AutoTokenizer
+
+    table, arch = source.table, source.arch
+    tied = "output.weight" not in table
+    has_bias = any(name.endswith("attn_q.bias") for name in table)
+    config = hf_config(arch, config_values(arch, source.metadata, source.vocab_rows, tied, has_bias))
+    log.info("reading the tokenizer of %s (once)", source.path.name)
+    try:
+        with _METADATA_LOCK, _fast_metadata_reading():
+            tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
+    except Exception as exc:  # noqa: BLE001 - transformers' converter raises many kinds for a tokenizer it cannot read
+        raise ModelLoadError(f"{source.path.name}: its tokenizer could not be read ({exc})".replace("\n", " ")) from exc
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = source.metadata.get("tokenizer.chat_template") or DEFAULT_TEMPLATES.get(arch.name)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=directory.name + ".partial-"))
     try:

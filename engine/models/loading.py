@@ -46,6 +46,7 @@ class GGUFSource:
     version: str
     parts: int
     sha256: str
+    part_files: str = "part*.bin"  # the parts' names in each package's data/ (sorted by name)
 
     def module_names(self) -> list[str]:
         return [f"{self.pypi_prefix}{i}".replace("-", "_") for i in range(1, self.parts + 1)]
@@ -65,6 +66,9 @@ DEFAULT_TARGET = GGUFSource(
     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")
 DEFAULT_IDS = {"default-target": DEFAULT_TARGET, "default-draft": DEFAULT_DRAFT}
 # dtype names the command lines and the app accept.
+# Set (to 1) by ``--dequantise-unserved``: a GGUF block type without a kernel runs dequantised to
+# float32 instead of being refused (the model's ``as_stored`` note says so).
+DEQUANTISE_UNSERVED = "SEQUOIA_DEQUANTISE_UNSERVED"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -76,9 +80,9 @@ def find_parts(source: GGUFSource) -> list[Path]:
         spec = importlib.util.find_spec(module)
         if spec is None or not spec.submodule_search_locations:
             raise ModelLoadError(f"model part package '{module}' is not installed: {source.reinstall_hint()}")
-        files = sorted(Path(spec.submodule_search_locations[0], "data").glob("part*.bin"))
+        files = sorted(Path(spec.submodule_search_locations[0], "data").glob(source.part_files))
         if not files:
-            raise ModelLoadError(f"model part package '{module}' has no data/part*.bin: {source.reinstall_hint()}")
+            raise ModelLoadError(f"model part package '{module}' has no data/{source.part_files}: {source.reinstall_hint()}")
         paths.extend(files)
     return sorted(paths, key=lambda p: p.name)
 
@@ -207,22 +211,13 @@ def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = 
             return _in_use[key]
     quantized_cache = embedding = None
     with returning_freed_memory():
-        gguf = None
-        if model_id in DEFAULT_IDS and _kquant_straight_from_gguf(dtype, device, draft_format):
-            from engine.models.gguf_direct import kquant_dir, load_kquant_gguf
-
-            source = DEFAULT_IDS[model_id]
-            gguf = assemble_gguf(source)
-            try:
-                model, tokenizer = load_kquant_gguf(gguf, kquant_dir(source.name))
-            except ModelLoadError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a corrupted file surfaces as many exception types
-                verify_gguf(source, gguf)
-                raise ModelLoadError(f"could not load {gguf}: {exc}") from exc
+        gguf = gguf_file_of(model_id)
+        if gguf is not None and (model_id not in DEFAULT_IDS or _kquant_straight_from_gguf(dtype, device, draft_format)):
+            model, tokenizer = _load_gguf_file(model_id, gguf, dtype, device, draft_format)
             with _in_use_lock:
                 _load_keys[model] = key
             return model, tokenizer
+        gguf = None
         if model_id in DEFAULT_IDS:
             model, tokenizer = _load_source(DEFAULT_IDS[model_id], dtype)
             quantized_cache = _dequantised_dir(DEFAULT_IDS[model_id], dtype)  # pinned weights: safe to key on
@@ -237,6 +232,53 @@ def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = 
     with _in_use_lock:
         _load_keys[model] = key
     return model, tokenizer
+
+
+def gguf_file_of(model_id: str) -> Path | None:
+    """The GGUF file ``model_id`` names: an embedded model's (assembled once), a ``.gguf`` path, or a
+    folder holding one GGUF file and no Hugging Face config; None for a hub id or an HF folder."""
+    if model_id in DEFAULT_IDS:
+        return assemble_gguf(DEFAULT_IDS[model_id])
+    path = Path(model_id).expanduser()
+    if path.is_dir() and not (path / "config.json").exists():
+        files = sorted(path.glob("*.gguf"))
+        if len(files) > 1:
+            raise ModelLoadError(f"{path} holds {len(files)} GGUF files ({', '.join(f.name for f in files[:4])}"
+                                 f"{' …' if len(files) > 4 else ''}): name one of them")
+        return files[0] if files else None
+    if path.suffix.lower() == ".gguf" or (path.is_file() and path.read_bytes()[:4] == b"GGUF"):
+        if not path.is_file():
+            raise ModelLoadError(f"{model_id}: no such GGUF file")
+        return path
+    return None
+
+
+def _load_gguf_file(model_id: str, gguf: Path, dtype: torch.dtype, device: str, draft_format: str):
+    """A GGUF file as stored on the CPU (:func:`engine.models.gguf_direct.load_gguf`). On another
+    device, or asked for as float, transformers dequantises it, and the model says so."""
+    from engine.models.gguf_direct import load_gguf, open_gguf
+
+    if device == "cpu" and dtype == torch.float32 and draft_format in ("auto", "q4k", "stored"):
+        try:
+            return load_gguf(gguf, dequantise_unserved=os.environ.get(DEQUANTISE_UNSERVED) == "1")
+        except Exception as exc:  # noqa: BLE001 - a damaged file surfaces as many exception types
+            if model_id in DEFAULT_IDS:  # a pinned file that fails: removed if it no longer matches its digest
+                verify_gguf(DEFAULT_IDS[model_id], gguf)
+            elif isinstance(exc, ModelLoadError):
+                raise
+            raise ModelLoadError(f"could not load {gguf.name}: {exc}".splitlines()[0]) from exc
+    source = open_gguf(gguf)  # a clear error for a file that is not served, before transformers reads it
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.warning("%s: dequantised to %s for %s (its blocks are served as stored on the CPU in float32 only)",
+                gguf.name, str(dtype).removeprefix("torch."), device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"could not load {gguf.name}: {exc}".splitlines()[0]) from exc
+    model.gguf_source, model.as_stored = source, f"dequantised to {str(dtype).removeprefix('torch.')}"
+    return place(model, device).eval(), tokenizer
 
 
 def _kquant_straight_from_gguf(dtype: torch.dtype, device: str, draft_format: str) -> bool:
@@ -318,6 +360,25 @@ def _load_hub_model(model_id: str, dtype: torch.dtype, trust_remote_code: bool):
     return model, tokenizer
 
 
+def check_pair_vocabulary(target, target_tokenizer, draft, draft_tokenizer, target_name: str = "target",
+                          draft_name: str = "draft") -> None:
+    """Refuse a draft whose token ids do not mean the target's: two GGUF files by their tokenizer
+    metadata (:func:`engine.models.pair_rule.check_pair`: padding rows allowed), else by the
+    tokenizers' vocabularies."""
+    from engine.models.pair_rule import check_pair
+
+    sources = getattr(target, "gguf_source", None), getattr(draft, "gguf_source", None)
+    if None not in sources:
+        check_pair(*sources, target_name=_short(target_name), draft_name=_short(draft_name))
+    else:
+        check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name, draft_name)
+
+
+def _short(model_id: str) -> str:
+    """A model's name in messages: a file's name, not its whole path."""
+    return Path(model_id).name if model_id.lower().endswith(".gguf") else model_id
+
+
 def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str = "target",
                           draft_name: str = "draft") -> None:
     """Refuse a pair whose tokenizers map tokens to different ids."""
@@ -373,12 +434,13 @@ def load_pair(target_id: str = "default-target", draft_id: str = "default-draft"
 
             stream_layers(target, device)
         draft, draft_tokenizer = load_model(draft_id, dtype, device, trust_remote_code, formats.draft)
-        check_same_vocabulary(tokenizer, draft_tokenizer, target_id, draft_id)
+        check_pair_vocabulary(target, tokenizer, draft, draft_tokenizer, target_id, draft_id)
     except BaseException:
         target = draft = None  # the traceback keeps this frame: it must not keep the failed pair's target
         raise
     keep_pair((target, tokenizer), (draft, draft_tokenizer))
     draft = restrict_draft(draft, draft_id, draft_tokenizer, formats.draft_vocabulary)
+    draft = fit_draft_rows(draft, target)
     if prepare:
         from engine.backends.kernels import prepare as prepare_models
 
@@ -410,6 +472,27 @@ def restrict_draft(draft: torch.nn.Module, draft_id: str, tokenizer, vocabulary:
         return with_draft_vocabulary(draft, [*kept, *tokenizer.added_tokens_decoder])
     except ValueError as exc:
         raise InvalidParameterError(str(exc)) from exc
+
+
+def fit_draft_rows(draft: torch.nn.Module, target: torch.nn.Module) -> torch.nn.Module:
+    """``draft`` giving logits as wide as ``target``'s (the pair rule lets their rows differ by
+    padding): ids past the draft's rows get q = 0. ``draft`` itself when the widths agree."""
+    from engine.backends.draft_vocabulary import kept_count, with_draft_vocabulary
+
+    width, draft_rows = target.get_output_embeddings().out_features, draft.get_output_embeddings().out_features
+    if width == draft_rows:
+        return draft
+    head = draft.get_output_embeddings()
+    kept = head.kept.tolist() if hasattr(head, "kept") else range(kept_count(draft))
+    try:
+        fitted = with_draft_vocabulary(draft, kept, width)
+    except ValueError as exc:
+        raise VocabularyMismatchError(f"the draft gives {draft_rows} logits and the target {width}: {exc}") from exc
+    if width > draft_rows:  # the target may commit a padding id the draft has no row for
+        from engine.backends.draft_vocabulary import read_ids_within
+
+        read_ids_within(fitted, draft_rows)
+    return fitted
 
 
 def pair_name(target_id: str, draft_id: str, draft: torch.nn.Module | None = None,

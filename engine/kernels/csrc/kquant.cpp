@@ -16,6 +16,8 @@
 //        vector l/2 (low nibble for even l, high for odd) and its two high bits at bits 2l, 2l+1
 //        of byte o*4+i of vector 2; sc [16][16] int8; d [16] fp16. w = d*sc*(q-32) (GGUF Q6_K).
 // Activations: per row and super-block, x ~= sx * xq with xq int8 = round(x * 127 / max|x|).
+// Every other GGUF type (legacy Q4_0 .. Q8_0, Q2_K, Q5_K, the float types; Q3_K as Q6_K's form)
+// has its kernels in blocks.h, dispatched by PackedLinear's kind (block_linear from Python).
 #include <torch/extension.h>
 #include <c10/util/Half.h>
 #include <ATen/Parallel.h>
@@ -201,6 +203,7 @@ struct Rows {
   const int32_t* p16;  // per super-block 8 and 4 int16 pairs of the sums (quantize_rows)
   const int32_t* p32;
   int64_t K;
+  bool panel_major;  // the layout quantize_rows wrote (block_slot)
   // Panel-major rows: super-block blk of the panel starting at row r0 (a multiple of PANEL_ROWS), its
   // rows QK bytes (their pairs 8 and 4 int32) apart.
   const int8_t* panel_x(int64_t r0, int64_t blk) const { return xq + block_slot(r0, blk, K / QK, true) * QK; }
@@ -907,6 +910,8 @@ void tile_q6k(const uint8_t* qs, const int8_t* sc, const uint16_t* d, const Rows
 
 #endif
 
+#include "blocks.h"
+
 // The calling thread's quantised activations: reused from call to call, so a product allocates
 // nothing (a decoder layer runs four; each torch allocation and pad is microseconds of one core
 // while the other waits).
@@ -938,7 +943,8 @@ Rows quantized_rows(const float* x, int64_t R, int64_t width, int64_t K) {
   scratch.p32.resize(slots * (K / QK) * 4);
   quantize_rows(x, R, K, panel_major, scratch.xq.data(), scratch.sx.data(), scratch.s16.data(), scratch.p16.data(),
                 scratch.p32.data());
-  return Rows{scratch.xq.data(), scratch.sx.data(), scratch.s16.data(), scratch.p16.data(), scratch.p32.data(), K};
+  return Rows{scratch.xq.data(), scratch.sx.data(), scratch.s16.data(), scratch.p16.data(), scratch.p32.data(), K,
+              panel_major};
 }
 
 torch::Tensor flat_rows(const torch::Tensor& x) {
@@ -966,25 +972,33 @@ void for_each_dynamic(int64_t count, int64_t chunk, const F& work) {
 }
 
 // A packed weight's data pointers, read once (data_ptr<T>() checks the dtype: too slow per tile).
-// A Q6_K weight keeps qs, sc (int8) and d in the Q4KWeight's qs, sc and d.
+// A Q6_K weight keeps qs, sc (int8) and d in the Q4KWeight's qs, sc and d; every other kind its
+// BlockWeight (blocks.h).
 struct WeightPointers {
-  bool q4;
+  Kind kind;
   Q4KWeight w;
+  BlockWeight b;
 };
 
 struct PackedLinear {
-  bool q4;                         // Q4_K (qs, sc, mn, d, dmin) or Q6_K (qs, sc, d)
+  Kind kind;                       // Q4_K (qs, sc, mn, d, dmin), Q6_K (qs, sc, d) or a kind of blocks.h
   std::vector<torch::Tensor> t;
   int64_t n, k;                    // outputs; inputs as packed (a multiple of 256, zeros past the model's)
   c10::optional<torch::Tensor> bias;
   WeightPointers p;
 
-  PackedLinear(bool q4_, std::vector<torch::Tensor> t_, int64_t n_, int64_t k_, c10::optional<torch::Tensor> bias_)
-      : q4(q4_), t(std::move(t_)), n(n_), k(k_), bias(std::move(bias_)) {
+  PackedLinear(const std::string& name, std::vector<torch::Tensor> t_, int64_t n_, int64_t k_,
+               c10::optional<torch::Tensor> bias_)
+      : kind(kind_of(name)), t(std::move(t_)), n(n_), k(k_), bias(std::move(bias_)) {
     TORCH_CHECK(k >= QK && k % QK == 0, "input features must be a multiple of 256, got ", k);
     TORCH_CHECK(n > 0 && n % TILE == 0, "outputs must be a positive multiple of 16, got ", n);
-    TORCH_CHECK(t.size() == (q4 ? 5u : 3u), q4 ? "q4k takes qs, sc, mn, d, dmin" : "q6k takes qs, sc, d");
     for (const auto& part : t) TORCH_CHECK(part.is_contiguous() && part.device().is_cpu(), "packed tensors must be contiguous CPU tensors");
+    if (kind != Kind::Q4K && kind != Kind::Q6K) {
+      p = WeightPointers{kind, {}, block_weight(kind, t, n, k)};
+      return;
+    }
+    const bool q4 = kind == Kind::Q4K;
+    TORCH_CHECK(t.size() == (q4 ? 5u : 3u), q4 ? "q4k takes qs, sc, mn, d, dmin" : "q6k takes qs, sc, d");
     const int64_t blocks = n * (k / QK);  // (output, super-block) pairs
     const int64_t scales = q4 ? 8 : 16;  // sub-block scales a super-block
     TORCH_CHECK(t[1].numel() == blocks * scales && (!q4 || t[2].numel() == blocks * scales),
@@ -994,10 +1008,10 @@ struct PackedLinear {
     const int64_t full = n / TILE * (k / QK) * (q4 ? Q4K_BYTES : Q6K_BYTES), stored = t[0].numel();
     const bool half_tail = q4 && stored == full - n / TILE * (Q4K_BYTES / 2);
     TORCH_CHECK(stored == full || half_tail, q4 ? "q4k" : "q6k", " weight does not match ", n, " x ", k);
-    p = q4 ? WeightPointers{true, {t[0].data_ptr<uint8_t>(), t[1].data_ptr<uint8_t>(), t[2].data_ptr<uint8_t>(),
-                                   half_bits(t[3]), half_bits(t[4]), half_tail}}
-           : WeightPointers{false, {t[0].data_ptr<uint8_t>(), reinterpret_cast<const uint8_t*>(t[1].data_ptr<int8_t>()),
-                                    nullptr, half_bits(t[2]), nullptr, false}};
+    p = q4 ? WeightPointers{kind, {t[0].data_ptr<uint8_t>(), t[1].data_ptr<uint8_t>(), t[2].data_ptr<uint8_t>(),
+                                   half_bits(t[3]), half_bits(t[4]), half_tail}, {}}
+           : WeightPointers{kind, {t[0].data_ptr<uint8_t>(), reinterpret_cast<const uint8_t*>(t[1].data_ptr<int8_t>()),
+                                    nullptr, half_bits(t[2]), nullptr, false}, {}};
   }
 };
 
@@ -1025,10 +1039,12 @@ void products_into(const std::vector<PackedLinear>& linears, const float* x, int
     while (k >= first_tile[i + 1]) ++i;
     const WeightPointers& w = linears[i].p;
     const int64_t t = k - first_tile[i];
-    if (w.q4)
+    if (w.kind == Kind::Q4K)
       tile_q4k(w.w, rows, r0, nr, panels, out + column[i], ld, t);
-    else
+    else if (w.kind == Kind::Q6K)
       tile_q6k(w.w.qs, reinterpret_cast<const int8_t*>(w.w.sc), w.w.d, rows, r0, nr, panels, out + column[i], ld, t);
+    else
+      tile_blocks(w.b, rows, x, width, r0, nr, out + column[i], ld, t);
   });
   for (size_t i = 0; i < linears.size(); ++i) {
     if (!linears[i].bias.has_value()) continue;
@@ -1054,12 +1070,19 @@ torch::Tensor linear(const PackedLinear& weight, const torch::Tensor& x) {
 // x [..., K] float32 -> [..., N] float32 with a q4k weight of N outputs.
 torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc,
                          const torch::Tensor& mn, const torch::Tensor& d, const torch::Tensor& dmin, int64_t N) {
-  return linear(PackedLinear{true, {qs, sc, mn, d, dmin}, N, x.size(-1), c10::nullopt}, x);
+  return linear(PackedLinear{"q4k", {qs, sc, mn, d, dmin}, N, x.size(-1), c10::nullopt}, x);
 }
 
 torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc,
                          const torch::Tensor& d, int64_t N) {
-  return linear(PackedLinear{false, {qs, sc, d}, N, x.size(-1), c10::nullopt}, x);
+  return linear(PackedLinear{"q6k", {qs, sc, d}, N, x.size(-1), c10::nullopt}, x);
+}
+
+// x [..., K] float32 -> [..., N] float32 with a weight of any kind (engine/backends/blocks.py), its
+// tensors in PACKED_NAMES order.
+torch::Tensor block_linear(const torch::Tensor& x, const std::string& kind, const std::vector<torch::Tensor>& tensors,
+                           int64_t N) {
+  return linear(PackedLinear{kind, tensors, N, x.size(-1), c10::nullopt}, x);
 }
 
 // ---- attention: one (head, row) at a time, a fixed order over keys and lanes ----------------
@@ -1705,10 +1728,9 @@ using LinearSpec = std::tuple<std::string, std::vector<torch::Tensor>, int64_t, 
 std::vector<PackedLinear> packed_linears(const std::vector<LinearSpec>& specs) {
   std::vector<PackedLinear> out;
   for (const auto& [kind, tensors, n, k, bias] : specs) {
-    TORCH_CHECK(kind == "q4k" || kind == "q6k", "unknown k-quant kind ", kind);
     TORCH_CHECK(n % TILE == 0 && k % QK == 0, "outputs must be a multiple of 16, inputs of 256");
     TORCH_CHECK(out.empty() || out[0].k == k, "products side by side need one input size");
-    out.push_back(PackedLinear{kind == "q4k", tensors, n, k, bias});
+    out.push_back(PackedLinear{kind, tensors, n, k, bias});
   }
   return out;
 }
@@ -1916,6 +1938,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto unlocked = pybind11::call_guard<pybind11::gil_scoped_release>();  // other Python threads run meanwhile
   m.def("q4k_linear", &q4k_linear, "x @ W.T for a Q4_K weight (batch-invariant)", unlocked);
   m.def("q6k_linear", &q6k_linear, "x @ W.T for a Q6_K weight (batch-invariant)", unlocked);
+  m.def("block_linear", &block_linear, "x @ W.T for a weight of any served kind (batch-invariant)", unlocked);
   m.def("attention", &attention, "batch-invariant attention for one sequence", unlocked);
   m.def("nucleus_probs", &nucleus_probs, "softmax at a temperature, restricted to the top-p nucleus", unlocked);
   m.def("draw_index", &draw_index, "the token an inverse-CDF draw picks (float64 prefix sums)", unlocked);
