@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 DOCS = {path: path.read_text(encoding="utf-8") for path in sorted((ROOT / "docs").glob("*.md"))}
 PAGES = {ROOT / "README.md": README, **DOCS}
-SECTIONS = ["Two commands", "Using the app", "The OpenAI API", "Command lines", "Speed", "How it works",
+SECTIONS = ["Two commands", "Using the app", "The OpenAI API", "Your own models", "Command lines", "Speed", "How it works",
             "Exactness", "Security", "Layout"]
 
 
