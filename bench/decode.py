@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> None:
         files = None if None in files else files
     run(BenchPlan(prompts, new_tokens, args.quick, temperature=args.temperature, top_p=args.top_p, repeats=repeats,
                   peer=args.peer, peer_ggufs=files, target_format=args.target_format, hf=not args.no_hf,
-                  prompt_set=args.prompt_set, copies=args.copies), args.out, pair)
+                  prompt_set=args.prompt_set, copies=args.copies), args.out, *([pair] if pair else []))
 
 
 if __name__ == "__main__":
