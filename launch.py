@@ -46,9 +46,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a GGUF file (or a folder holding one), an HF id or local dir (default: embedded 1.5B)")
     parser.add_argument("--draft", default="default-draft",
                         help="a GGUF file (or a folder holding one), an HF id or local dir (default: embedded 0.5B)")
-    parser.add_argument("--dequantise-unserved", action="store_true",
-                        help="run a GGUF block type without a kernel (IQ*, TQ*, ...) dequantised to float32 instead "
-                             "of refusing the file (the model card line says so)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (spread a large target over the GPUs)")
     parser.add_argument("--offload", action="store_true",
                         help="keep the target's layers in pinned CPU memory and stream them to the GPU (needs --device cuda)")
@@ -124,11 +121,9 @@ def build_worker(args: argparse.Namespace):
 
     import time
 
-    from engine.models.loading import DEQUANTISE_UNSERVED, load_pair, pair_name
+    from engine.models.loading import load_pair, pair_name
     print("loading models (a first start assembles and packs the embedded pair's weights: under a minute)...",
           flush=True)
-    if args.dequantise_unserved:
-        os.environ[DEQUANTISE_UNSERVED] = "1"
     started = time.perf_counter()
     target, draft, tokenizer = load_pair(args.target, args.draft, DTYPES[args.dtype], args.device,
                                          args.trust_remote_code, offload=args.offload,

@@ -26,7 +26,7 @@ from engine.errors import ModelLoadError, VocabularyMismatchError
 from engine.models.gguf_direct import load_gguf, open_gguf
 from engine.models.pair_rule import check_pair
 
-TEXT = " ".join(tiny_gguf.CORPUS)[:600] if isinstance(tiny_gguf.CORPUS, tuple) else str(tiny_gguf.CORPUS)[:600]
+TEXT = tiny_gguf.CORPUS[:600]
 FLOAT_BOUND, INTEGER_BOUND = 1e-3, 0.04
 # every block type at least once, every architecture with several
 CASES = [

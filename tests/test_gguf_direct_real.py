@@ -87,7 +87,7 @@ def test_a_first_start_builds_the_draft_without_dequantising_the_model(tmp_path,
     def no_packing(*args):
         raise AssertionError("packed again instead of reading the cache")
 
-    monkeypatch.setattr(gguf_direct, "pack_tensor", no_packing)
+    monkeypatch.setattr(gguf_direct, "pack_gguf_tensor", no_packing)
     again, _ = load_model("default-draft", torch.float32, "cpu", False, "q4k")
     assert again is not first
     assert_same_model(again, reference, chat_prompts[1])

@@ -88,7 +88,8 @@ def test_the_chat_template_and_stops_come_from_the_file(served):
     marker = {"smollm2": "<|im_start|>assistant", "gemma3": "<start_of_turn>model"}[name]
     assert text.rstrip().endswith(marker)
     end = {"smollm2": "<|im_end|>", "gemma3": "<end_of_turn>"}[name]
-    assert tokenizer.convert_tokens_to_ids(end) in model.generation_config.eos_token_id
+    stops = model.generation_config.eos_token_id
+    assert tokenizer.convert_tokens_to_ids(end) in (stops if isinstance(stops, list) else [stops])
     if name == "smollm2":
         assert tokenizer.chat_template == open_gguf(path).metadata["tokenizer.chat_template"]
 

@@ -83,7 +83,12 @@ def read_metadata(path: str | Path) -> dict[str, object]:
     """The metadata of a GGUF file as plain Python values by key, in the file's order: ``int``,
     ``float``, ``bool``, ``str`` (UTF-8), or lists of them (a tokenizer's tokens as a list of str).
     The tensor table is checked as by :func:`tensor_table`."""
-    return _walk(Path(path), "plain")[0]
+    return read_header(path)[0]
+
+
+def read_header(path: str | Path) -> tuple[dict[str, object], dict[str, GGUFTensor]]:
+    """``(metadata as read_metadata gives it, tensor table as tensor_table gives it)`` in one walk."""
+    return _walk(Path(path), "plain")
 
 
 class MetadataReader:

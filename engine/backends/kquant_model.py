@@ -43,19 +43,31 @@ def gguf_linear_tensors(table: dict[str, GGUFTensor]) -> dict[str, GGUFTensor]:
     return linears
 
 
-def pack_gguf_tensor(gguf_path: Path, tensor: GGUFTensor) -> tuple[str, dict[str, torch.Tensor]]:
+def pack_gguf_tensor(gguf_path: Path, tensor: GGUFTensor, row_order: list[int] | None = None,
+                     dequantise_unserved: bool = False) -> tuple[str, dict[str, torch.Tensor]]:
     """``(kind, packed tensors)`` of a GGUF matrix, its blocks served exactly as stored
-    (:func:`~engine.backends.blocks.pack_blocks`: every type llama-quantize writes); a type no
-    kernel serves raises :class:`~engine.backends.blocks.UnsupportedBlockType` (nothing is
-    re-quantised behind the file's back)."""
+    (:func:`~engine.backends.blocks.pack_blocks`: every type llama-quantize writes), its rows taken
+    in ``row_order`` when given (whole rows of blocks: exact). A type no kernel serves raises
+    :class:`~engine.backends.blocks.UnsupportedBlockType` (nothing is re-quantised behind the
+    file's back), or with ``dequantise_unserved`` is dequantised to float32 (the values
+    transformers' reader gives)."""
     from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
 
-    from engine.backends.blocks import SERVED_TYPES, UnsupportedBlockType, pack_blocks
+    from engine.backends.blocks import SERVED_TYPES, UnsupportedBlockType, pack_blocks, pack_float
 
-    if tensor.qtype not in SERVED_TYPES:
-        raise UnsupportedBlockType(f"{gguf_path.name}: {tensor.name} is stored as "
-                                   f"{GGMLQuantizationType(tensor.qtype).name}, which no kernel serves")
-    return pack_blocks(tensor.qtype, read_blocks(gguf_path, tensor), tensor.dims[0])
+    served = tensor.qtype in SERVED_TYPES
+    if not served and not dequantise_unserved:
+        raise UnsupportedBlockType(f"{gguf_path.name}: {tensor.name} is {GGMLQuantizationType(tensor.qtype).name}, "
+                                   f"a block type without a kernel here (served: "
+                                   f"{', '.join(sorted(t.name for t in SERVED_TYPES))}); "
+                                   f"--dequantise-unserved runs it as float32")
+    blocks = read_blocks(gguf_path, tensor)
+    if row_order is not None:
+        blocks = blocks[row_order]
+    if served:
+        return pack_blocks(tensor.qtype, blocks, tensor.dims[0])
+    return pack_float(torch.from_numpy(dequantize(blocks, tensor.qtype).astype("float32")))
 
 
 def kquant_model(model: torch.nn.Module, gguf_path: Path | None = None, cache_file: Path | None = None,

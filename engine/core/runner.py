@@ -206,8 +206,9 @@ def run_model(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: to
     lean = model.__dict__.get("lean_forward")
     if lean is not None:
         return lean(ids, positions, mask, cache, logits_to_keep)[0].float()
-    if mask is not None and sliding_window(model.config):
-        mask = {"full_attention": mask, "sliding_attention": windowed(mask, positions, sliding_window(model.config))}
+    window = sliding_window(model.config) if mask is not None else None
+    if window:
+        mask = {"full_attention": mask, "sliding_attention": windowed(mask, positions, window)}
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, position_ids=positions,
                 attention_mask=mask, logits_to_keep=logits_to_keep)
     return out.logits[0].float()

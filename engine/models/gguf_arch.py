@@ -15,14 +15,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.backends.kquant_model import GGUF_LINEARS as LINEARS  # a block's matrices: GGUF -> HF names
 from engine.errors import ModelLoadError
 
-# GGUF tensor name (after ``blk.N.``) -> Hugging Face module path (after ``model.layers.N.``).
-LINEARS = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 LLAMA_FLOATS = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"}
 BIASES = {f"{gguf}.bias": f"{hf}.bias" for gguf, hf in LINEARS.items() if gguf in ("attn_q", "attn_k", "attn_v")}
 QK_NORMS = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
@@ -126,8 +121,9 @@ def config_values(arch: Architecture, metadata: dict[str, Any], vocab_rows: int,
         "max_position_embeddings": _key(metadata, a, "context_length", 4096),
         "rms_norm_eps": _key(metadata, a, "attention.layer_norm_rms_epsilon", 1e-6, float),
         "tie_word_embeddings": tied, "rope_parameters": rope, "attention_bias": has_bias,
-        **{f"{name}_token_id": metadata.get(f"tokenizer.ggml.{key}_token_id")
-           for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))},
+        **{f"{name}_token_id": metadata[f"tokenizer.ggml.{key}_token_id"]
+           for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))
+           if f"tokenizer.ggml.{key}_token_id" in metadata},
         **arch.extra,
     }
     if f"{a}.attention.key_length" not in metadata and arch.name in ("llama", "qwen2"):
@@ -184,11 +180,13 @@ def rope_freq_factors(values: list[float], head_dim: int) -> list[float]:
 
 
 def end_of_turn_ids(metadata: dict[str, Any], tokens: list[str]) -> list[int]:
-    """The ids that end an answer: the file's EOS and EOT ids, and the tokens whose text ends a
-    turn in the served families' templates (when the file names no EOT)."""
+    """The ids that end an answer: the file's EOS and EOT ids and, when none of those is a turn's
+    end itself (Gemma's files name ``<eos>`` only), the tokens whose text ends a turn in the served
+    families' templates."""
     ids = [metadata.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                        "tokenizer.ggml.eom_token_id")]
     found = [int(i) for i in ids if isinstance(i, int) and 0 <= i < len(tokens)]
-    by_text = {t: i for i, t in enumerate(tokens) if t in END_OF_TURN_TEXTS}
-    found += [by_text[t] for t in END_OF_TURN_TEXTS if t in by_text]
+    if not any(tokens[i] in END_OF_TURN_TEXTS for i in found):
+        by_text = {t: i for i, t in enumerate(tokens) if t in END_OF_TURN_TEXTS}
+        found += [by_text[t] for t in END_OF_TURN_TEXTS if t in by_text]
     return list(dict.fromkeys(found))

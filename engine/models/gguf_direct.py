@@ -2,7 +2,7 @@
 its matrices as the file stores them, with no float32 copy of its weights at any point.
 
 transformers' ``gguf_file=`` loader dequantises every tensor to float. The engine needs none of
-that: its linear layers are the file's own blocks (:func:`pack_tensor`, through the kernels of
+that: its linear layers are the file's own blocks (:func:`~engine.backends.kquant_model.pack_gguf_tensor`, through the kernels of
 :mod:`engine.backends.blocks`), its token embedding stays in its blocks
 (:class:`engine.backends.gguf_embedding.GGUFEmbedding`) and only the norms and biases are read as
 float32. The model skeleton comes from the config with its parameters on the meta device
@@ -32,19 +32,18 @@ from pathlib import Path
 
 import torch
 
-from engine.backends.blocks import UnsupportedBlockType
 from engine.backends.gguf_embedding import TOKEN_EMBEDDING, gguf_embedding
-from engine.backends.gguf_file import GGUFTensor, MetadataReader, read_blocks, read_dequantised, read_metadata, \
-    tensor_table
+from engine.backends.gguf_file import GGUFTensor, MetadataReader, read_dequantised, read_header, tensor_table
 from engine.backends.kquant import CACHE_FORMAT, KQuantLinear
-from engine.backends.kquant_model import finish_kquant, read_cache, write_cache
+from engine.backends.kquant_model import finish_kquant, gguf_linear_tensors, pack_gguf_tensor, read_cache, \
+    write_cache
 from engine.errors import ModelLoadError
-from engine.models.gguf_arch import DEFAULT_TEMPLATES, LINEARS, Architecture, architecture_of, config_values, \
+from engine.models.gguf_arch import DEFAULT_TEMPLATES, Architecture, architecture_of, config_values, \
     end_of_turn_ids, hf_config, rope_freq_factors, unpermute_rows
 
 log = logging.getLogger(__name__)
 
-METADATA_FORMAT = 2  # bump when the files kept beside the packed weights change (2: any file, keyed by identity)
+METADATA_FORMAT = 3  # bump when the files kept beside the packed weights change (2: any file, keyed by identity; 3: pad/unk ids, qwen2 without head_dim)
 # One first-start metadata reading at a time: it swaps two module globals of gguf and transformers.
 _METADATA_LOCK = threading.Lock()
 # Tokenizers loaded from a kept directory, by the digest of the files that define them (all but the
@@ -54,24 +53,26 @@ _TOKENIZERS_LOCK = threading.Lock()
 NOT_TOKENIZER_FILES = ("config.json", "chat_template.jinja")
 
 
-def file_identity(gguf: Path) -> str:
+def file_identity(gguf: Path, table: dict[str, GGUFTensor] | None = None) -> str:
     """What names a GGUF file's kept files: its size and a hash of its header (metadata and tensor
     table, which name every tensor's type, shape and place), not of its gigabytes of blocks. A file
-    edited in place keeps its size only if its header keeps its length; its header hash then moves."""
+    edited in place keeps its size only if its header keeps its length; its header hash then moves.
+    ``table``: the file's tensor table, when the caller has read it already."""
     size = gguf.stat().st_size
-    header = min((t.offset for t in tensor_table(gguf).values()), default=size)
+    header = min((t.offset for t in (tensor_table(gguf) if table is None else table).values()), default=size)
     digest = hashlib.sha256(str(size).encode())
     with open(gguf, "rb") as f:
         digest.update(f.read(header))
     return digest.hexdigest()[:16]
 
 
-def model_dir(gguf: Path) -> Path:
-    """Where the packed weights, config and tokenizer of the GGUF file ``gguf`` are kept."""
+def model_dir(gguf: Path, table: dict[str, GGUFTensor] | None = None) -> Path:
+    """Where the packed weights, config and tokenizer of the GGUF file ``gguf`` are kept (``table``:
+    its tensor table, when read already)."""
     from engine.user_cache import cache_dir
 
     stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in gguf.stem)[:80]
-    return cache_dir() / "kquant" / f"{stem}-{file_identity(gguf)}-v{METADATA_FORMAT}"
+    return cache_dir() / "kquant" / f"{stem}-{file_identity(gguf, table)}-v{METADATA_FORMAT}"
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def open_gguf(path: str | Path) -> GGUFModelFile:
     is not a GGUF, is damaged, or is not a causal LM of a served architecture."""
     path = Path(path)
     try:
-        metadata, table = read_metadata(path), tensor_table(path)
+        metadata, table = read_header(path)
     except (OSError, ValueError) as exc:
         message = str(exc).replace("\n", " ")
         raise ModelLoadError(message if path.name in message else f"{path.name}: {message}") from exc
@@ -119,7 +120,7 @@ def load_gguf(path: str | Path, dequantise_unserved: bool = False):
     from transformers import AutoConfig
 
     source = open_gguf(path)
-    directory = model_dir(source.path)
+    directory = model_dir(source.path, source.table)
     if not (directory / "config.json").exists():
         _save_metadata(source, directory)
     config = AutoConfig.from_pretrained(directory)
@@ -213,7 +214,8 @@ def build_model(source: GGUFModelFile, config, cache_file: Path | None = None,
     if missing:
         raise ModelLoadError(f"{gguf.name} has no tensor for {', '.join(missing[:3])}"
                              f"{' …' if len(missing) > 3 else ''}: an incomplete {arch.name} GGUF")
-    model.generation_config.eos_token_id = end_of_turn_ids(source.metadata, source.tokens) or None
+    stops = end_of_turn_ids(source.metadata, source.tokens)
+    model.generation_config.eos_token_id = stops[0] if len(stops) == 1 else stops or None  # one as an int, as HF's
     model.as_stored = stored_types(source, dequantise_unserved)
     model.gguf_source = source  # what the pair rule reads (engine.models.pair_rule)
     return finish_kquant(model, mapped_only=True)  # the rest was read or packed into memory of its own
@@ -232,18 +234,6 @@ class ScaledEmbedding(torch.nn.Module):
         return self.inner(input_ids) * self.embed_scale
 
 
-def linear_tensors(table: dict[str, GGUFTensor]) -> dict[str, GGUFTensor]:
-    """Hugging Face module name -> GGUF tensor for every linear layer (the output head from the
-    token embedding when the file ties them)."""
-    linears = {}
-    for tensor in table.values():
-        parts = tensor.name.split(".")
-        if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in LINEARS:
-            linears[f"model.layers.{parts[1]}.{LINEARS[parts[2]]}"] = tensor
-    linears["lm_head"] = table.get("output.weight", table[TOKEN_EMBEDDING])
-    return linears
-
-
 def float_tensors(arch: Architecture, table: dict[str, GGUFTensor]) -> dict[str, GGUFTensor]:
     """Hugging Face parameter name -> GGUF tensor for the norms and biases."""
     floats = {}
@@ -259,7 +249,8 @@ def float_tensors(arch: Architecture, table: dict[str, GGUFTensor]) -> dict[str,
 def _pack(source: GGUFModelFile, model: torch.nn.Module, dequantise_unserved: bool) -> dict[str, KQuantLinear]:
     """Every linear layer of ``model`` packed from its GGUF tensor as stored (q/k rows of the llama
     family back in Hugging Face's order)."""
-    tensors = linear_tensors(source.table)
+    tensors = gguf_linear_tensors(source.table)
+    tensors.setdefault("lm_head", source.table[TOKEN_EMBEDDING])  # a tied output head
     linears = {name: m for name, m in model.named_modules() if type(m) is torch.nn.Linear}
     for name, linear in linears.items():
         tensor = tensors.get(name)
@@ -270,36 +261,14 @@ def _pack(source: GGUFModelFile, model: torch.nn.Module, dequantise_unserved: bo
 
     def pack(name: str):
         try:
-            return pack_tensor(source.path, tensors[name], orders.get(name), dequantise_unserved)
-        except (UnsupportedBlockType, ValueError) as exc:
-            raise ModelLoadError(f"{source.path.name}: {exc}") from exc
+            return pack_gguf_tensor(source.path, tensors[name], orders.get(name), dequantise_unserved)
+        except ValueError as exc:  # UnsupportedBlockType and a damaged tensor: one line naming the file
+            raise ModelLoadError(str(exc) if source.path.name in str(exc) else f"{source.path.name}: {exc}") from exc
 
     # numpy's array work releases the GIL: one thread a core packs the layers side by side
     with ThreadPoolExecutor(max(1, min(len(os.sched_getaffinity(0)), 4))) as pool:
         packed = dict(zip(linears, pool.map(pack, linears)))
     return {name: KQuantLinear(*packed[name], linear.in_features, linear.out_features) for name, linear in linears.items()}
-
-
-def pack_tensor(gguf: Path, tensor: GGUFTensor, row_order: list[int] | None = None,
-                dequantise_unserved: bool = False) -> tuple[str, dict[str, torch.Tensor]]:
-    """``(kind, packed tensors)`` of a GGUF matrix as stored, its rows taken in ``row_order`` when
-    given (whole rows of blocks: exact); a type without a kernel raises
-    :class:`~engine.backends.blocks.UnsupportedBlockType`, or with ``dequantise_unserved`` is
-    dequantised to float32 (the values transformers' reader gives)."""
-    from engine.backends.blocks import SERVED_TYPES, pack_blocks, pack_float
-
-    blocks = read_blocks(gguf, tensor)
-    if row_order is not None:
-        blocks = blocks[row_order]
-    if tensor.qtype in SERVED_TYPES:
-        return pack_blocks(tensor.qtype, blocks, tensor.dims[0])
-    if not dequantise_unserved:
-        raise UnsupportedBlockType(f"{tensor.name} is {tensor.qtype.name}, a block type without a kernel here "
-                                   f"(served: {', '.join(sorted(t.name for t in SERVED_TYPES))}); "
-                                   f"launch.py --dequantise-unserved runs it as float32")
-    from gguf.quants import dequantize
-
-    return pack_float(torch.from_numpy(dequantize(blocks, tensor.qtype).astype("float32")))
 
 
 def _row_orders(source: GGUFModelFile, config, linears: dict) -> dict[str, list[int]]:

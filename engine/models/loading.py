@@ -66,9 +66,6 @@ DEFAULT_TARGET = GGUFSource(
     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")
 DEFAULT_IDS = {"default-target": DEFAULT_TARGET, "default-draft": DEFAULT_DRAFT}
 # dtype names the command lines and the app accept.
-# Set (to 1) by ``--dequantise-unserved``: a GGUF block type without a kernel runs dequantised to
-# float32 instead of being refused (the model's ``as_stored`` note says so).
-DEQUANTISE_UNSERVED = "SEQUOIA_DEQUANTISE_UNSERVED"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -193,7 +190,7 @@ _in_use_lock = threading.Lock()
 
 
 def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               trust_remote_code: bool = False, draft_format: str = "none"):
+               trust_remote_code: bool = False, draft_format: str = "none", dequantise_unserved: bool = False):
     """Load ``(model, tokenizer)`` from an embedded name, an HF hub id or a local directory.
 
     Downloads show a progress bar; ``HF_HUB_OFFLINE=1`` is respected (a model that is not cached
@@ -205,19 +202,20 @@ def load_model(model_id: str, dtype: torch.dtype = torch.float32, device: str = 
     :func:`load_pair` calls once a pair validates) asked for again with the same arguments is
     returned as is; anything else is loaded afresh and remembered by nobody but the caller.
     """
-    key = (model_id, dtype, device, trust_remote_code, draft_format)
+    key = (model_id, dtype, device, trust_remote_code, draft_format, dequantise_unserved)
     with _in_use_lock:
         if key in _in_use:
             return _in_use[key]
     quantized_cache = embedding = None
     with returning_freed_memory():
-        gguf = gguf_file_of(model_id)
-        if gguf is not None and (model_id not in DEFAULT_IDS or _kquant_straight_from_gguf(dtype, device, draft_format)):
-            model, tokenizer = _load_gguf_file(model_id, gguf, dtype, device, draft_format)
+        # an embedded model in another format reads its dequantised cache (no file assembled for it)
+        straight = model_id not in DEFAULT_IDS or _kquant_straight_from_gguf(dtype, device, draft_format)
+        gguf = gguf_file_of(model_id) if straight else None
+        if gguf is not None:
+            model, tokenizer = _load_gguf_file(model_id, gguf, dtype, device, draft_format, dequantise_unserved)
             with _in_use_lock:
                 _load_keys[model] = key
             return model, tokenizer
-        gguf = None
         if model_id in DEFAULT_IDS:
             model, tokenizer = _load_source(DEFAULT_IDS[model_id], dtype)
             quantized_cache = _dequantised_dir(DEFAULT_IDS[model_id], dtype)  # pinned weights: safe to key on
@@ -253,14 +251,16 @@ def gguf_file_of(model_id: str) -> Path | None:
     return None
 
 
-def _load_gguf_file(model_id: str, gguf: Path, dtype: torch.dtype, device: str, draft_format: str):
-    """A GGUF file as stored on the CPU (:func:`engine.models.gguf_direct.load_gguf`). On another
-    device, or asked for as float, transformers dequantises it, and the model says so."""
+def _load_gguf_file(model_id: str, gguf: Path, dtype: torch.dtype, device: str, draft_format: str,
+                    dequantise_unserved: bool = False):
+    """A GGUF file as stored on the CPU (:func:`engine.models.gguf_direct.load_gguf`; a block type
+    without a kernel as float32 with ``dequantise_unserved``). On another device, or asked for as
+    float, transformers dequantises it, and the model says so."""
     from engine.models.gguf_direct import load_gguf, open_gguf
 
     if device == "cpu" and dtype == torch.float32 and draft_format in ("auto", "q4k", "stored"):
         try:
-            return load_gguf(gguf, dequantise_unserved=os.environ.get(DEQUANTISE_UNSERVED) == "1")
+            return load_gguf(gguf, dequantise_unserved)
         except Exception as exc:  # noqa: BLE001 - a damaged file surfaces as many exception types
             if model_id in DEFAULT_IDS:  # a pinned file that fails: removed if it no longer matches its digest
                 verify_gguf(DEFAULT_IDS[model_id], gguf)
@@ -401,6 +401,7 @@ class PairFormats:
     target: str = "auto"
     draft: str = "auto"
     draft_vocabulary: int | str = "auto"
+    dequantise_unserved: bool = False  # a GGUF block type without a kernel runs as float32 (said on the card)
 
 
 def load_pair(target_id: str = "default-target", draft_id: str = "default-draft",
@@ -427,13 +428,15 @@ def load_pair(target_id: str = "default-target", draft_id: str = "default-draft"
     from engine.backends.quantize import target_quantization
 
     target_fmt = target_quantization(formats.target, dtype == torch.float32 and not offload and device == "cpu")
-    target, tokenizer = load_model(target_id, dtype, "cpu" if offload else device, trust_remote_code, target_fmt)
+    target, tokenizer = load_model(target_id, dtype, "cpu" if offload else device, trust_remote_code, target_fmt,
+                                   formats.dequantise_unserved)
     try:
         if offload:
             from engine.backends.offload import stream_layers
 
             stream_layers(target, device)
-        draft, draft_tokenizer = load_model(draft_id, dtype, device, trust_remote_code, formats.draft)
+        draft, draft_tokenizer = load_model(draft_id, dtype, device, trust_remote_code, formats.draft,
+                                            formats.dequantise_unserved)
         check_pair_vocabulary(target, tokenizer, draft, draft_tokenizer, target_id, draft_id)
     except BaseException:
         target = draft = None  # the traceback keeps this frame: it must not keep the failed pair's target
