@@ -132,9 +132,11 @@ def test_every_isa_path_gives_the_same_bits(qtype, every_path):
 @pytest.mark.parametrize("case", CASES, ids=ids)
 def test_the_result_is_close_to_the_float_product(case, compiled):
     """Float kinds: x @ W.T up to float32 summation order. Integer kinds: each activation is off by
-    at most half a quantisation step, ``amax / 254`` of its super-block (round to nearest of
-    ``x * 127 / amax``), so ``|y - x @ W.T| <= sum_k |w_k| * amax(k) / 254`` per output; the
-    float steps add a few ulps of the terms, covered by the 1% and the 1e-6 slack."""
+    at most half a quantisation step, ``amax / 254`` of its group (round to nearest of
+    ``x * 127 / amax``; the group: 32 inputs for the legacy kinds, a super-block of 256 for the
+    k-quants), so ``|y - x @ W.T| <= sum_k |w_k| * amax(k) / 254`` per output; the float steps add a
+    few ulps of the terms, covered by the 1% and the 1e-6 slack. The activations grow 1,000-fold
+    across the inputs, so a legacy product quantised per 256 would break its per-32 bound."""
     qtype, k = case
     layer, _ = layer_of(qtype, 48, k, seed=4)
     x = activations(9, k, seed=5)
@@ -144,7 +146,8 @@ def test_the_result_is_close_to_the_float_product(case, compiled):
     if layer.kind in blocks.FLOATS:
         bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-30
     else:
-        amax = padded(x).reshape(9, -1, 256).abs().amax(-1).repeat_interleave(256, dim=1)[:, :k]
+        group = blocks.GROUP if layer.kind in blocks.LEGACY else 256
+        amax = padded(x).reshape(9, -1, group).abs().amax(-1).repeat_interleave(group, dim=1)[:, :k]
         bound = 1.01 * ((amax.double() / 254) @ w.double().abs().T) + 1e-6
     assert ((got - exact).abs() <= bound).all()
 
@@ -189,23 +192,24 @@ def test_pack_gguf_tensor_names_the_tensor_and_type_it_cannot_serve(tmp_path):
         pack_gguf_tensor(tmp_path / "model.gguf", tensor)
 
 
-def test_the_lean_layer_runs_linears_of_every_new_kind(compiled):
-    """A tiny qwen2 whose linears are Q8_0, Q5_0, Q4_1, F16, BF16, Q5_1 (its K = 128 allows only
-    the legacy and float kinds) through the lean forward: the model's own logits, bit for bit."""
+def lean_and_own_logits(hidden: int, kinds: dict[str, T]) -> tuple[torch.Tensor, torch.Tensor, set[str]]:
+    """A tiny qwen2 of ``hidden`` inputs whose linears are re-stored as ``kinds`` (by leaf name):
+    ``(lean forward's logits, the model's own logits, the kinds it ran)``."""
     import tiny_models as tm
 
     from engine.backends.kquant_model import kquant_model
     from engine.core.runner import run_model
     from transformers import DynamicCache
 
-    model = kquant_model(tm.qwen2(seed=5, vocab_size=64, hidden_size=128, layers=2))
-    kinds = {"q_proj": T.Q8_0, "k_proj": T.Q5_0, "v_proj": T.Q4_1, "o_proj": T.F16, "gate_proj": T.BF16,
-             "up_proj": T.Q5_1, "down_proj": T.Q4_0}
+    model = kquant_model(tm.qwen2(seed=5, vocab_size=64, hidden_size=hidden, layers=2))
     for name, module in list(model.named_modules()):
         leaf = name.rpartition(".")[2]
         if isinstance(module, KQuantLinear) and leaf in kinds:
             w = unpack_weight(module.kind, module.packed(), module.out_features, module.padded_in)[:, :module.in_features]
-            kind, tensors = pack_blocks(kinds[leaf], quantize(w.contiguous().numpy(), kinds[leaf]), module.in_features)
+            qtype = kinds[leaf]  # gguf's quantize writes no K types: those get random valid blocks
+            stored = random_blocks(qtype, module.out_features, module.in_features) if qtype in K_SIZES \
+                else quantize(w.contiguous().numpy(), qtype)
+            kind, tensors = pack_blocks(qtype, stored, module.in_features)
             bias = module._parameters.get("bias")
             replacement = KQuantLinear(kind, tensors, module.in_features, module.out_features, bias)
             parent = model.get_submodule(name.rpartition(".")[0])
@@ -217,5 +221,24 @@ def test_the_lean_layer_runs_linears_of_every_new_kind(compiled):
         lean = run_model(model, DynamicCache(config=model.config), prompt, positions, None, 0)
         own = plain(input_ids=prompt, past_key_values=DynamicCache(config=model.config), use_cache=True,
                     position_ids=positions).logits[0]
+    return lean, own, {m.kind for m in model.modules() if isinstance(m, KQuantLinear)}
+
+
+def test_the_lean_layer_runs_linears_of_every_new_kind(compiled):
+    """A tiny qwen2 whose linears are Q8_0, Q5_0, Q4_1, F16, BF16, Q5_1 (its K = 128 allows only
+    the legacy and float kinds) through the lean forward: the model's own logits, bit for bit."""
+    lean, own, ran = lean_and_own_logits(128, {
+        "q_proj": T.Q8_0, "k_proj": T.Q5_0, "v_proj": T.Q4_1, "o_proj": T.F16, "gate_proj": T.BF16,
+        "up_proj": T.Q5_1, "down_proj": T.Q4_0})
     assert torch.equal(lean, own)
-    assert {m.kind for m in model.modules() if isinstance(m, KQuantLinear)} >= {"q8_0", "q5_0", "f16", "bf16"}
+    assert ran >= {"q8_0", "q5_0", "f16", "bf16"}
+
+
+def test_products_side_by_side_mix_activation_granularities(compiled):
+    """q, k, v in one product call with a k-quant (activations per 256) beside legacy kinds (per
+    32), as llama.cpp's Q4_K_M files mix them: each linear gets its own granularity, so the lean
+    layer equals the model's own forward, which runs each linear alone."""
+    lean, own, ran = lean_and_own_logits(256, {
+        "q_proj": T.Q4_K, "k_proj": T.Q8_0, "v_proj": T.Q6_K, "gate_proj": T.Q5_0, "up_proj": T.Q5_K})
+    assert torch.equal(lean, own)
+    assert ran >= {"q4k", "q8_0", "q6k", "q5_0", "q5k"}

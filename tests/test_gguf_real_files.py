@@ -3,14 +3,18 @@ the independent reader: transformers' own GGUF loader dequantises the same file 
 own forward. SmolLM2-135M-Instruct Q4_1 (llama: q/k stored permuted, Q8_0 embedding) and
 Gemma-3-270M Q4_K_M (gemma3: Q5_0, Q4_K, Q8_0 and Q6_K blocks, sliding-window layers, tied output).
 
-Agreement bound: our matrices multiply the stored integers by activations quantised to int8 per
-256 inputs; the reference multiplies float32 dequantised weights by float32 activations. That
-rounding (1/254 of a super-block's largest activation) moves logits; llama.cpp quantises the
-activations of Q4_1/Q5_0/Q8_0 products per 32 inputs, finer where a model has outlier activations.
-Measured (2026-12-04, AMD EPYC, AVX-512 VNNI): Gemma-3-270M top-1 agrees at 60 of 60 positions,
-worst |Δ| 10% of a position's logit range; SmolLM2-135M (outlier activations) at 53 of 59, worst 19%,
-every flip at a reference margin under 0.6 logit. The tests hold those figures (``BOUNDS``: the
-issue's 99% is met by Gemma, not by SmolLM2) and that a flip happens only at a near tie.
+Agreement bound: our matrices multiply the stored integers by activations quantised to int8, as
+llama.cpp does: per 32 inputs for the legacy types (Q4_1, Q5_0, Q8_0: its Q8_0/Q8_1 activations),
+per 256 for the k-quants (its Q8_K); the reference multiplies float32 dequantised weights by float32
+activations. That rounding (1/254 of a group's largest activation) moves logits, most on a model with
+outlier activations (SmolLM2), and flips top-1 where the reference's top-2 are close. Measured
+(2026-12-07, Intel Xeon, AVX-512 VNNI), teacher-forced, this text / 512 tokens of docs/teaching.md:
+SmolLM2-135M top-1 at 57 of 59 / 496 of 512 positions, worst |Δ| 3.5% / 4.2% of a position's logit
+range; Gemma-3-270M 59 of 60 / 487 of 512, worst 8.3% / 5.8%. Activations per 256 everywhere (before)
+gave SmolLM2 53 of 59 / 482 of 512, worst 19%; Gemma 60 of 60 / 471 of 512. Fake-quantising
+transformers' own model per 32 gives the same picture (SmolLM2 96% of 400 positions; per 16: no
+flip on this text), so the issue's 99% is out of reach of int8 activations on these files: the tests
+hold the figures above (``BOUNDS``) and that a flip happens only at a near tie.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from engine.models.loading import load_model
 
 pytestmark = pytest.mark.xdist_group("gguf-files")
 # per file: (least top-1 agreement, largest |Δ logit| as a share of the position's logit range)
-BOUNDS = {"smollm2": (0.85, 0.25), "gemma3": (0.99, 0.15)}
+BOUNDS = {"smollm2": (0.95, 0.06), "gemma3": (0.98, 0.12)}
 NEAR_TIE = 1.0  # a top-1 flip is allowed only where the reference's top-2 margin is below this (logits)
 TEXT = ("The quick brown fox jumps over the lazy dog. In Python, a list comprehension such as "
         "[x * x for x in range(10)] builds a list of squares; a generator expression builds them lazily. "
@@ -76,7 +80,7 @@ def test_logits_agree_with_transformers_own_reader(served, reference):
     span = (theirs.amax(-1) - theirs.amin(-1))
     worst = ((ours - theirs).abs().amax(-1) / span).max().item()
     least, largest = BOUNDS[name]
-    assert same.float().mean().item() >= least, f"top-1 agrees at {same.float().mean():.3f} of {len(ids)} positions"
+    assert same.double().mean().item() >= least, f"top-1 agrees at {same.double().mean():.3f} of {len(ids)} positions"
     assert worst <= largest, f"a logit moved by {worst:.3f} of its position's range"
     assert ((top2[:, 0] - top2[:, 1])[~same] < NEAR_TIE).all(), "top-1 flipped where the reference was clear"
 

@@ -248,8 +248,8 @@ def unpack(kind: str, t: dict[str, torch.Tensor], n: int, k: int) -> torch.Tenso
 def reference(kind: str, rows: torch.Tensor, t: dict[str, torch.Tensor], n: int,
               quantize_activations) -> torch.Tensor:
     """``rows [R, K] @ W.T`` for a kind here, bit-identical to the kernels: floats in input order
-    (mul then add); integer kinds with int8 activations, one float step per scale group (legacy)
-    or per super-block (q5k, q2k), as the C++ does."""
+    (mul then add); integer kinds with int8 activations, one float step per scale group (legacy,
+    its activations quantised per group of 32 too) or per super-block (q5k, q2k), as the C++ does."""
     r, k = rows.shape
     if kind in FLOATS:
         w = _untile(t["w"], n).float()  # [n, kf]
@@ -257,7 +257,7 @@ def reference(kind: str, rows: torch.Tensor, t: dict[str, torch.Tensor], n: int,
         for i in range(w.shape[1]):
             y = y + rows[:, i, None] * w[None, :, i]
         return y
-    xq, sx = quantize_activations(rows)
+    xq, sx = quantize_activations(rows, GROUP if kind in LEGACY else SUPER_BLOCK)
     q = integer_quants(kind, t, n).double()  # [n, A, S]
     groups, size = q.shape[1], q.shape[2]
     xg = xq[:, :groups * size].reshape(r, groups, size)
@@ -269,7 +269,7 @@ def reference(kind: str, rows: torch.Tensor, t: dict[str, torch.Tensor], n: int,
         a = (dots - OFFSET[kind] * sums[:, None]).float()
         y = torch.zeros(r, n)
         for g in range(groups):
-            s = sx[:, g * GROUP // SUPER_BLOCK, None]
+            s = sx[:, g, None]
             step = (s * d[None, :, g]) * a[:, :, g]
             if m is not None:
                 step = step + (s * m[None, :, g]) * sums[:, None, g].float()

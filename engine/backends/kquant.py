@@ -158,11 +158,12 @@ def _integer_weight(kind: str, t: dict[str, torch.Tensor], n: int, k: int):
 
 # ---- the pure-torch reference (the kernel's numbers, bit for bit) ----------------------------
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [R, K]`` float32 -> ``(xq [R, K] int, sx [R, K/256] float32)``, ``x ~= sx * xq`` per
-    super-block, ``xq = round(x * 127 / max|x|)`` (half to even), as the kernel does."""
+def quantize_activations(x: torch.Tensor, group: int = SUPER_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [R, K]`` float32 -> ``(xq [R, K] int, sx [R, K/group] float32)``, ``x ~= sx * xq`` per
+    group (256: a super-block, the k-quants; 32: the legacy kinds), ``xq = round(x * 127 / max|x|)``
+    (half to even), as the kernel does."""
     r, k = x.shape
-    blocks = x.reshape(r, k // SUPER_BLOCK, SUPER_BLOCK)
+    blocks = x.reshape(r, k // group, group)
     amax = blocks.abs().amax(-1)
     # one division, as the kernel's 127.f / amax (``127 / amax`` on a tensor is a reciprocal times 127)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))

@@ -5,7 +5,8 @@
 // Batch invariance as the Q4_K/Q6_K kernels: integer dot products are exact in any order, and the
 // float steps per output lane are one fixed sequence whatever the ISA, rows and threads:
 //   legacy (groups of 32): a = dot - c*S (S: the group's activation sum), per group in order
-//        step = (sx*d)*(float)a [+ (sx*m)*(float)S for _1], y = y + step;
+//        step = (sx*d)*(float)a [+ (sx*m)*(float)S for _1], y = y + step, with the activations
+//        quantised per group of 32 (sx: that group's scale, as llama.cpp's Q8_0/Q8_1 activations);
 //   q5k, q2k (per super-block): y = y + ((sx*d)*(float)a - (sx*dmin)*(float)b), as Q4_K;
 //   float kinds: y = y + x[k]*w[k] for k in order (no activation quantisation).
 // Q3_K is packed into Q6_K's form and runs Q6_K's kernel.
@@ -141,6 +142,9 @@ inline void dot_crumbs(const uint8_t* q, const int8_t* x, int32_t* dot) {
   }
 }
 
+// The scale of row r's activations over group g of 32 inputs (the legacy kinds' rows are ``fine``).
+inline float group_scale(const Rows& rows, int64_t r, int64_t g) { return rows.sx[r * (rows.K / GROUP) + g]; }
+
 // A group's sum of activations (32 inputs: two sums of 16).
 inline int32_t group_sum(const Rows& rows, int64_t slot, int64_t j) {
   return rows.s16[slot * 16 + 2 * j] + rows.s16[slot * 16 + 2 * j + 1];
@@ -148,7 +152,7 @@ inline int32_t group_sum(const Rows& rows, int64_t slot, int64_t j) {
 
 template <Kind KD>
 void portable_legacy(const BlockWeight& w, const Rows& rows, int64_t r0, int64_t nr, float* out, int64_t N, int64_t tile) {
-  const int64_t nb = rows.K / QK, G = w.groups;
+  const int64_t G = w.groups;
   alignas(64) int32_t dot[TILE];
   for (int64_t r = r0; r < r0 + nr; ++r) {
     float y[TILE] = {0};
@@ -160,7 +164,7 @@ void portable_legacy(const BlockWeight& w, const Rows& rows, int64_t r0, int64_t
       else
         dot_nibbles(w.qs + base * 256, has_plane(KD) ? w.qh + base * 64 : nullptr, x, dot);
       const int32_t S = group_sum(rows, slot, j);
-      const float sx = rows.sx[r * nb + blk];
+      const float sx = group_scale(rows, r, g);
       const uint16_t* d = w.d + base * TILE;
       for (int o = 0; o < TILE; ++o) {
         float step = (sx * half(d[o])) * (float)(dot[o] - legacy_offset(KD) * S);
@@ -279,7 +283,7 @@ inline __m512i dot_group(const __m512i (&v)[8], const int8_t* x) {
 template <Kind KD, int NR>
 void rows_legacy(const BlockWeight& w, const Rows& rows, int64_t r0, float* out, int64_t N, int64_t tile) {
   constexpr int c = KD == Kind::Q8_0 ? 128 : legacy_offset(KD);
-  const int64_t nb = rows.K / QK, G = w.groups;
+  const int64_t G = w.groups;
   __m512 y[NR];
   #pragma GCC unroll 8
   for (int rr = 0; rr < NR; ++rr) y[rr] = _mm512_setzero_ps();
@@ -295,7 +299,7 @@ void rows_legacy(const BlockWeight& w, const Rows& rows, int64_t r0, float* out,
       const int64_t slot = row_slot(rows, r0 + rr, blk);
       const int32_t S = group_sum(rows, slot, j);
       const __m512i a = _mm512_sub_epi32(dot_group(v, rows.xq + slot * QK + j * GROUP), _mm512_set1_epi32(c * S));
-      const __m512 sx = _mm512_set1_ps(rows.sx[(r0 + rr) * nb + blk]);
+      const __m512 sx = _mm512_set1_ps(group_scale(rows, r0 + rr, g));
       __m512 step = _mm512_mul_ps(_mm512_mul_ps(sx, dv), _mm512_cvtepi32_ps(a));
       if constexpr (has_min(KD)) step = _mm512_add_ps(step, _mm512_mul_ps(_mm512_mul_ps(sx, mv), _mm512_set1_ps((float)S)));
       y[rr] = _mm512_add_ps(y[rr], step);
@@ -437,7 +441,7 @@ inline __m256i dot_group(const __m256i (&v)[8], const int8_t* x) {
 template <Kind KD, int NR>
 void rows_legacy(const BlockWeight& w, const Rows& rows, int64_t r0, float* out, int64_t N, int64_t tile, int h) {
   constexpr int c = legacy_offset(KD);
-  const int64_t nb = rows.K / QK, G = w.groups;
+  const int64_t G = w.groups;
   __m256 y[NR];
   #pragma GCC unroll 4
   for (int rr = 0; rr < NR; ++rr) y[rr] = _mm256_setzero_ps();
@@ -451,7 +455,7 @@ void rows_legacy(const BlockWeight& w, const Rows& rows, int64_t r0, float* out,
       const int64_t slot = row_slot(rows, r0 + rr, blk);
       const int32_t S = group_sum(rows, slot, j);
       const __m256i a = _mm256_sub_epi32(dot_group<KD>(v, rows.xq + slot * QK + j * GROUP), _mm256_set1_epi32(c * S));
-      const __m256 sx = _mm256_set1_ps(rows.sx[(r0 + rr) * nb + blk]);
+      const __m256 sx = _mm256_set1_ps(group_scale(rows, r0 + rr, g));
       __m256 step = _mm256_mul_ps(_mm256_mul_ps(sx, dv), _mm256_cvtepi32_ps(a));
       if constexpr (has_min(KD))
         step = _mm256_add_ps(step, _mm256_mul_ps(_mm256_mul_ps(sx, half8(w.m + base * TILE + h * 8)), _mm256_set1_ps((float)S)));

@@ -167,6 +167,27 @@ inline float quantize_block(const float* xb, int8_t* qb, int32_t* sums) {
 }
 #endif
 
+// The legacy kinds' activations (llama.cpp quantises them per 32 too, as Q8_0/Q8_1): one super-block,
+// each group of 32 inputs with its own scale ``scales[g] = max|x| / 127``, the sums of 16 as above.
+// Written once, in plain C++, for every build: the same IEEE steps per element as quantize_block.
+constexpr int FINE = 32;
+inline void quantize_groups(const float* xb, int8_t* qb, int32_t* sums, float* scales) {
+  for (int g = 0; g < QK / FINE; ++g) {
+    const float* xg = xb + g * FINE;
+    float amax = 0.f;
+    for (int i = 0; i < FINE; ++i) amax = std::fmax(amax, std::fabs(xg[i]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int i = 0; i < FINE; ++i)
+      qb[g * FINE + i] = (int8_t)std::nearbyint(std::fmin(127.f, std::fmax(-127.f, xg[i] * inv)));
+    scales[g] = amax / 127.f;
+  }
+  for (int j = 0; j < QK / 16; ++j) {
+    int32_t s = 0;
+    for (int i = 0; i < 16; ++i) s += qb[j * 16 + i];
+    sums[j] = s;
+  }
+}
+
 // Where row r's super-block b of activations lies, in super-blocks (256 int8 in xq, 16 sums in s16).
 // Row-major: row after row. Panel-major (a product of PANEL_FROM rows or more): a panel's rows of one
 // super-block lie together, so that a panel reads its activations in order, not as PANEL_ROWS
@@ -178,9 +199,10 @@ inline int64_t block_slot(int64_t r, int64_t b, int64_t nb, bool panel_major) {
 // x [R, K] float -> at block_slot: xq int8, s16 int32 (sums of 16 xq), and the same sums two at a
 // time as int16 pairs (int16_pair) for the products that take pairs: p16 (8 a super-block, adjacent
 // sums of 16: a Q6_K offset) and p32 (4, adjacent sums of 32, |.| <= 32 * 127: a Q4_K mins' term);
-// sx [R, K/256] float. The pairs are made once here, not again for every tile of outputs.
-void quantize_rows(const float* x, int64_t R, int64_t K, bool panel_major, int8_t* xq, float* sx, int32_t* s16,
-                   int32_t* p16, int32_t* p32) {
+// sx [R, K/256] float. The pairs are made once here, not again for every tile of outputs. With
+// ``fine``, each group of 32 has its own scale instead: sx [R, K/32], no pairs (the legacy kinds).
+void quantize_rows(const float* x, int64_t R, int64_t K, bool panel_major, bool fine, int8_t* xq, float* sx,
+                   int32_t* s16, int32_t* p16, int32_t* p32) {
   const int64_t nb = K / QK;
   // Each block on its own, so the threads split them (a prefill chunk's 256 x 8,960 inputs: 2 ms on
   // one AVX2 core, a tenth of the product after it); small batches stay on the calling thread.
@@ -188,6 +210,10 @@ void quantize_rows(const float* x, int64_t R, int64_t K, bool panel_major, int8_
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / nb, b = i % nb, slot = block_slot(r, b, nb, panel_major);
       int32_t* sums = s16 + slot * 16;
+      if (fine) {
+        quantize_groups(x + r * K + b * QK, xq + slot * QK, sums, sx + (r * nb + b) * (QK / FINE));
+        continue;
+      }
       sx[r * nb + b] = quantize_block(x + r * K + b * QK, xq + slot * QK, sums) / 127.f;
       for (int k = 0; k < 8; ++k) p16[slot * 8 + k] = int16_pair(sums[2 * k], sums[2 * k + 1]);
       for (int k = 0; k < 4; ++k)
@@ -198,12 +224,13 @@ void quantize_rows(const float* x, int64_t R, int64_t K, bool panel_major, int8_
 
 struct Rows {
   const int8_t* xq;
-  const float* sx;
+  const float* sx;      // [R, K/256], or [R, K/32] when ``fine`` (quantize_rows)
   const int32_t* s16;
   const int32_t* p16;  // per super-block 8 and 4 int16 pairs of the sums (quantize_rows)
   const int32_t* p32;
   int64_t K;
   bool panel_major;  // the layout quantize_rows wrote (block_slot)
+  bool fine;         // a scale per 32 inputs (the legacy kinds' products) rather than per 256
   // Panel-major rows: super-block blk of the panel starting at row r0 (a multiple of PANEL_ROWS), its
   // rows QK bytes (their pairs 8 and 4 int32) apart.
   const int8_t* panel_x(int64_t r0, int64_t blk) const { return xq + block_slot(r0, blk, K / QK, true) * QK; }
@@ -925,10 +952,11 @@ struct ActivationScratch {
 };
 
 // x [R, width] (rows contiguous) with zeros appended up to K, quantised into this thread's scratch,
-// panel-major where the products will run panels.
-Rows quantized_rows(const float* x, int64_t R, int64_t width, int64_t K) {
+// panel-major where the products will run panels; ``fine``: a scale per 32 inputs (quantize_rows).
+Rows quantized_rows(const float* x, int64_t R, int64_t width, int64_t K, bool fine) {
   TORCH_CHECK(K % QK == 0 && width <= K, "input features must be a multiple of 256, got ", K);
-  thread_local ActivationScratch scratch;
+  thread_local ActivationScratch scratches[2];
+  ActivationScratch& scratch = scratches[fine];
   if (width != K) {
     scratch.padded.assign(R * K, 0.f);
     for (int64_t r = 0; r < R; ++r) std::memcpy(scratch.padded.data() + r * K, x + r * width, width * sizeof(float));
@@ -937,14 +965,14 @@ Rows quantized_rows(const float* x, int64_t R, int64_t width, int64_t K) {
   const bool panel_major = uses_panels(R);
   const int64_t slots = panel_major ? (R + PANEL_ROWS - 1) / PANEL_ROWS * PANEL_ROWS : R;  // rows' room
   scratch.xq.resize(slots * K);
-  scratch.sx.resize(R * (K / QK));
+  scratch.sx.resize(R * (K / (fine ? FINE : QK)));
   scratch.s16.resize(slots * (K / 16));
   scratch.p16.resize(slots * (K / QK) * 8);
   scratch.p32.resize(slots * (K / QK) * 4);
-  quantize_rows(x, R, K, panel_major, scratch.xq.data(), scratch.sx.data(), scratch.s16.data(), scratch.p16.data(),
-                scratch.p32.data());
+  quantize_rows(x, R, K, panel_major, fine, scratch.xq.data(), scratch.sx.data(), scratch.s16.data(),
+                scratch.p16.data(), scratch.p32.data());
   return Rows{scratch.xq.data(), scratch.sx.data(), scratch.s16.data(), scratch.p16.data(), scratch.p32.data(), K,
-              panel_major};
+              panel_major, fine};
 }
 
 torch::Tensor flat_rows(const torch::Tensor& x) {
@@ -1016,11 +1044,15 @@ struct PackedLinear {
 };
 
 // x [R, width] (rows contiguous, width <= the packed inputs) through ``linears`` side by side into
-// out [R, ld] from column 0: the activations padded and quantised once, every output tile of every
-// linear in one parallel pass.
+// out [R, ld] from column 0: the activations padded and quantised once per granularity (per 256 for
+// the k-quants, per 32 for the legacy kinds: both when the linears mix them), every output tile of
+// every linear in one parallel pass.
 void products_into(const std::vector<PackedLinear>& linears, const float* x, int64_t R, int64_t width, float* out,
                    int64_t ld) {
-  const Rows rows = quantized_rows(x, R, width, linears[0].k);
+  bool any_legacy = false, any_other = false;
+  for (const auto& l : linears) (is_legacy(l.kind) ? any_legacy : any_other) = true;
+  const Rows rows = quantized_rows(x, R, width, linears[0].k, !any_other);
+  const Rows fine_rows = any_legacy && any_other ? quantized_rows(x, R, width, linears[0].k, true) : rows;
   int64_t column[16], first_tile[17] = {0};  // per linear, then the total
   TORCH_CHECK(linears.size() <= 16, "at most 16 products side by side");
   for (size_t i = 0, c = 0; i < linears.size(); c += linears[i].n, ++i) {
@@ -1044,7 +1076,7 @@ void products_into(const std::vector<PackedLinear>& linears, const float* x, int
     else if (w.kind == Kind::Q6K)
       tile_q6k(w.w.qs, reinterpret_cast<const int8_t*>(w.w.sc), w.w.d, rows, r0, nr, panels, out + column[i], ld, t);
     else
-      tile_blocks(w.b, rows, x, width, r0, nr, out + column[i], ld, t);
+      tile_blocks(w.b, is_legacy(w.kind) ? fine_rows : rows, x, width, r0, nr, out + column[i], ld, t);
   });
   for (size_t i = 0; i < linears.size(); ++i) {
     if (!linears[i].bias.has_value()) continue;
