@@ -322,7 +322,7 @@ def parse_completion(body, worker: Worker, defaults: dict) -> ChatCall:
         wanted = chat_shaped.get("max_completion_tokens", chat_shaped.get("max_tokens"))
         raise APIError(400, f"max_tokens={wanted} leaves the prompt no room in the model's context", "prompt",
                        "context_length_exceeded") from None
-    ids = worker.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids = prompt_ids(worker.tokenizer, prompt)
     request = call.request
     request.messages, request.system, request.input_ids, request.cache_key = None, None, ids, None
     request.settings = settings_from(request.settings, logprobs=logprobs)
@@ -333,6 +333,17 @@ def parse_completion(body, worker: Worker, defaults: dict) -> ChatCall:
     call.text, call.prompt_tokens = True, len(ids)
     call.logprobs = logprobs
     return call
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """A text completion's prompt as its model reads text: the prompt's own tokens, after the BOS
+    token where the model's file adds one (Gemma, Llama 3; llama.cpp's server does the same), not
+    twice when the prompt already starts with it; no chat template, nothing else added."""
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if bos is not None and ids[:1] != [bos] and tokenizer(prompt)["input_ids"][:1] == [bos]:
+        ids = [bos, *ids]
+    return ids
 
 
 def model_id(worker: Worker) -> str:
