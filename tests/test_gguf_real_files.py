@@ -10,8 +10,11 @@ activations. That rounding (1/254 of a group's largest activation) moves logits,
 outlier activations (SmolLM2), and flips top-1 where the reference's top-2 are close. Measured
 (2026-12-07, Intel Xeon, AVX-512 VNNI), teacher-forced, this text / 512 tokens of docs/teaching.md:
 SmolLM2-135M top-1 at 57 of 59 / 496 of 512 positions, worst |Δ| 3.5% / 4.2% of a position's logit
-range; Gemma-3-270M 59 of 60 / 487 of 512, worst 8.3% / 5.8%. Activations per 256 everywhere (before)
-gave SmolLM2 53 of 59 / 482 of 512, worst 19%; Gemma 60 of 60 / 471 of 512. Fake-quantising
+range; Gemma-3-270M 58 of 60 / 475 of 512, worst 7.7% / 6.4%. Activations per 256 everywhere (before)
+gave SmolLM2 53 of 59 / 482 of 512, worst 19%. Gemma's GELU is the kernels' (fixed_exp.h: 0.8 ulp
+on average against float64, ATen's 7.7): with ATen's, which the reference runs too, Gemma agrees at
+59 of 60 / 487 of 512, with a float64 GELU at 59 of 60 / 485 of 512, the same mean |Δ| each: the
+flips are near ties that any rounding moves. Fake-quantising
 transformers' own model per 32 gives the same picture (SmolLM2 96% of 400 positions; per 16: no
 flip on this text), so the issue's 99% is out of reach of int8 activations on these files: the tests
 hold the figures above (``BOUNDS``) and that a flip happens only at a near tie.
@@ -31,7 +34,7 @@ from engine.models.loading import load_model
 
 pytestmark = pytest.mark.xdist_group("gguf-files")
 # per file: (least top-1 agreement, largest |Δ logit| as a share of the position's logit range)
-BOUNDS = {"smollm2": (0.95, 0.06), "gemma3": (0.98, 0.12)}
+BOUNDS = {"smollm2": (0.95, 0.06), "gemma3": (0.96, 0.12)}
 NEAR_TIE = 1.0  # a top-1 flip is allowed only where the reference's top-2 margin is below this (logits)
 TEXT = ("The quick brown fox jumps over the lazy dog. In Python, a list comprehension such as "
         "[x * x for x in range(10)] builds a list of squares; a generator expression builds them lazily. "

@@ -87,8 +87,8 @@ def test_the_rotary_tables_give_the_rotary_embeddings_own_bits_across_their_grow
         positions = torch.tensor([group])
         for table, direct in zip(lean._rotary(hidden, positions), lean.rotary(hidden, positions)):
             assert table.shape == direct.shape and torch.equal(table, direct), group
-    assert lean._cos.shape[0] == 3 * ROTARY_CHUNK
-    assert copy.deepcopy(model).lean_forward._cos is None  # a copy remakes its own tables
+    assert lean._tables["full_attention"][0].shape[0] == 3 * ROTARY_CHUNK
+    assert copy.deepcopy(model).lean_forward._tables == {}  # a copy remakes its own tables
 
 
 def test_a_native_layer_given_no_rows_returns_no_rows():
@@ -113,6 +113,49 @@ def test_the_static_runner_and_logits_to_keep_take_the_lean_path_with_the_same_l
         lean = StaticRunner(model, 64).forward(ids, 0, logits_to_keep=2)
         own = StaticRunner(plain, 64).forward(ids, 0, logits_to_keep=2)
     assert lean.shape == (2, 64) and torch.equal(lean, own)
+
+
+GGUF_CASES = [("qwen3", "Q5_K"), ("gemma3", "Q8_0"), ("gemma3", "Q4_K")]
+
+
+@pytest.mark.parametrize("growing", [False, True], ids=["concatenating-cache", "growing-cache"])
+@pytest.mark.parametrize("arch,qtype", GGUF_CASES, ids=[f"{a}-{q}" for a, q in GGUF_CASES])
+def test_qwen3_and_gemma3_files_get_a_lean_forward_equal_to_their_own(tmp_path, monkeypatch, arch, qtype, growing):
+    """Tiny Qwen3 (q/k norms) and Gemma 3 (q/k norms, post-attention and post-MLP norms stored as
+    ``1 + w``, GELU-tanh, an 8-token sliding window on five layers of six, a rotary base of its
+    own there) read from GGUF files: the lean forward's logits equal the model's own forward's bit
+    for bit, through a causal prompt longer than the window and tree steps past it, both run as
+    the engine runs them (:func:`run_model`, which windows the runner's masks)."""
+    import tiny_gguf
+    from gguf import GGMLQuantizationType as Q
+
+    from engine.models.gguf_direct import load_gguf
+
+    monkeypatch.setenv("SEQUOIA_CACHE", str(tmp_path / "cache"))
+    gemma = arch == "gemma3"
+    path = tiny_gguf.write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, Q[qtype], seed=4, layers=6 if gemma else 2,
+                                     sliding_window=8 if gemma else None)
+    model, _ = load_gguf(path)
+    assert supports(model) and isinstance(model.lean_forward, LeanDecoder)
+    assert sum(model.lean_forward.sliding) == (5 if gemma else 0)
+    plain = copy.deepcopy(model)
+    plain.__dict__.pop("lean_forward")
+    lean_cache = growing_cache(model.config) if growing else DynamicCache()
+    own_cache = growing_cache(plain.config)
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 384, (1, 20), generator=generator)
+    with torch.inference_mode():
+        lean = run_model(model, lean_cache, prompt, torch.arange(20)[None], None, 0)
+        own = run_model(plain, own_cache, prompt, torch.arange(20)[None], None, 0)
+        assert torch.equal(lean, own)
+        for q in (1, 4, 9):
+            tree = Tree.from_parents([-1] + [i // 2 for i in range(q - 1)])
+            ids = torch.randint(0, 384, (1, q), generator=generator)
+            pos, mask = tree.position_ids(20), tree.attention_mask(20)
+            assert torch.equal(run_model(model, lean_cache, ids, pos, mask, 0),
+                               run_model(plain, own_cache, ids, pos, mask, 0)), f"{q} tokens"
+            lean_cache.crop(-q)
+            own_cache.crop(-q)
 
 
 def test_greedy_decoding_through_the_lean_forward_matches_the_models_own_generate():

@@ -268,13 +268,35 @@ class FixedSiLU(torch.nn.Module):
         return ext.silu(x)
 
 
-def use_fixed_silu(model: torch.nn.Module) -> None:
-    """Give every gated MLP of ``model`` (a SiLU model) :class:`FixedSiLU` as its activation."""
-    if getattr(getattr(model, "config", None), "hidden_act", None) != "silu":
+class FixedGELU(torch.nn.Module):
+    """Gemma's MLP activation (GELU, tanh approximation) through the kernels' ``gelu_tanh``
+    (``fixed_exp.h``): each element's bits depend on nothing but itself, as :class:`FixedSiLU`'s,
+    and the lean forward computes the same function."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ext = compiled_kernels()
+        if ext is None or x.dtype != torch.float32 or x.device.type != "cpu":
+            return torch.nn.functional.gelu(x, approximate="tanh")
+        return ext.gelu_tanh(x)
+
+
+FIXED_ACTIVATIONS = {"silu": FixedSiLU, "gelu_pytorch_tanh": FixedGELU}
+
+
+def activation_name(config) -> str | None:
+    """The gated MLP's activation as the config names it (Gemma's ``hidden_activation``, else ``hidden_act``)."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+
+
+def use_fixed_activation(model: torch.nn.Module) -> None:
+    """Give every gated MLP of ``model`` the kernels' fixed version of its activation (SiLU: :class:`FixedSiLU`,
+    GELU-tanh: :class:`FixedGELU`); other activations stay the model's own."""
+    fixed = FIXED_ACTIVATIONS.get(activation_name(getattr(model, "config", None)))
+    if fixed is None:
         return
     for module in model.modules():
         if hasattr(module, "gate_proj") and isinstance(getattr(module, "act_fn", None), torch.nn.Module):
-            module.act_fn = FixedSiLU()
+            module.act_fn = fixed()
 
 
 def kquant_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -16,7 +16,7 @@ import torch
 
 from engine.backends.gguf_file import GGUFTensor, read_blocks, tensor_table
 from engine.backends.kquant import ATTENTION_NAME, PACKED_NAMES, TILE, KQuantLinear, packed_bytes, padded_size, \
-    quantize_q4k, register_attention, use_fixed_silu
+    quantize_q4k, register_attention, use_fixed_activation
 from engine.backends.lean import attach
 
 # GGUF tensor name (after ``blk.N.``) -> Hugging Face module path (after ``model.layers.N.``), for
@@ -110,7 +110,7 @@ def finish_kquant(model: torch.nn.Module, mapped_only: bool = False) -> torch.nn
     register_attention()
     own_memory(model, mapped_only)
     model.set_attn_implementation(ATTENTION_NAME)
-    use_fixed_silu(model)
+    use_fixed_activation(model)
     attach(model)
     return model.eval()
 

@@ -1812,6 +1812,20 @@ class LeanLayer {
         gate_up_(packed_linears(gate_up)), down_(packed_linears(down)), heads_(heads), kv_heads_(kv_heads),
         dim_(head_dim), scaling_(scaling) {}
 
+  // What sets a layer apart from Llama's (Qwen3, Gemma 3); undefined or empty tensors leave a step out:
+  // per-head RMSNorms of q and k before the rotary (their weights as the model multiplies them: Gemma's
+  // ``1 + w`` already added), norms of the attention's and the MLP's outputs before their residuals,
+  // GELU-tanh for SiLU, and whether the layer attends through a sliding window (forward_layers then
+  // gives it the local rotary and mask).
+  void extras(torch::Tensor q_norm, torch::Tensor k_norm, double qk_eps, torch::Tensor post_attention_norm,
+              torch::Tensor post_mlp_norm, double post_eps, bool gelu, bool sliding) {
+    TORCH_CHECK(q_norm.numel() == 0 || (q_norm.numel() == dim_ && k_norm.numel() == dim_), "q/k norms take head_dim");
+    q_norm_ = q_norm, k_norm_ = k_norm, qk_eps_ = qk_eps, post_attention_norm_ = post_attention_norm;
+    post_mlp_norm_ = post_mlp_norm, post_eps_ = post_eps, gelu_ = gelu, sliding_ = sliding;
+  }
+
+  bool sliding() const { return sliding_; }
+
   // hidden [1, R, E], cos and sin [1, R, D] -> (query [H, R, D], key and value [1, KVH, R, D]), rotated.
   std::vector<torch::Tensor> attention_in(const torch::Tensor& hidden, const torch::Tensor& cos,
                                           const torch::Tensor& sin) const {
@@ -1833,6 +1847,11 @@ class LeanLayer {
     const int64_t R = hidden.size(1), D = dim_, half = D / 2, H = heads_, KVH = kv_heads_;
     const torch::Tensor qkv = products(qkv_, rms_norm(hidden, norm1_, eps1_), R);
     TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "q/k/v outputs do not match the heads");
+    if (q_norm_.numel() > 0) {  // each head's q and k through its norm, as the model's q_norm/k_norm
+      qkv.narrow(1, 0, H * D).copy_(rms_norm(qkv.narrow(1, 0, H * D).reshape({R, H, D}), q_norm_, qk_eps_).reshape({R, H * D}));
+      qkv.narrow(1, H * D, KVH * D)
+          .copy_(rms_norm(qkv.narrow(1, H * D, KVH * D).reshape({R, KVH, D}), k_norm_, qk_eps_).reshape({R, KVH * D}));
+    }
     auto query = torch::empty({H, R, D}, torch::kFloat32);
     const torch::Tensor c = cos.contiguous(), s = sin.contiguous();
     const float *src = qkv.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
@@ -1879,16 +1898,21 @@ class LeanLayer {
   torch::Tensor after_attention(const torch::Tensor& hidden, const torch::Tensor& attended) const {
     const int64_t R = hidden.size(1), E = hidden.size(2);
     torch::Tensor h1 = products(o_, attended, R).reshape({1, R, E});
+    if (post_attention_norm_.numel() > 0) h1 = rms_norm(h1, post_attention_norm_, post_eps_);
     add_into(h1, hidden);
     const torch::Tensor gate_up = products(gate_up_, rms_norm(h1, norm2_, eps2_), R);
     const int64_t mid = gate_up.size(1) / 2;
     auto product = torch::empty({R, mid}, torch::kFloat32);
     const float* gu = gate_up.data_ptr<float>();
     float* p = product.data_ptr<float>();
-    at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {  // SiLU(gate) * up: the same bits on any thread
-      for (int64_t r = begin; r < end; ++r) fixed_exp::silu_times(gu + r * 2 * mid, gu + r * 2 * mid + mid, p + r * mid, mid);
+    at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {  // act(gate) * up: the same bits on any thread
+      for (int64_t r = begin; r < end; ++r) {
+        const float *g = gu + r * 2 * mid, *u = g + mid;
+        gelu_ ? fixed_exp::gelu_times(g, u, p + r * mid, mid) : fixed_exp::silu_times(g, u, p + r * mid, mid);
+      }
     });
     torch::Tensor out = products(down_, product, R).reshape({1, R, E});
+    if (post_mlp_norm_.numel() > 0) out = rms_norm(out, post_mlp_norm_, post_eps_);
     add_into(out, h1);
     return out;
   }
@@ -1906,6 +1930,10 @@ class LeanLayer {
   std::vector<PackedLinear> qkv_, o_, gate_up_, down_;
   int64_t heads_, kv_heads_, dim_;
   double scaling_;
+  torch::Tensor q_norm_ = torch::empty(0), k_norm_ = torch::empty(0);  // extras(): none by default
+  torch::Tensor post_attention_norm_ = torch::empty(0), post_mlp_norm_ = torch::empty(0);
+  double qk_eps_ = 0, post_eps_ = 0;
+  bool gelu_ = false, sliding_ = false;
 };
 
 // Every decoder layer of one forward in one call (no Python between layers): layer i writes its
@@ -1915,7 +1943,9 @@ class LeanLayer {
 // new keys and values are written where the cache keeps them, never copied.
 torch::Tensor forward_layers(const std::vector<LeanLayer*>& layers, torch::Tensor hidden, const torch::Tensor& cos,
                              const torch::Tensor& sin, const std::vector<torch::Tensor>& key_buffers,
-                             const std::vector<torch::Tensor>& value_buffers, int64_t filled, const torch::Tensor& mask) {
+                             const std::vector<torch::Tensor>& value_buffers, int64_t filled, const torch::Tensor& mask,
+                             const torch::Tensor& local_cos, const torch::Tensor& local_sin,
+                             const torch::Tensor& local_mask) {
   TORCH_CHECK(key_buffers.size() == layers.size() && value_buffers.size() == layers.size(), "one buffer pair a layer");
   const int64_t R = hidden.size(1);
   for (size_t i = 0; i < layers.size(); ++i) {
@@ -1926,10 +1956,12 @@ torch::Tensor forward_layers(const std::vector<LeanLayer*>& layers, torch::Tenso
                 "cache buffers must be contiguous float32 [1, KVH, slots, D], keys and values alike");
     TORCH_CHECK(keys.size(2) >= filled + R, "cache buffer too short");
     const int64_t slots = keys.size(2), first = filled * keys.size(3);
-    const torch::Tensor query = layers[i]->project(hidden, cos, sin, keys.data_ptr<float>() + first,
-                                                   values.data_ptr<float>() + first, slots);
+    const bool local = layers[i]->sliding();  // a sliding-window layer: its own rotary and mask
+    const torch::Tensor query = layers[i]->project(hidden, local ? local_cos : cos, local ? local_sin : sin,
+                                                   keys.data_ptr<float>() + first, values.data_ptr<float>() + first,
+                                                   slots);
     hidden = layers[i]->attention_out_cached(hidden, query, keys.data_ptr<float>(), values.data_ptr<float>(), slots,
-                                             filled + R, mask);
+                                             filled + R, local ? local_mask : mask);
   }
   return hidden;
 }
@@ -1944,6 +1976,20 @@ torch::Tensor silu(const torch::Tensor& x) {
   float* y = out.data_ptr<float>();
   at::parallel_for(0, in.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
     fixed_exp::silu_times(g + begin, nullptr, y + begin, end - begin);
+  });
+  return out;
+}
+
+// GELU-tanh of float32 x, elementwise (fixed_exp.h): Gemma's activation in both its own forward and
+// the lean one, as silu() is the Llama family's.
+torch::Tensor gelu_tanh(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "float32 CPU activations");
+  const torch::Tensor in = x.contiguous();
+  auto out = torch::empty_like(in);
+  const float* g = in.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, in.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+    fixed_exp::gelu_times(g + begin, nullptr, y + begin, end - begin);
   });
   return out;
 }
@@ -1976,13 +2022,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draw_index", &draw_index, "the token an inverse-CDF draw picks (float64 prefix sums)", unlocked);
   m.def("top_indices", &top_indices, "each row's k largest values' indices, ties in index order", unlocked);
   m.def("silu", &silu, "SiLU with the same bits for every element whatever the batch and threads", unlocked);
+  m.def("gelu_tanh", &gelu_tanh, "GELU (tanh) with the same bits for every element whatever the batch and threads",
+        unlocked);
   m.def("rms_norm", &rms_norm, "the models' RMSNorm on float32 (exposed for tests)");
   m.def("simd_path", &simd_path, "which integer path was compiled (avx512-vnni, avx2, portable)");
   pybind11::class_<LeanLayer>(m, "LeanLayer", pybind11::module_local())
       .def(pybind11::init<torch::Tensor, double, torch::Tensor, double, std::vector<LinearSpec>, std::vector<LinearSpec>,
                           std::vector<LinearSpec>, std::vector<LinearSpec>, int64_t, int64_t, int64_t, double>())
       .def("attention_in", &LeanLayer::attention_in, "hidden [1,R,E], cos, sin [1,R,D] -> query, key, value", unlocked)
-      .def("attention_out", &LeanLayer::attention_out, "the rest of the layer: [1,R,E] -> [1,R,E]", unlocked);
+      .def("attention_out", &LeanLayer::attention_out, "the rest of the layer: [1,R,E] -> [1,R,E]", unlocked)
+      .def("extras", &LeanLayer::extras, "q/k norms, post-attention and post-MLP norms, GELU, sliding window")
+      .def_property_readonly("sliding", &LeanLayer::sliding);
   m.def("forward_layers", &forward_layers, "every layer of a forward, keys and values written into the cache's buffers",
         unlocked);
 }
