@@ -35,3 +35,34 @@ def gemma3() -> Path:
     if "gemma3" not in _checked:
         _checked["gemma3"] = assemble_gguf(GEMMA3)
     return _checked["gemma3"]
+
+
+def requantised(path: Path, qtype, out: Path) -> Path:
+    """``path`` written again to ``out`` with every quantised matrix re-quantised to ``qtype`` by the
+    gguf package's own quantiser (gguf.quants: the legacy types), everything else (metadata, the
+    tokenizer, norms, float tensors) copied as it is: a cross-type draft of the same model."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), kind, sub)
+    floats = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    for tensor in reader.tensors:
+        shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dims innermost first
+        if tensor.tensor_type in floats or len(shape) != 2:
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+            continue
+        weights = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        writer.add_tensor(tensor.name, quantize(weights, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

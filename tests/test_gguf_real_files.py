@@ -115,6 +115,29 @@ def test_greedy_self_speculation_is_the_models_own_greedy_decoding(served, tree)
     assert result.tokens == reference
 
 
+def test_a_cross_type_draft_of_the_same_model_drafts_exactly(served, tmp_path_factory):
+    """The file re-quantised to Q5_0 (gguf's own quantiser, every matrix; real_gguf.requantised) is
+    a draft of another block type that passes the pair rule: trees drafted by it give exactly the
+    target's own greedy tokens, and it agrees with the target often enough to be a draft."""
+    from gguf import GGMLQuantizationType as Q
+
+    from engine.models.pair_rule import check_pair
+
+    name, path, model, tokenizer = served
+    draft_path = real_gguf.requantised(path, Q.Q5_0, tmp_path_factory.mktemp("draft") / f"{name}-q5_0.gguf")
+    check_pair(open_gguf(path), open_gguf(draft_path))
+    draft, _ = load_model(str(draft_path), torch.float32, "cpu", False, "auto")
+    assert {m.kind for m in draft.modules() if isinstance(m, KQuantLinear)} == {"q5_0"}
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                           add_generation_prompt=True, return_dict=True)["input_ids"]
+    reference = tm.hf_greedy(model, list(prompt), 24)
+    engine = SpeculativeEngine(model, draft, stop_token_ids=[])
+    for tree in (Tree.chain(4), Tree.k_ary(2, 3)):
+        result = engine.generate(list(prompt), max_new_tokens=24, temperature=0, tree=tree, copies=False)
+        assert result.tokens == reference
+    assert result.tokens_per_step > 1.5, "a Q5_0 copy of the target should mostly agree with it"
+
+
 def test_a_truncated_copy_is_refused_in_one_line(tmp_path):
     path = real_gguf.smollm2()
     cut = tmp_path / "cut.gguf"
