@@ -15,7 +15,7 @@ set -eu
 VERSION=0.3.36
 SDIST=llama_cpp_python-$VERSION.tar.gz
 SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
-TARGETS="llama-server llama-speculative llama-bench"
+TARGETS="llama-server llama-speculative llama-bench llama-quantize"
 # GGML_NATIVE=ON, but without Intel AMX: this version's AMX matmul (ggml_backend_amx_mul_mat) dies with
 # SIGILL at its first tile instruction in a server's worker threads on a Sapphire Rapids VM (tile data
 # permission is requested on the main thread only; ggml-org/llama.cpp pull request 26954). GCC's
