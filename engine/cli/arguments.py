@@ -17,9 +17,9 @@ def add_format_arguments(parser: argparse.ArgumentParser) -> None:
     from engine.backends.quantize import DRAFT_FORMATS, TARGET_FORMATS
 
     parser.add_argument("--target-format", choices=TARGET_FORMATS, default="auto",
-                        help="target weights: int4 (the GGUF's own Q4_K/Q6_K blocks, batch-invariant kernels, "
-                             "exact; engine/backends/kquant.py) or float32 (the dequantised values); auto = int4 on "
-                             "the CPU, float32 on a GPU")
+                        help="target weights: int4 (the GGUF's own blocks, whatever their type, on "
+                             "batch-invariant kernels, exact; engine/backends/kquant.py) or float32 (the dequantised "
+                             "values); auto = int4 on the CPU, float32 on a GPU")
 
     parser.add_argument("--draft-format", choices=DRAFT_FORMATS, default="auto",
                         help="draft weights: int4, int8, q4k (the target's k-quant kernels) or none (float); auto takes the fastest that keeps "
