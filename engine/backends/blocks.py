@@ -146,12 +146,40 @@ _LEGACY_TYPES = {T.Q8_0: ("q8_0", 34), T.Q4_0: ("q4_0", 18), T.Q4_1: ("q4_1", 20
                  T.Q5_1: ("q5_1", 24)}
 
 
+# Raw bytes of blocks packed at a time: numpy's temporaries (unpacked quants, shifted copies) take
+# several times the blocks they come from, so a whole 152,064-row output matrix (447 MB of Q6_K)
+# packed at once peaked at about 3 GB above the packed result; packed in row chunks they take a
+# few times this (the tiles of 16 rows are independent: the same bytes either way).
+PACK_CHUNK_BYTES = 4 << 20
+
+
 def pack_blocks(qtype: T, blocks: np.ndarray, cols: int) -> tuple[str, dict[str, torch.Tensor]]:
     """``(kind, tensors)`` serving the GGUF matrix ``blocks [rows, row_bytes]`` (uint8) of ``cols``
     inputs exactly as stored. Raises :class:`UnsupportedBlockType` for a type without a kernel
-    and ValueError when the rows are not a multiple of 16."""
+    and ValueError when the rows are not a multiple of 16.
+
+    Every layout is tile-major (its tensors ``[rows / 16, ...]``), so the rows are packed a chunk of
+    whole tiles at a time (:data:`PACK_CHUNK_BYTES`) straight into the result's tensors: the
+    temporaries stay tens of megabytes whatever the matrix, the result the same bytes."""
     rows = blocks.shape[0]
     _check_outputs(rows)
+    step = max(TILE, PACK_CHUNK_BYTES // max(1, blocks.shape[1]) // TILE * TILE)
+    if rows <= step:
+        return _pack_rows(qtype, blocks, cols)
+    kind, first = _pack_rows(qtype, blocks[:step], cols)
+    tiles, first_tiles = rows // TILE, step // TILE
+    packed = {name: torch.empty(t.numel() // first_tiles * tiles, dtype=t.dtype) for name, t in first.items()}
+    for start in range(0, rows, step):
+        part = first if start == 0 else _pack_rows(qtype, blocks[start:start + step], cols)[1]
+        for name, t in part.items():
+            at = start // TILE * (packed[name].numel() // tiles)
+            packed[name][at:at + t.numel()] = t
+    return kind, packed
+
+
+def _pack_rows(qtype: T, blocks: np.ndarray, cols: int) -> tuple[str, dict[str, torch.Tensor]]:
+    """:func:`pack_blocks` of ``blocks`` in one go (their rows a multiple of 16)."""
+    rows = blocks.shape[0]
     if qtype in _K_TYPES:
         kind, size, pack = _K_TYPES[qtype]
         return kind, pack(blocks.reshape(rows, cols // SUPER_BLOCK, size))
