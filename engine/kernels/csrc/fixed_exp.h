@@ -84,75 +84,73 @@ inline __m256 exp_lanes8(__m256 x) {
   return _mm256_and_ps(kept, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
-// silu_scalar on 8 lanes, the same operations lane by lane.
-inline __m256 silu_lanes8(__m256 x) {
-  const __m256 e = exp_lanes8(_mm256_or_ps(x, _mm256_set1_ps(-0.f)));  // e^-|x|
+// sigmoid_scalar on 8 lanes, the same operations lane by lane.
+inline __m256 sigmoid_lanes8(__m256 z) {
+  const __m256 e = exp_lanes8(_mm256_or_ps(z, _mm256_set1_ps(-0.f)));  // e^-|z|
   const __m256 denominator = _mm256_add_ps(_mm256_set1_ps(1.f), e);
   const __m256 positive = _mm256_div_ps(_mm256_set1_ps(1.f), denominator), negative = _mm256_div_ps(e, denominator);
-  const __m256 sigmoid = _mm256_blendv_ps(negative, positive, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
-  return _mm256_mul_ps(x, sigmoid);
+  return _mm256_blendv_ps(negative, positive, _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_GE_OQ));
 }
+// silu_scalar on 8 lanes, the same operations lane by lane.
+inline __m256 silu_lanes8(__m256 x) { return _mm256_mul_ps(x, sigmoid_lanes8(x)); }
 #endif
 
-// SiLU, x * sigmoid(x), with the sigmoid from e^-|x| (exp_scalar's range): 1 / (1 + e) for x >= 0,
-// e / (1 + e) below. NaN stays NaN; +inf gives +inf and -inf NaN, as torch's silu. Unlike ATen's
-// silu (vectorised Sleef on whole vectors, libm on each parallel chunk's tail, the chunk edges set
-// by the thread count), every element gets these operations whoever computes it.
-inline float silu_scalar(float x) {
-  const float e = exp_scalar(-std::fabs(x));
-  const float denominator = 1.f + e;
-  return x * (x >= 0.f ? 1.f / denominator : e / denominator);
-}
-
-// y[i] = silu(g[i]) * u[i] for i < n (the gated MLP's product; silu(g[i]) alone when u is null),
-// 8 lanes at a time where the CPU has them.
-inline void silu_times(const float* g, const float* u, float* y, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX2__)
-  for (; i + 8 <= n; i += 8) {
-    const __m256 s = silu_lanes8(_mm256_loadu_ps(g + i));
-    _mm256_storeu_ps(y + i, u ? _mm256_mul_ps(s, _mm256_loadu_ps(u + i)) : s);
-  }
-#endif
-  for (; i < n; ++i) y[i] = u ? silu_scalar(g[i]) * u[i] : silu_scalar(g[i]);
-}
-
-// GELU with the tanh approximation (Gemma's gelu_pytorch_tanh), written as x * sigmoid(z) with
-// z = 2 sqrt(2/pi) (x + 0.044715 x^3), since (1 + tanh(z/2)) / 2 = sigmoid(z): the sigmoid exactly
-// as silu_scalar takes it (no cancellation near 0). NaN stays NaN, +inf gives +inf and -inf NaN, as
-// torch's gelu. Every element gets these operations whoever computes it (ATen's gelu does not).
-constexpr float GELU_C = 1.5957691216057308f;  // 2 * sqrt(2 / pi)
-constexpr float GELU_CUBIC = 0.044715f;
-inline float gelu_scalar(float x) {
-  const float cube = (x * x) * x;
-  const float z = GELU_C * (x + GELU_CUBIC * cube);
+// The logistic sigmoid from e^-|z| (exp_scalar's range): 1 / (1 + e) for z >= 0, e / (1 + e) below.
+inline float sigmoid_scalar(float z) {
   const float e = exp_scalar(-std::fabs(z));
   const float denominator = 1.f + e;
-  return x * (z >= 0.f ? 1.f / denominator : e / denominator);
+  return z >= 0.f ? 1.f / denominator : e / denominator;
 }
+// SiLU, x * sigmoid(x). NaN stays NaN; +inf gives +inf and -inf NaN, as torch's silu. Unlike ATen's
+// silu (vectorised Sleef on whole vectors, libm on each parallel chunk's tail, the chunk edges set
+// by the thread count), every element gets these operations whoever computes it.
+inline float silu_scalar(float x) { return x * sigmoid_scalar(x); }
+
+
+
+// GELU with the tanh approximation (Gemma's gelu_pytorch_tanh), written as x * sigmoid(z) with
+// z = 2 sqrt(2/pi) (x + 0.044715 x^3), since (1 + tanh(z/2)) / 2 = sigmoid(z): no cancellation near
+// 0. NaN stays NaN, +inf gives +inf and -inf NaN, as torch's gelu. Every element gets these
+// operations whoever computes it (ATen's gelu does not).
+constexpr float GELU_C = 1.5957691216057308f;  // 2 * sqrt(2 / pi)
+constexpr float GELU_CUBIC = 0.044715f;
+inline float gelu_scalar(float x) { return x * sigmoid_scalar(GELU_C * (x + GELU_CUBIC * ((x * x) * x))); }
 #if defined(__AVX2__)
 // gelu_scalar on 8 lanes, the same operations lane by lane.
 inline __m256 gelu_lanes8(__m256 x) {
   const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
   const __m256 z = _mm256_mul_ps(_mm256_set1_ps(GELU_C), _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(GELU_CUBIC), cube)));
-  const __m256 e = exp_lanes8(_mm256_or_ps(z, _mm256_set1_ps(-0.f)));  // e^-|z|
-  const __m256 denominator = _mm256_add_ps(_mm256_set1_ps(1.f), e);
-  const __m256 positive = _mm256_div_ps(_mm256_set1_ps(1.f), denominator), negative = _mm256_div_ps(e, denominator);
-  const __m256 sigmoid = _mm256_blendv_ps(negative, positive, _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_GE_OQ));
-  return _mm256_mul_ps(x, sigmoid);
+  return _mm256_mul_ps(x, sigmoid_lanes8(z));
 }
 #endif
-// y[i] = gelu(g[i]) * u[i] for i < n (gelu(g[i]) alone when u is null), as silu_times.
-inline void gelu_times(const float* g, const float* u, float* y, int64_t n) {
+// y[i] = act(g[i]) * u[i] for i < n (the gated MLP's product; act(g[i]) alone when u is null), 8 lanes
+// at a time where the CPU has them: ``lanes`` and ``scalar`` the same function (silu or gelu).
+#if defined(__AVX2__)
+template <__m256 (*lanes)(__m256), float (*scalar)(float)>
+#else
+template <float (*scalar)(float)>
+#endif
+inline void activation_times(const float* g, const float* u, float* y, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX2__)
   for (; i + 8 <= n; i += 8) {
-    const __m256 s = gelu_lanes8(_mm256_loadu_ps(g + i));
+    const __m256 s = lanes(_mm256_loadu_ps(g + i));
     _mm256_storeu_ps(y + i, u ? _mm256_mul_ps(s, _mm256_loadu_ps(u + i)) : s);
   }
 #endif
-  for (; i < n; ++i) y[i] = u ? gelu_scalar(g[i]) * u[i] : gelu_scalar(g[i]);
+  for (; i < n; ++i) y[i] = u ? scalar(g[i]) * u[i] : scalar(g[i]);
 }
+#if defined(__AVX2__)
+inline void silu_times(const float* g, const float* u, float* y, int64_t n) {
+  activation_times<silu_lanes8, silu_scalar>(g, u, y, n);
+}
+inline void gelu_times(const float* g, const float* u, float* y, int64_t n) {
+  activation_times<gelu_lanes8, gelu_scalar>(g, u, y, n);
+}
+#else
+inline void silu_times(const float* g, const float* u, float* y, int64_t n) { activation_times<silu_scalar>(g, u, y, n); }
+inline void gelu_times(const float* g, const float* u, float* y, int64_t n) { activation_times<gelu_scalar>(g, u, y, n); }
+#endif
 // lanes[0..15] halved as a tree: i + i+8, i + i+4, i + i+2, i + i+1.
 template <typename T>
 inline T halving(T* lanes) {

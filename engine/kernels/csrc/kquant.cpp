@@ -1966,33 +1966,25 @@ torch::Tensor forward_layers(const std::vector<LeanLayer*>& layers, torch::Tenso
   return hidden;
 }
 
-// SiLU of float32 x, elementwise (fixed_exp.h): the k-quant models' activation in both their own
-// forward and the lean one, so each element's bits depend on nothing but itself.
-torch::Tensor silu(const torch::Tensor& x) {
+// ``times`` (fixed_exp.h: silu_times, gelu_times) of float32 x, elementwise: each element's bits
+// depend on nothing but itself, whatever the batch, the threads and the ISA.
+torch::Tensor elementwise(const torch::Tensor& x, void (*times)(const float*, const float*, float*, int64_t)) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "float32 CPU activations");
   const torch::Tensor in = x.contiguous();
   auto out = torch::empty_like(in);
   const float* g = in.data_ptr<float>();
   float* y = out.data_ptr<float>();
   at::parallel_for(0, in.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
-    fixed_exp::silu_times(g + begin, nullptr, y + begin, end - begin);
+    times(g + begin, nullptr, y + begin, end - begin);
   });
   return out;
 }
 
-// GELU-tanh of float32 x, elementwise (fixed_exp.h): Gemma's activation in both its own forward and
-// the lean one, as silu() is the Llama family's.
-torch::Tensor gelu_tanh(const torch::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "float32 CPU activations");
-  const torch::Tensor in = x.contiguous();
-  auto out = torch::empty_like(in);
-  const float* g = in.data_ptr<float>();
-  float* y = out.data_ptr<float>();
-  at::parallel_for(0, in.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
-    fixed_exp::gelu_times(g + begin, nullptr, y + begin, end - begin);
-  });
-  return out;
-}
+// SiLU, the Llama family's activation in both the k-quant models' own forward and the lean one.
+torch::Tensor silu(const torch::Tensor& x) { return elementwise(x, fixed_exp::silu_times); }
+
+// GELU-tanh, Gemma's activation, as silu() is the Llama family's.
+torch::Tensor gelu_tanh(const torch::Tensor& x) { return elementwise(x, fixed_exp::gelu_times); }
 
 // nucleus.cpp: logits to a softmax restricted to its top-p nucleus, and whether the logits were finite.
 std::tuple<torch::Tensor, bool> nucleus_probs(const torch::Tensor& logits, double temperature, double top_p);
