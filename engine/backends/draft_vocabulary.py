@@ -86,7 +86,7 @@ def with_draft_vocabulary(draft: torch.nn.Module, kept: Iterable[int], out_featu
     lean = draft.__dict__.get("lean_forward")
     if lean is not None:
         own = copy.copy(lean)
-        own._native, own._tables = lean._native, lean._tables  # shared: the rotary tables grow for both
+        own._native, own._final_norm, own._tables = lean._native, lean._final_norm, lean._tables  # shared
         own.lm_head = new_head
         restricted.__dict__["lean_forward"] = own
     previous = restricted.__dict__.pop(CHOOSER, None)  # ``draft`` was restricted already: its whole model

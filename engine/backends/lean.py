@@ -93,10 +93,11 @@ class LeanDecoder:
         # Gemma's rotary embedding takes the layer type (a base of its own for the sliding layers)
         self.typed_rotary = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self._native: list | None = None
+        self._final_norm: tuple[torch.Tensor, float] | None = None  # (weight it multiplies by, epsilon), with _native
         self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # layer type -> [P, D] cos, sin
 
     def __getstate__(self) -> dict:  # the extension's objects do not copy (they are remade), nor the tables
-        return {**self.__dict__, "_native": None, "_tables": {}}
+        return {**self.__dict__, "_native": None, "_final_norm": None, "_tables": {}}
 
     def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor,
                 layer_type: str = "full_attention") -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,6 +131,7 @@ class LeanDecoder:
         (additive float ``[1, 1, q, L]``, or None: causal); ``logits_to_keep`` as in transformers (0: all)."""
         if self._native is None:
             self._native = [native_layer(layer, sliding) for layer, sliding in zip(self.decoder_layers, self.sliding)]
+            self._final_norm = _norm(self.final_norm)
         hidden = self.embed(ids)
         rotary = {False: self._rotary(hidden, positions)}
         if self.window is not None:
@@ -153,8 +155,7 @@ class LeanDecoder:
                 if sliding not in rows:
                     rows[sliding] = self._rows(mask, positions, key.shape[2], sliding)
                 hidden = layer.attention_out(hidden, query, key, value, rows[sliding])
-        weight, epsilon = _norm(self.final_norm)
-        hidden = compiled_kernels().rms_norm(hidden, weight, epsilon)
+        hidden = compiled_kernels().rms_norm(hidden, *self._final_norm)
         return self.lm_head(hidden[:, -logits_to_keep:, :] if logits_to_keep else hidden)
 
 
